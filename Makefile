@@ -1,0 +1,44 @@
+# kuberl — `make test` is what CI runs (through .ci/run); `make demo` runs the main job.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+EXTRAS ?= operator,dev
+
+.PHONY: test lint unit integration crd goldens demo clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Re-install whenever pyproject.toml changes (the stamp carries its hash).
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
+	rm -f $(VENV)/.installed-* && touch $@
+
+test: lint unit integration
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy operator trainer_image rollout_image
+	$(BIN)/lint-imports
+
+unit: $(STAMP)
+	$(BIN)/pytest -q -m "not integration and not e2e" tests
+
+integration: $(STAMP)
+	$(BIN)/pytest -q -m integration tests
+
+# Regenerate crds/ from the model (a unit test fails when they drift).
+crd: $(STAMP)
+	$(BIN)/kuberl crd --output crds/rljob.yaml
+
+# Regenerate the renderer golden files from examples/.
+goldens: $(STAMP)
+	$(BIN)/pytest -q tests/unit/test_render_golden.py --update-goldens
+
+demo: $(STAMP)
+	@echo "make demo: the local GRPO job arrives with issue 3 (kuberl run examples/tiny-grpo.yaml)"; exit 1
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

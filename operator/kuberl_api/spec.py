@@ -1,0 +1,459 @@
+"""The RLJob spec: what a user writes. One model for the CRD schema, the operator and the trainer.
+
+Each section is its own small model; rules that involve one section live on it, rules that
+span sections live on `RLJobSpec`. Every rule has a CEL twin (see `base.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from kuberl_api.base import ApiModel, cel, cel_rules, check
+
+# Kubernetes' own quantity grammar (resource.Quantity), so "500m", "64Gi" and "1e3" pass here
+# exactly when the API server would accept them.
+QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+LABEL_KEY_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                     r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+IMPORT_PATH_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+PVC_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+# Bounds keep CEL cost estimates finite (the API server refuses rules over unbounded lists).
+MAX_STR = 1024
+MAX_ITEMS = 64
+
+DEFAULT_TRAINER_IMAGE = "ghcr.io/kuberl/trainer:0.1.0"
+DEFAULT_ROLLOUT_IMAGE = "ghcr.io/kuberl/rollout:0.1.0"
+
+class Storage(ApiModel):
+    """A PersistentVolumeClaim mounted into every pod of the job at `mountPath`."""
+
+    model_config = {
+        "json_schema_extra": cel_rules(
+            cel("self.mountPath.startsWith('/')", "mountPath must be an absolute path",
+                ".mountPath"),
+        )
+    }
+
+    pvc: str = Field(min_length=1, max_length=253, pattern=PVC_NAME_PATTERN,
+                     description="Name of a PersistentVolumeClaim in the RLJob's namespace.")
+    mount_path: str = Field("/mnt/model", min_length=1, max_length=MAX_STR,
+                            description="Where the claim is mounted in the pods.")
+    sub_path: str | None = Field(None, max_length=MAX_STR,
+                                 description="Mount only this sub-directory of the claim.")
+    read_only: bool = Field(True, description="Mount read-only.")
+
+    @model_validator(mode="after")
+    def _absolute(self) -> Storage:
+        check(self.mount_path.startswith("/"), "mountPath", self.mount_path,
+              "mountPath must be an absolute path")
+        return self
+
+
+class ModelSpec(ApiModel):
+    """The policy's starting point: a Hugging Face checkpoint directory."""
+
+    model_config = {
+        "json_schema_extra": cel_rules(
+            cel("!has(self.storage) || self.path.startsWith(self.storage.mountPath)",
+                "path must lie under storage.mountPath when a PVC holds the model", ".path"),
+        )
+    }
+
+    path: str = Field(min_length=1, max_length=MAX_STR,
+                      description="HF checkpoint directory (config.json + safetensors).")
+    tokenizer: str | None = Field(None, max_length=MAX_STR,
+                                  description="Tokenizer directory; defaults to `path`.")
+    storage: Storage | None = Field(None, description="PVC that holds the model.")
+
+    @model_validator(mode="after")
+    def _under_mount(self) -> ModelSpec:
+        if self.storage is not None:
+            check(self.path.startswith(self.storage.mount_path), "path", self.path,
+                  f"path must lie under storage.mountPath ({self.storage.mount_path}) "
+                  "when a PVC holds the model")
+        return self
+
+
+class EvalSet(ApiModel):
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9_]*[a-z0-9])?$")
+    path: str = Field(min_length=1, max_length=MAX_STR, description="JSONL or Parquet file.")
+    n_samples_per_prompt: int = Field(1, ge=1, le=1024)
+
+
+class DataSpec(ApiModel):
+    """Where prompts come from and how many are generated per step."""
+
+    prompts: str = Field(min_length=1, max_length=MAX_STR,
+                         description="Prompt file (JSONL or Parquet) as seen from the head pod.")
+    input_key: str = Field("prompt", min_length=1, max_length=253)
+    label_key: str = Field("label", min_length=1, max_length=253)
+    rollout_batch_size: int = Field(32, ge=1, le=65536, description="Prompts per step.")
+    n_samples_per_prompt: int = Field(8, ge=1, le=1024, description="Responses per prompt.")
+    max_prompt_len: int = Field(1024, ge=1, le=1048576, description="Tokens.")
+    max_response_len: int = Field(1024, ge=1, le=1048576, description="Tokens.")
+    storage: Storage | None = Field(None, description="PVC that holds the data.")
+    eval_sets: list[EvalSet] = Field(default_factory=list, max_length=16)
+
+
+class RewardSpec(ApiModel):
+    model_config = {
+        "json_schema_extra": cel_rules(
+            cel("self.type == 'custom' ? has(self.function) : !has(self.function)",
+                "function is required when type is custom, and allowed only then",
+                ".function"),
+        )
+    }
+
+    type: Literal["math", "exact", "f1", "custom"] = "math"
+    function: str | None = Field(None, max_length=MAX_STR, pattern=IMPORT_PATH_PATTERN,
+                                 description="`module:function` for type custom.")
+
+    @model_validator(mode="after")
+    def _function_iff_custom(self) -> RewardSpec:
+        if self.type == "custom":
+            check(self.function is not None, "function", self.function,
+                  "function (`module:function`) is required when type is custom")
+        else:
+            check(self.function is None, "function", self.function,
+                  f"function is only allowed when type is custom, not {self.type}")
+        return self
+
+
+AdvantageEstimator = Literal[
+    "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo",
+]
+KlType = Literal["k1", "k2", "k3", "low_var_kl"]
+
+
+class AlgorithmSpec(ApiModel):
+    model_config = {
+        "json_schema_extra": cel_rules(
+            cel("!has(self.epsClipHigh) || self.epsClipHigh >= self.epsClip",
+                "epsClipHigh must be at least epsClip", ".epsClipHigh"),
+        )
+    }
+
+    advantage_estimator: AdvantageEstimator = "grpo"
+    lr: float = Field(1e-6, gt=0, le=1, description="Learning rate.")
+    eps_clip: float = Field(0.2, gt=0, le=10, description="PPO clip range (lower side).")
+    eps_clip_high: float | None = Field(None, gt=0, le=10,
+                                        description="Upper clip range (clip-higher); = epsClip.")
+    eps_clip_c: float | None = Field(None, gt=1, le=100, description="Dual-clip constant.")
+    kl_coef: float = Field(0.0, ge=0, le=100, description="Weight of the KL term.")
+    kl_loss_type: KlType = "low_var_kl"
+    entropy_coef: float = Field(0.0, ge=0, le=100)
+    temperature: float = Field(1.0, gt=0, le=100, description="Sampling temperature.")
+
+    @model_validator(mode="after")
+    def _clip_order(self) -> AlgorithmSpec:
+        if self.eps_clip_high is not None:
+            check(self.eps_clip_high >= self.eps_clip, "epsClipHigh", self.eps_clip_high,
+                  f"epsClipHigh must be at least epsClip ({self.eps_clip})")
+        return self
+
+
+class Toleration(ApiModel):
+    key: str | None = Field(None, max_length=316)
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = Field(None, max_length=63)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(None, ge=0)
+
+
+class NodePool(ApiModel):
+    """Which nodes a group's pods may run on."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict, max_length=32)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=MAX_ITEMS)
+
+
+class Resources(ApiModel):
+    """CPU and memory per pod, besides GPUs (requests = limits, so pods are Guaranteed)."""
+
+    cpu: str | None = Field(None, max_length=64, pattern=QUANTITY_PATTERN)
+    memory: str | None = Field(None, max_length=64, pattern=QUANTITY_PATTERN)
+
+
+class Parallelism(ApiModel):
+    """Model parallel sizes; data parallelism is what is left of the training GPUs."""
+
+    tp: int = Field(1, ge=1, le=1024, description="Tensor parallel size.")
+    pp: int = Field(1, ge=1, le=1024, description="Pipeline parallel size.")
+    cp: int = Field(1, ge=1, le=1024, description="Context parallel size.")
+    ep: int = Field(1, ge=1, le=1024, description="Expert parallel size.")
+
+
+class TrainingSpec(ApiModel):
+    model_config = {
+        "json_schema_extra": cel_rules(
+            cel("(self.gpusPerNode == 0 ? self.nodes : self.nodes * self.gpusPerNode)"
+                " % (self.parallelism.tp * self.parallelism.pp * self.parallelism.cp) == 0",
+                "parallelism.tp * pp * cp must divide the training GPU count"
+                " (nodes * gpusPerNode)", ".parallelism"),
+            cel("self.backend == 'megatron' || (self.parallelism.tp == 1 && "
+                "self.parallelism.pp == 1 && self.parallelism.cp == 1 && "
+                "self.parallelism.ep == 1)",
+                "backend fsdp supports only data parallelism: tp, pp, cp and ep must be 1",
+                ".parallelism"),
+            cel("self.parallelism.tp <= (self.gpusPerNode == 0 ? 1 : self.gpusPerNode)",
+                "parallelism.tp must fit on one node (at most gpusPerNode)", ".parallelism.tp"),
+        )
+    }
+
+    backend: Literal["megatron", "fsdp"] = "megatron"
+    image: str = Field(DEFAULT_TRAINER_IMAGE, min_length=1, max_length=MAX_STR)
+    nodes: int = Field(1, ge=1, le=4096, description="Training pods, one per node.")
+    gpus_per_node: int = Field(8, ge=0, le=16, description="0 trains on CPU (one worker a pod).")
+    parallelism: Parallelism = Field(default_factory=Parallelism)
+    micro_batch_size: int = Field(1, ge=1, le=65536, description="Samples per forward pass.")
+    global_batch_size: int | None = Field(
+        None, ge=1, le=16777216,
+        description="Samples per optimizer step; default: one step per rollout "
+        "(rolloutBatchSize * nSamplesPerPrompt).")
+    node_pool: NodePool = Field(default_factory=NodePool)
+    resources: Resources = Field(default_factory=Resources)
+
+    @property
+    def world_size(self) -> int:
+        """Training processes: one per GPU, or one per node on CPU."""
+        return self.nodes * self.gpus_per_node if self.gpus_per_node else self.nodes
+
+    @property
+    def data_parallel(self) -> int:
+        p = self.parallelism
+        return self.world_size // (p.tp * p.pp * p.cp)
+
+    @model_validator(mode="after")
+    def _parallel_layout(self) -> TrainingSpec:
+        p = self.parallelism
+        model_parallel = p.tp * p.pp * p.cp
+        check(self.world_size % model_parallel == 0, "parallelism", p.model_dump(),
+              f"tp * pp * cp = {model_parallel} must divide the training GPU count "
+              f"nodes * gpusPerNode = {self.world_size}")
+        if self.backend == "fsdp":
+            check(model_parallel * p.ep == 1, "parallelism", p.model_dump(),
+                  "backend fsdp supports only data parallelism: tp, pp, cp and ep must be 1 "
+                  "(use backend megatron for model parallelism)")
+        check(p.tp <= max(self.gpus_per_node, 1), "parallelism.tp", p.tp,
+              f"tensor parallelism must fit on one node: tp must be at most gpusPerNode "
+              f"({self.gpus_per_node})")
+        return self
+
+
+class RolloutSpec(ApiModel):
+    model_config = {
+        "json_schema_extra": cel_rules(
+            cel("!has(self.gpus) || self.gpus % self.gpusPerEngine == 0",
+                "gpus must be a multiple of gpusPerEngine", ".gpus"),
+            cel("!has(self.gpus) || self.gpus == 0 || self.gpusPerEngine <= self.gpusPerNode",
+                "an engine must fit on one node: gpusPerEngine must be at most gpusPerNode",
+                ".gpusPerEngine"),
+            cel("!has(self.gpus) || self.gpus <= self.gpusPerNode || "
+                "self.gpus % self.gpusPerNode == 0",
+                "gpus above one node must fill whole nodes (a multiple of gpusPerNode)",
+                ".gpus"),
+        )
+    }
+
+    engine: Literal["sglang", "reference"] = Field(
+        "sglang", description="sglang in clusters; reference is the project's HF engine.")
+    image: str = Field(DEFAULT_ROLLOUT_IMAGE, min_length=1, max_length=MAX_STR)
+    gpus: int | None = Field(
+        None, ge=0, le=65536,
+        description="Total rollout GPUs. Colocated: defaults to (and must equal) the training "
+        "GPUs. Disaggregated: required.")
+    gpus_per_engine: int = Field(1, ge=1, le=64, description="Tensor parallel size of an engine.")
+    gpus_per_node: int = Field(8, ge=1, le=16, description="GPUs per rollout pod (disaggregated).")
+    engines: int | None = Field(
+        None, ge=1, le=4096, description="Engine count when rollout runs on CPU (gpus: 0).")
+    node_pool: NodePool = Field(default_factory=NodePool)
+    resources: Resources = Field(default_factory=Resources)
+    engine_args: dict[str, str] = Field(
+        default_factory=dict, max_length=64,
+        description="Extra engine server flags, e.g. {mem-fraction-static: '0.8'}.")
+
+    @model_validator(mode="after")
+    def _engine_layout(self) -> RolloutSpec:
+        if self.gpus is None or self.gpus == 0:
+            return self
+        check(self.gpus % self.gpus_per_engine == 0, "gpus", self.gpus,
+              f"rollout gpus must be a multiple of gpusPerEngine ({self.gpus_per_engine})")
+        check(self.gpus_per_engine <= self.gpus_per_node, "gpusPerEngine",
+              self.gpus_per_engine,
+              f"an engine must fit on one node: at most gpusPerNode ({self.gpus_per_node})")
+        check(self.gpus <= self.gpus_per_node or self.gpus % self.gpus_per_node == 0, "gpus",
+              self.gpus, f"rollout gpus above one node must fill whole nodes "
+              f"(a multiple of gpusPerNode = {self.gpus_per_node})")
+        return self
+
+
+class ScheduleSpec(ApiModel):
+    num_rollouts: int = Field(100, ge=1, le=10_000_000, description="Training steps.")
+    eval_interval: int | None = Field(None, ge=1, description="Evaluate every N steps.")
+    save_interval: int | None = Field(None, ge=1, description="Checkpoint every N steps.")
+
+
+class CheckpointSpec(ApiModel):
+    """Where checkpoints go. Without a PVC they live on the head's disk and a restart starts
+    over, so set one whenever backoffLimit > 0 matters to you."""
+
+    model_config = {
+        "json_schema_extra": cel_rules(
+            cel("self.path.startsWith('/')", "checkpoint path must be absolute", ".path"),
+        )
+    }
+
+    pvc: str | None = Field(None, min_length=1, max_length=253, pattern=PVC_NAME_PATTERN)
+    path: str = Field("/checkpoints", min_length=1, max_length=MAX_STR)
+    keep: int = Field(2, ge=1, le=1000, description="How many recent checkpoints to keep.")
+
+    @model_validator(mode="after")
+    def _absolute(self) -> CheckpointSpec:
+        check(self.path.startswith("/"), "path", self.path, "checkpoint path must be absolute")
+        return self
+
+
+class RdmaSpec(ApiModel):
+    resource: str = Field(min_length=1, max_length=253, pattern=LABEL_KEY_PATTERN,
+                          description="Device-plugin resource, e.g. rdma/rdma_shared_device_a.")
+    count: int = Field(1, ge=1, le=64)
+
+
+class NetworkSpec(ApiModel):
+    nccl_socket_ifname: str | None = Field(
+        None, max_length=253, description="NCCL_SOCKET_IFNAME, e.g. eth0 or ^lo,docker.")
+    host_network: bool = Field(False, description="Run GPU pods on the host network.")
+    rdma: RdmaSpec | None = None
+    weight_sync_port: int = Field(29600, ge=1024, le=65535,
+                                  description="Port of the trainer-to-engines NCCL group.")
+    env: dict[str, str] = Field(default_factory=dict, max_length=64,
+                                description="Extra NCCL_* (or other) variables for GPU pods.")
+
+
+Placement = Literal["colocate", "disaggregated"]
+
+# Data-parallel size as a CEL expression over the spec (world size / model-parallel size).
+_DP = ("((self.training.gpusPerNode == 0 ? self.training.nodes : "
+       "self.training.nodes * self.training.gpusPerNode) / (self.training.parallelism.tp * "
+       "self.training.parallelism.pp * self.training.parallelism.cp))")
+
+
+class RLJobSpec(ApiModel):
+    model_config = {
+        "json_schema_extra": cel_rules(
+            cel("self.placement != 'disaggregated' || has(self.rollout.gpus)",
+                "rollout.gpus is required when placement is disaggregated", ".rollout.gpus"),
+            cel("self.placement != 'colocate' || !has(self.rollout.gpus) || "
+                "self.rollout.gpus == (self.training.gpusPerNode == 0 ? 0 : "
+                "self.training.nodes * self.training.gpusPerNode)",
+                "colocated rollout uses the training GPUs: rollout.gpus must equal "
+                "training.nodes * training.gpusPerNode", ".rollout.gpus"),
+            cel("self.placement != 'colocate' || self.training.gpusPerNode == 0 || "
+                "self.training.gpusPerNode % self.rollout.gpusPerEngine == 0",
+                "colocated engines must tile a training node: rollout.gpusPerEngine must "
+                "divide training.gpusPerNode", ".rollout.gpusPerEngine"),
+            cel("self.placement != 'colocate' || (size(self.rollout.nodePool.nodeSelector) == 0"
+                " && size(self.rollout.nodePool.tolerations) == 0)",
+                "colocated rollout runs on the training pool: set training.nodePool only",
+                ".rollout.nodePool"),
+            cel("(self.data.rolloutBatchSize * self.data.nSamplesPerPrompt) % "
+                "(has(self.training.globalBatchSize) ? self.training.globalBatchSize : "
+                "self.data.rolloutBatchSize * self.data.nSamplesPerPrompt) == 0",
+                "training.globalBatchSize must divide rolloutBatchSize * nSamplesPerPrompt",
+                ".training.globalBatchSize"),
+            # dataParallel is 0 only when tp*pp*cp exceeds the GPUs, which the training rule
+            # reports; the guard keeps this rule from failing with a modulus-by-zero error.
+            cel(f"{_DP} == 0 || (has(self.training.globalBatchSize) ? "
+                "self.training.globalBatchSize : "
+                "self.data.rolloutBatchSize * self.data.nSamplesPerPrompt) % "
+                f"(self.training.microBatchSize * {_DP}) == 0",
+                "the global batch must split evenly into micro-batches across data-parallel "
+                "ranks: globalBatchSize % (microBatchSize * dataParallel) == 0",
+                ".training.microBatchSize"),
+        )
+    }
+
+    model: ModelSpec
+    data: DataSpec
+    reward: RewardSpec = Field(default_factory=RewardSpec)
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    placement: Placement = "colocate"
+    mode: Literal["sync", "async"] = "sync"
+    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    network: NetworkSpec = Field(default_factory=NetworkSpec)
+    suspend: bool = Field(False, description="Delete the Ray cluster and hold; false resumes "
+                          "from the last checkpoint.")
+    backoff_limit: int = Field(3, ge=0, le=99,
+                               description="Restarts (from the last checkpoint) before Failed.")
+    active_deadline_seconds: int | None = Field(None, ge=1,
+                                                description="Fail the job after this long.")
+    ttl_seconds_after_finished: int | None = Field(
+        None, ge=0, description="Delete the RLJob this long after it finished.")
+    heartbeat_timeout_seconds: int = Field(
+        900, ge=30, le=86400,
+        description="A running trainer silent for this long counts as lost (Stalled).")
+
+    @property
+    def global_batch_size(self) -> int:
+        samples = self.data.rollout_batch_size * self.data.n_samples_per_prompt
+        return self.training.global_batch_size or samples
+
+    @property
+    def training_gpus(self) -> int:
+        return self.training.nodes * self.training.gpus_per_node
+
+    @property
+    def rollout_gpus(self) -> int:
+        if self.rollout.gpus is not None:
+            return self.rollout.gpus
+        return self.training_gpus if self.placement == "colocate" else 0
+
+    @property
+    def num_engines(self) -> int:
+        if self.rollout_gpus == 0:
+            return self.rollout.engines or 1
+        return self.rollout_gpus // self.rollout.gpus_per_engine
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> RLJobSpec:
+        if self.placement == "disaggregated":
+            check(self.rollout.gpus is not None, "rollout.gpus", None,
+                  "rollout.gpus is required when placement is disaggregated")
+        else:
+            self._check_colocated()
+        self._check_batches()
+        return self
+
+    def _check_colocated(self) -> None:
+        if self.rollout.gpus is not None:
+            check(self.rollout.gpus == self.training_gpus, "rollout.gpus", self.rollout.gpus,
+                  f"colocated rollout uses the training GPUs: rollout.gpus must equal "
+                  f"training.nodes * training.gpusPerNode = {self.training_gpus} (or be unset)")
+        per_node = self.training.gpus_per_node
+        if per_node:
+            check(per_node % self.rollout.gpus_per_engine == 0, "rollout.gpusPerEngine",
+                  self.rollout.gpus_per_engine,
+                  f"colocated engines must tile a training node: gpusPerEngine must divide "
+                  f"training.gpusPerNode = {per_node}")
+        pool = self.rollout.node_pool
+        check(not pool.node_selector and not pool.tolerations, "rollout.nodePool",
+              pool.model_dump(exclude_defaults=True),
+              "colocated rollout runs on the training pool: set training.nodePool only")
+
+    def _check_batches(self) -> None:
+        samples = self.data.rollout_batch_size * self.data.n_samples_per_prompt
+        gbs = self.global_batch_size
+        check(samples % gbs == 0, "training.globalBatchSize", gbs,
+              f"globalBatchSize must divide rolloutBatchSize * nSamplesPerPrompt = {samples}")
+        per_step = self.training.micro_batch_size * self.training.data_parallel
+        check(gbs % per_step == 0, "training.microBatchSize", self.training.micro_batch_size,
+              f"the global batch ({gbs}) must split evenly into micro-batches across "
+              f"data-parallel ranks: microBatchSize * dataParallel "
+              f"({self.training.micro_batch_size} * {self.training.data_parallel}) must divide it")

@@ -1,0 +1,63 @@
+"""The RLJob status: written by the operator (phase, conditions) and the trainer (progress)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from kuberl_api.base import ApiModel
+
+Phase = Literal["Pending", "Provisioning", "Running", "Restarting", "Suspended", "Succeeded",
+                "Failed"]
+PHASES: tuple[Phase, ...] = ("Pending", "Provisioning", "Running", "Restarting", "Suspended",
+                             "Succeeded", "Failed")
+TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
+
+ConditionType = Literal["Accepted", "ClusterReady", "Training", "Stalled", "Suspended",
+                        "Succeeded", "Failed"]
+CONDITION_TYPES: tuple[ConditionType, ...] = ("Accepted", "ClusterReady", "Training", "Stalled",
+                                              "Suspended", "Succeeded", "Failed")
+
+
+class Condition(ApiModel):
+    """Kubernetes' metav1.Condition, field for field."""
+
+    type: str = Field(max_length=316)
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+    message: str = Field("", max_length=32768)
+    last_transition_time: str = Field(json_schema_extra={"format": "date-time"})
+    observed_generation: int | None = Field(None, ge=0)
+
+
+class CheckpointRef(ApiModel):
+    step: int = Field(ge=0)
+    path: str = Field(max_length=1024)
+
+
+class Progress(ApiModel):
+    """Filled by the trainer's heartbeat; the operator only reads it."""
+
+    step: int | None = Field(None, ge=0)
+    total_steps: int | None = Field(None, ge=0)
+    reward_mean: float | None = None
+    last_heartbeat_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    last_checkpoint: CheckpointRef | None = None
+
+
+class RLJobStatus(ApiModel):
+    phase: Phase | None = None
+    conditions: list[Condition] = Field(default_factory=list, max_length=16)
+    progress: Progress | None = None
+    ray_job_name: str | None = Field(None, max_length=63)
+    observed_generation: int | None = Field(None, ge=0)
+    restarts: int = Field(0, ge=0, description="RayJobs replaced after a lost head or stall.")
+    start_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    completion_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    spec_digests: dict[str, str] = Field(
+        default_factory=dict, max_length=32,
+        description="Digest per immutable spec section, as accepted (detects changes).")
+
+    def condition(self, type_: str) -> Condition | None:
+        return next((c for c in self.conditions if c.type == type_), None)

@@ -1,0 +1,111 @@
+"""The `kuberl` command.
+
+    kuberl crd [--output FILE]      print (or write) the RLJob CRD generated from the model
+    kuberl validate RLJOB.yaml      check a manifest the way the operator will
+    kuberl render RLJOB.yaml        print every child object the operator would create
+    kuberl run RLJOB.yaml           run the job on local Ray (the training loop)
+
+Heavy packages (kopf, ray, torch) are imported only by the subcommand that needs them, so
+`kuberl validate` and `kuberl render` start fast and work with the base install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from kuberl_api import InvalidRLJob, RLJob, load
+
+
+def _cmd_crd(args: argparse.Namespace) -> int:
+    from kuberl_operator.crd import rljob_crd_yaml
+
+    text = rljob_crd_yaml()
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _load(path: str) -> RLJob:
+    return load(path)
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    job = _load(args.manifest)
+    spec = job.spec
+    print(f"{args.manifest}: RLJob {job.namespace}/{job.name} is valid "
+          f"({spec.placement}, {spec.training.nodes}x{spec.training.gpus_per_node} training "
+          f"GPUs, {spec.num_engines} engine(s), {spec.schedule.num_rollouts} steps)")
+    return 0
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    from kuberl_operator.render import render_children
+
+    job = _load(args.manifest)
+    if args.namespace:
+        job.metadata.namespace = args.namespace
+    children = render_children(job, attempt=args.attempt)
+    sys.stdout.write(yaml.safe_dump_all(children, sort_keys=False, width=100))
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    job = _load(args.manifest)
+    try:
+        from kuberl_trainer.run import run  # type: ignore[import-not-found,unused-ignore]
+    except ImportError as exc:
+        print(f"kuberl run: the training loop is not installed in this environment ({exc}); "
+              "install kuberl[trainer]", file=sys.stderr)
+        return 2
+    result: int = run(job, args)
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kuberl", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    crd = sub.add_parser("crd", help="print the RLJob CustomResourceDefinition")
+    crd.add_argument("--output", "-o", help="write to this file instead of stdout")
+    crd.set_defaults(func=_cmd_crd)
+
+    validate = sub.add_parser("validate", help="validate an RLJob manifest")
+    validate.add_argument("manifest")
+    validate.set_defaults(func=_cmd_validate)
+
+    render = sub.add_parser("render", help="print the objects the operator would create")
+    render.add_argument("manifest")
+    render.add_argument("--namespace", "-n", help="override metadata.namespace")
+    render.add_argument("--attempt", type=int, default=0,
+                        help="restart attempt to render (0 = first run)")
+    render.set_defaults(func=_cmd_render)
+
+    run = sub.add_parser("run", help="run the job on local (or --address) Ray")
+    run.add_argument("manifest")
+    run.add_argument("--address", default=None, help="Ray address (default: start local Ray)")
+    run.add_argument("--in-cluster", action="store_true",
+                     help="running as the RayJob entrypoint: report progress to the RLJob")
+    run.add_argument("--output-dir", default=None, help="where metrics and checkpoints go")
+    run.set_defaults(func=_cmd_run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except InvalidRLJob as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

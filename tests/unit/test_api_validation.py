@@ -1,0 +1,226 @@
+"""Bad RLJob manifests are refused with messages naming the field — by the pydantic model (what
+`kuberl` and the operator use) and by the generated CRD's schema and CEL rules (what
+`kubectl apply` uses). Each case is checked against both, so the two can't drift apart."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kuberl_api import InvalidRLJob, parse
+from kuberl_operator.crd import openapi_schema
+from tests.crd_admission import admit
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = openapi_schema()
+
+
+def base() -> dict[str, Any]:
+    """A short valid manifest: the defaults fill the rest (1 node x 8 GPUs, colocated)."""
+    return {
+        "apiVersion": "kuberl.dev/v1alpha1",
+        "kind": "RLJob",
+        "metadata": {"name": "math-grpo", "namespace": "team-a"},
+        "spec": {"model": {"path": "/models/qwen"}, "data": {"prompts": "/data/train.jsonl"}},
+    }
+
+
+def disagg(**rollout: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(s: dict[str, Any]) -> None:
+        s["placement"] = "disaggregated"
+        s["rollout"] = rollout
+    return edit
+
+
+def set_(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    """Edit for spec at a dotted path, creating intermediate maps."""
+    def edit(spec: dict[str, Any]) -> None:
+        *parents, leaf = path.split(".")
+        node = spec
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return edit
+
+
+def both(*edits: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    def edit(spec: dict[str, Any]) -> None:
+        for e in edits:
+            e(spec)
+    return edit
+
+
+# (id, edit of spec, field path both validators must name, words the message must contain)
+BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
+    ("unknown-field", set_("bogus", 1), "spec.bogus", ""),
+    ("misspelt-nested", set_("training.gpuPerNode", 8), "spec.training.gpuPerNode", ""),
+    ("tp-zero", set_("training.parallelism.tp", 0), "spec.training.parallelism.tp", ""),
+    ("placement-enum", set_("placement", "hybrid"), "spec.placement", "colocate"),
+    ("backend-enum", set_("training.backend", "deepspeed"), "spec.training.backend", "fsdp"),
+    ("estimator-enum", set_("algorithm.advantageEstimator", "a2c"),
+     "spec.algorithm.advantageEstimator", "grpo"),
+    ("custom-reward-without-function", set_("reward.type", "custom"), "spec.reward.function",
+     "required"),
+    ("function-without-custom", set_("reward.function", "my.rewards:score"),
+     "spec.reward.function", "custom"),
+    ("function-not-import-path", both(set_("reward.type", "custom"),
+                                      set_("reward.function", "rewards.py")),
+     "spec.reward.function", ""),
+    ("clip-high-below-clip", set_("algorithm.epsClipHigh", 0.1), "spec.algorithm.epsClipHigh",
+     "epsClip"),
+    ("lr-zero", set_("algorithm.lr", 0), "spec.algorithm.lr", ""),
+    ("tp-not-dividing-gpus", set_("training.parallelism", {"tp": 3}),
+     "spec.training.parallelism", "divide"),
+    ("fsdp-with-tp", both(set_("training.backend", "fsdp"), set_("training.parallelism.tp", 2)),
+     "spec.training.parallelism", "fsdp"),
+    ("tp-wider-than-node", both(set_("training.nodes", 2), set_("training.parallelism.tp", 16)),
+     "spec.training.parallelism.tp", "one node"),
+    ("disaggregated-without-rollout-gpus", disagg(), "spec.rollout.gpus", "required"),
+    ("rollout-gpus-not-multiple-of-engine", disagg(gpus=6, gpusPerEngine=4), "spec.rollout.gpus",
+     "gpusPerEngine"),
+    ("engine-wider-than-node", disagg(gpus=16, gpusPerEngine=16), "spec.rollout.gpusPerEngine",
+     "one node"),
+    ("rollout-partial-nodes", disagg(gpus=12, gpusPerEngine=2), "spec.rollout.gpus",
+     "whole nodes"),
+    ("colocate-gpu-mismatch", set_("rollout.gpus", 4), "spec.rollout.gpus", "equal"),
+    ("colocate-engine-not-tiling", set_("rollout.gpusPerEngine", 3),
+     "spec.rollout.gpusPerEngine", "divide"),
+    ("colocate-with-rollout-pool", set_("rollout.nodePool", {"nodeSelector": {"pool": "x"}}),
+     "spec.rollout.nodePool", "training.nodePool"),
+    ("global-batch-not-dividing", set_("training.globalBatchSize", 100),
+     "spec.training.globalBatchSize", "divide"),
+    ("micro-batch-not-splitting", set_("training.microBatchSize", 3),
+     "spec.training.microBatchSize", "data-parallel"),
+    ("model-outside-mount", set_("model.storage", {"pvc": "models", "mountPath": "/mnt/m"}),
+     "spec.model.path", "mountPath"),
+    ("relative-mount", set_("model.storage", {"pvc": "models", "mountPath": "mnt"}),
+     "spec.model.storage.mountPath", "absolute"),
+    ("relative-checkpoint", set_("checkpoint.path", "ckpt"), "spec.checkpoint.path", "absolute"),
+    ("bad-quantity", set_("training.resources.memory", "lots"),
+     "spec.training.resources.memory", ""),
+    ("bad-pvc-name", set_("checkpoint.pvc", "My_PVC"), "spec.checkpoint.pvc", ""),
+    ("negative-backoff", set_("backoffLimit", -1), "spec.backoffLimit", ""),
+    ("heartbeat-too-short", set_("heartbeatTimeoutSeconds", 5), "spec.heartbeatTimeoutSeconds",
+     ""),
+    ("zero-batch", set_("data.rolloutBatchSize", 0), "spec.data.rolloutBatchSize", ""),
+    ("toleration-operator", set_("training.nodePool", {"tolerations": [{"operator": "Maybe"}]}),
+     "spec.training.nodePool.tolerations[0].operator", "Exists"),
+    ("privileged-port", set_("network.weightSyncPort", 80), "spec.network.weightSyncPort", ""),
+    ("rdma-without-resource", set_("network.rdma", {"count": 1}), "spec.network.rdma.resource",
+     ""),
+    ("gpus-per-node-too-many", set_("training.gpusPerNode", 32), "spec.training.gpusPerNode",
+     ""),
+]
+
+
+def _manifest(edit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    obj = base()
+    edit(obj["spec"])
+    return obj
+
+
+def _names(problem: str, field: str) -> bool:
+    """The problem line is about `field`: it starts with the path, or names the missing leaf
+    under its parent (jsonschema reports required fields at the parent)."""
+    parent, _, leaf = field.rpartition(".")
+    leaf = leaf.split("[")[0]
+    return problem.startswith(field) or (problem.startswith(parent + ":") and leaf in problem)
+
+
+@pytest.mark.parametrize(("case", "edit", "field", "words"), BAD_SPECS,
+                         ids=[c[0] for c in BAD_SPECS])
+def test_model_refuses_with_field_path(case: str, edit: Any, field: str, words: str) -> None:
+    with pytest.raises(InvalidRLJob) as info:
+        parse(_manifest(edit))
+    problems = info.value.problems
+    assert any(_names(p, field) for p in problems), problems
+    if words:
+        assert any(words in p for p in problems if _names(p, field)), problems
+    assert any("got" in p or "is required" in p or "not a known field" in p for p in problems)
+
+
+@pytest.mark.parametrize(("case", "edit", "field", "words"), BAD_SPECS,
+                         ids=[c[0] for c in BAD_SPECS])
+def test_crd_refuses_with_field_path(case: str, edit: Any, field: str, words: str) -> None:
+    problems = admit(SCHEMA, _manifest(edit))
+    assert any(_names(p, field) for p in problems), problems
+
+
+def test_at_least_twenty_distinct_bad_manifests() -> None:
+    assert len({c[2] for c in BAD_SPECS}) >= 20
+
+
+@pytest.mark.parametrize("name", ["a" * 41, "Math-GRPO", "1job", "job_1"])
+def test_bad_names_refused_by_both(name: str) -> None:
+    obj = base()
+    obj["metadata"]["name"] = name
+    with pytest.raises(InvalidRLJob, match=r"metadata\.name"):
+        parse(obj)
+    assert any(p.startswith("metadata.name") for p in admit(SCHEMA, obj))
+
+
+def test_wrong_kind_and_version_named() -> None:
+    obj = base() | {"apiVersion": "kuberl.dev/v1", "kind": "Job"}
+    with pytest.raises(InvalidRLJob) as info:
+        parse(obj)
+    text = str(info.value)
+    assert "apiVersion: must be kuberl.dev/v1alpha1" in text and "kind: must be RLJob" in text
+
+
+def test_short_manifest_gets_sensible_defaults() -> None:
+    job = parse(base())
+    spec = job.spec
+    assert (spec.training.nodes, spec.training.gpus_per_node) == (1, 8)
+    assert spec.placement == "colocate" and spec.rollout_gpus == 8 and spec.num_engines == 8
+    assert spec.global_batch_size == 32 * 8
+    assert spec.training.data_parallel == 8
+    assert admit(SCHEMA, base()) == []
+
+
+def test_model_and_crd_defaults_agree() -> None:
+    """The API server's defaults (from the CRD) equal the model's, so what `kubectl get -o yaml`
+    shows is what the trainer runs."""
+    from tests.crd_admission import apply_defaults
+
+    server_side = apply_defaults(SCHEMA, copy.deepcopy(base()))["spec"]
+    model_side = parse(base()).spec.model_dump(by_alias=True, exclude_none=True)
+    assert server_side == model_side
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_is_valid_for_both(path: Path) -> None:
+    obj = yaml.safe_load(path.read_text())
+    parse(obj)
+    assert admit(SCHEMA, obj) == []
+
+
+def _running(obj: dict[str, Any], phase: str) -> dict[str, Any]:
+    return obj | {"status": {"phase": phase}}
+
+
+@pytest.mark.parametrize("section, edit", [
+    ("model", set_("model.path", "/models/other")),
+    ("training", set_("training.nodes", 2)),
+    ("algorithm", set_("algorithm.lr", 1e-5)),
+    ("data", set_("data.rolloutBatchSize", 64)),
+])
+def test_immutable_once_running(section: str, edit: Any) -> None:
+    old = _running(base(), "Running")
+    new = _running(_manifest(edit), "Running")
+    problems = admit(SCHEMA, new, old)
+    assert problems and problems[0].startswith(f"spec.{section}"), problems
+    assert "immutable" in problems[0]
+    # before the job starts, the same edit is fine
+    assert admit(SCHEMA, _running(_manifest(edit), "Pending"), _running(base(), "Pending")) == []
+
+
+@pytest.mark.parametrize("edit", [set_("suspend", True), set_("backoffLimit", 5),
+                                  set_("activeDeadlineSeconds", 3600),
+                                  set_("ttlSecondsAfterFinished", 60)])
+def test_operational_fields_stay_mutable(edit: Any) -> None:
+    assert admit(SCHEMA, _running(_manifest(edit), "Running"), _running(base(), "Running")) == []

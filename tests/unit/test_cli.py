@@ -1,0 +1,51 @@
+"""`kuberl validate` and friends: bad input fails before anything starts, with the field named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kuberl_cli.main import main
+
+GOOD = """\
+apiVersion: kuberl.dev/v1alpha1
+kind: RLJob
+metadata: {name: demo}
+spec:
+  model: {path: /models/qwen}
+  data: {prompts: /data/train.jsonl}
+"""
+
+
+def test_validate_good(tmp_path: Path, capsys: Any) -> None:
+    f = tmp_path / "job.yaml"
+    f.write_text(GOOD)
+    assert main(["validate", str(f)]) == 0
+    assert "default/demo is valid" in capsys.readouterr().out
+
+
+def test_validate_names_file_and_field(tmp_path: Path, capsys: Any) -> None:
+    f = tmp_path / "job.yaml"
+    f.write_text(GOOD.replace("{path: /models/qwen}", "{path: /models/qwen, revision: main}"))
+    assert main(["validate", str(f)]) == 1
+    err = capsys.readouterr().err
+    assert str(f) in err and "spec.model.revision" in err
+
+
+def test_missing_file(tmp_path: Path, capsys: Any) -> None:
+    assert main(["validate", str(tmp_path / "nope.yaml")]) == 1
+    assert "cannot read the manifest" in capsys.readouterr().err
+
+
+def test_malformed_yaml(tmp_path: Path, capsys: Any) -> None:
+    f = tmp_path / "job.yaml"
+    f.write_text("spec: [unclosed\n")
+    assert main(["validate", str(f)]) == 1
+    assert "not valid YAML" in capsys.readouterr().err
+
+
+def test_two_documents(tmp_path: Path, capsys: Any) -> None:
+    f = tmp_path / "job.yaml"
+    f.write_text(GOOD + "---\n" + GOOD)
+    assert main(["validate", str(f)]) == 1
+    assert "exactly one YAML document, found 2" in capsys.readouterr().err
