@@ -1,0 +1,1 @@
+"""The engine side: SGLang launcher, reference engine, router — issue 3."""

@@ -1,0 +1,1 @@
+"""The training loop on Ray (algorithms, backends, rollout manager, weight sync) — issue 3."""

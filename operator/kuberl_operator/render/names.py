@@ -23,14 +23,42 @@ LABEL_COMPONENT: Final = "kuberl.dev/component"
 LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
 LABEL_NAME: Final = "app.kubernetes.io/name"
 LABEL_INSTANCE: Final = "app.kubernetes.io/instance"
+# On pod templates only: which Ray group a pod belongs to (head, train, rollout). One-pod-per-node
+# anti-affinity selects on job + group; KubeRay's own `ray.io/group` is not unique across jobs.
+LABEL_GROUP: Final = "kuberl.dev/group"
 MANAGER: Final = "kuberl-operator"
+OWNED_LABEL_KEYS: Final = (LABEL_NAME, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_JOB,
+                           LABEL_COMPONENT, LABEL_ATTEMPT, LABEL_GROUP)
+
+# Values of LABEL_COMPONENT.
+COMPONENT_RBAC: Final = "rbac"
+COMPONENT_CONFIG: Final = "config"
+COMPONENT_RAYJOB: Final = "rayjob"
+COMPONENT_HEAD: Final = "ray-head"
+COMPONENT_WORKER: Final = "ray-worker"
 
 # Ray custom resources that pin actors to their group's pods.
 RESOURCE_TRAIN: Final = "kuberl_train"
 RESOURCE_ROLLOUT: Final = "kuberl_rollout"
 
+GROUP_HEAD: Final = "head"
 GROUP_TRAIN: Final = "train"
 GROUP_ROLLOUT: Final = "rollout"
+
+# The job config inside the head: ConfigMap key and mount point. The RayJob entrypoint reads
+# CONFIG_DIR/CONFIG_KEY, so changing either changes the trainer's command line too.
+CONFIG_KEY: Final = "rljob.yaml"
+CONFIG_DIR: Final = "/etc/kuberl"
+CONFIG_PATH: Final = f"{CONFIG_DIR}/{CONFIG_KEY}"
+
+# Environment every Ray pod gets, read by the trainer (it may not import this package, so the
+# names are part of the trainer contract: keep them in sync with kuberl_trainer).
+ENV_JOB_NAME: Final = "KUBERL_RLJOB_NAME"
+ENV_JOB_NAMESPACE: Final = "KUBERL_RLJOB_NAMESPACE"
+ENV_ATTEMPT: Final = "KUBERL_ATTEMPT"
+
+# Named container port of the trainer-to-engines weight-update group (IANA_SVC_NAME, <= 15).
+PORT_WEIGHT_SYNC: Final = "weight-sync"
 
 
 def rayjob(job: str, attempt: int) -> str:
@@ -69,6 +97,21 @@ def labels(job: str, component: str | None = None, attempt: int | None = None) -
     if attempt is not None:
         out[LABEL_ATTEMPT] = str(attempt)
     return out
+
+
+def merged_labels(owned: dict[str, str], user: dict[str, str]) -> dict[str, str]:
+    """The user's labels (the RLJob's metadata.labels) added to `owned`, which always win.
+
+    Owned keys come first in their fixed order, the user's follow sorted by key, so the output
+    does not depend on the order the user wrote them in."""
+    extra = {k: user[k] for k in sorted(user) if k not in owned and k not in OWNED_LABEL_KEYS}
+    return {**owned, **extra}
+
+
+def pod_labels(job: str, group: str, attempt: int) -> dict[str, str]:
+    """Labels on the pods of one Ray group (head, train or rollout)."""
+    component = COMPONENT_HEAD if group == GROUP_HEAD else COMPONENT_WORKER
+    return {**labels(job, component, attempt), LABEL_GROUP: group}
 
 
 def selector(job: str) -> dict[str, str]:
