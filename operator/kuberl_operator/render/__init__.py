@@ -1,0 +1,31 @@
+"""Pure renderers: an RLJob in, the plain-dict Kubernetes objects that run it out.
+
+No kopf, no Kubernetes client, no ray, no network (an import-linter contract checks this), so
+the goldens in tests/goldens are the whole truth about what the operator creates.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kuberl_api.rljob import RLJob
+from kuberl_operator.render.config import configmap
+from kuberl_operator.render.rayjob import rayjob
+from kuberl_operator.render.rbac import role, role_binding, service_account
+
+__all__ = ["render_children"]
+
+
+def render_children(job: RLJob, attempt: int = 0) -> list[dict[str, Any]]:
+    """All children in apply order: ServiceAccount, Role, RoleBinding, ConfigMap, RayJob.
+    Plain dicts, no ownerReferences (the reconciler adopts them), namespace = job.namespace.
+
+    The order matters: the head pod needs its ServiceAccount and ConfigMap to start, so those
+    exist before the RayJob that creates it."""
+    return [
+        service_account(job),
+        role(job),
+        role_binding(job),
+        configmap(job),
+        rayjob(job, attempt),
+    ]

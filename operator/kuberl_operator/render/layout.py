@@ -1,0 +1,72 @@
+"""How the spec's GPU counts become Ray worker groups: pods, GPUs per pod, Ray custom resources.
+
+Contract with the trainer (kuberl_trainer's placement): a train actor asks for one unit of
+`names.RESOURCE_TRAIN` per GPU it uses, an engine for `gpusPerEngine` units of
+`names.RESOURCE_ROLLOUT`; on CPU every actor asks for one unit. So a pod advertises one unit per
+GPU it has (or, on CPU, one per actor it should host), and actors land only on their own group:
+the head advertises neither resource, so nothing but the driver runs there by accident.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kuberl_api.spec import NodePool, Resources, RLJobSpec
+from kuberl_operator.render import names
+
+
+@dataclass(frozen=True)
+class WorkerGroup:
+    name: str
+    image: str
+    replicas: int
+    gpus_per_pod: int
+    node_pool: NodePool
+    resources: Resources
+    # Ray custom resources of each pod, in a fixed order (goldens stay stable).
+    ray_resources: dict[str, int] = field(default_factory=dict)
+    # Trainer rank 0 listens here for the engines joining the weight-update group.
+    weight_sync_listener: bool = False
+    # Megatron ranks write their checkpoint shards from the train pods.
+    mounts_checkpoints: bool = False
+
+
+def train_group(spec: RLJobSpec) -> WorkerGroup:
+    t = spec.training
+    units = t.gpus_per_node or 1
+    ray_resources = {names.RESOURCE_TRAIN: units}
+    if spec.placement == "colocate":
+        # Engines share the training GPUs (memory released/resumed around each phase), so the
+        # train pods also carry the rollout resource and there is no rollout group at all.
+        per_node = t.gpus_per_node or math.ceil(spec.num_engines / t.nodes)
+        ray_resources[names.RESOURCE_ROLLOUT] = per_node
+    return WorkerGroup(
+        name=names.GROUP_TRAIN, image=t.image, replicas=t.nodes, gpus_per_pod=t.gpus_per_node,
+        node_pool=t.node_pool, resources=t.resources, ray_resources=ray_resources,
+        weight_sync_listener=spec.placement == "disaggregated", mounts_checkpoints=True,
+    )
+
+
+def rollout_group(spec: RLJobSpec) -> WorkerGroup:
+    """Disaggregated engines: whole nodes of `gpusPerNode` GPUs, or one smaller pod when all
+    rollout GPUs fit on one node (the model guarantees one of the two, so the division is
+    exact). On CPU (gpus: 0) one pod per engine."""
+    r = spec.rollout
+    gpus = spec.rollout_gpus
+    if gpus:
+        per_pod = min(gpus, r.gpus_per_node)
+        replicas, units = math.ceil(gpus / per_pod), per_pod
+    else:
+        per_pod, replicas, units = 0, spec.num_engines, 1
+    return WorkerGroup(
+        name=names.GROUP_ROLLOUT, image=r.image, replicas=replicas, gpus_per_pod=per_pod,
+        node_pool=r.node_pool, resources=r.resources,
+        ray_resources={names.RESOURCE_ROLLOUT: units},
+    )
+
+
+def worker_groups(spec: RLJobSpec) -> list[WorkerGroup]:
+    if spec.placement == "disaggregated":
+        return [train_group(spec), rollout_group(spec)]
+    return [train_group(spec)]

@@ -1,0 +1,219 @@
+"""Pod templates of the Ray head and worker groups (the Ray container is always the first one,
+which is where KubeRay injects `ray start`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kuberl_api.rljob import RLJob
+from kuberl_api.spec import NodePool, Storage
+from kuberl_operator.render import names, nccl
+from kuberl_operator.render.layout import WorkerGroup
+
+GPU_RESOURCE = "nvidia.com/gpu"
+HEAD_CONTAINER = "ray-head"
+WORKER_CONTAINER = "ray-worker"
+
+# The head runs the driver (training loop, rollout manager, reward functions), the GCS and the
+# dashboard, but no model: a few cores and enough memory for batches of token ids and rewards.
+# requests == limits (Guaranteed QoS) because losing the head loses the job.
+HEAD_CPU = "4"
+HEAD_MEMORY = "16Gi"
+
+VOLUME_CONFIG = "config"
+VOLUME_MODEL = "model"
+VOLUME_DATA = "data"
+VOLUME_CHECKPOINTS = "checkpoints"
+
+# The kuberl images run as this (non-root) user and group. A PVC's root directory usually belongs
+# to root, so pods that write to a claim (checkpoints) get it as fsGroup: the kubelet then makes
+# the volume group-writable for it. OnRootMismatch skips the recursive chown when the root
+# already matches, which would otherwise take minutes on a claim full of checkpoints.
+IMAGE_GID = 1000
+
+# Never restart a Ray container in place: a restarted head comes back with an empty GCS and the
+# RayJob can then sit in Running forever (KubeRay #3903 and friends), a restarted worker can't
+# rejoin the NCCL groups. With Never a dead container fails its pod, which KubeRay and the
+# operator see and act on (the operator restarts the whole job from its checkpoint).
+RESTART_POLICY = "Never"
+
+
+def identity_env(job: RLJob, attempt: int) -> list[dict[str, Any]]:
+    """Who am I: the trainer patches this RLJob's status and tags metrics with the attempt.
+    The namespace comes from the downward API, so it is the pod's truth, not a copy."""
+    return [
+        {"name": names.ENV_JOB_NAME, "value": job.name},
+        {"name": names.ENV_JOB_NAMESPACE,
+         "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": names.ENV_ATTEMPT, "value": str(attempt)},
+    ]
+
+
+def quantities(cpu: str | None, memory: str | None, extra: dict[str, str]) -> dict[str, Any]:
+    """requests == limits: Guaranteed QoS, and Ray sizes itself from the limits KubeRay reads."""
+    values: dict[str, str] = {}
+    if cpu:
+        values["cpu"] = cpu
+    if memory:
+        values["memory"] = memory
+    values.update(extra)
+    return {"requests": dict(values), "limits": dict(values)} if values else {}
+
+
+def pvc_volume(name: str, claim: str, read_only: bool = False) -> dict[str, Any]:
+    source: dict[str, Any] = {"claimName": claim}
+    if read_only:
+        source["readOnly"] = True
+    return {"name": name, "persistentVolumeClaim": source}
+
+
+def storage_mount(name: str, storage: Storage) -> dict[str, Any]:
+    mount: dict[str, Any] = {"name": name, "mountPath": storage.mount_path}
+    if storage.sub_path:
+        mount["subPath"] = storage.sub_path
+    if storage.read_only:
+        mount["readOnly"] = True
+    return mount
+
+
+class Volumes:
+    """Volumes and the Ray container's mounts, built together so they can't disagree."""
+
+    def __init__(self, memory: str | None) -> None:
+        self.volumes: list[dict[str, Any]] = [nccl.shm_volume(memory)]
+        self.mounts: list[dict[str, Any]] = [nccl.shm_mount()]
+        self.writes_to_a_claim = False
+
+    def add(self, volume: dict[str, Any], mount: dict[str, Any]) -> None:
+        self.volumes.append(volume)
+        self.mounts.append(mount)
+
+    def config(self, job: RLJob) -> None:
+        self.add({"name": VOLUME_CONFIG, "configMap": {"name": names.configmap(job.name)}},
+                 {"name": VOLUME_CONFIG, "mountPath": names.CONFIG_DIR, "readOnly": True})
+
+    def storage(self, name: str, storage: Storage | None) -> None:
+        if storage is not None:
+            self.writes_to_a_claim |= not storage.read_only
+            self.add(pvc_volume(name, storage.pvc, storage.read_only),
+                     storage_mount(name, storage))
+
+    def checkpoints(self, job: RLJob) -> None:
+        """A PVC when given; otherwise an emptyDir, so the path exists but a restart (a new
+        RayJob, new pods) starts from scratch, as CheckpointSpec documents."""
+        ckpt = job.spec.checkpoint
+        self.writes_to_a_claim |= ckpt.pvc is not None
+        volume = (pvc_volume(VOLUME_CHECKPOINTS, ckpt.pvc) if ckpt.pvc
+                  else {"name": VOLUME_CHECKPOINTS, "emptyDir": {}})
+        self.add(volume, {"name": VOLUME_CHECKPOINTS, "mountPath": ckpt.path})
+
+    def pod_security(self) -> dict[str, Any]:
+        if not self.writes_to_a_claim:
+            return {}
+        return {"securityContext": {"fsGroup": IMAGE_GID,
+                                    "fsGroupChangePolicy": "OnRootMismatch"}}
+
+
+def head_template(job: RLJob, attempt: int) -> dict[str, Any]:
+    """The head runs the training loop: it reads the config, the prompts (data PVC) and the
+    tokenizer (model PVC), writes checkpoint metadata, and patches the RLJob status with its
+    ServiceAccount. It has no GPUs, so no NCCL wiring."""
+    vols = Volumes(HEAD_MEMORY)
+    vols.config(job)
+    vols.storage(VOLUME_MODEL, job.spec.model.storage)
+    vols.storage(VOLUME_DATA, job.spec.data.storage)
+    vols.checkpoints(job)
+    container = {
+        "name": HEAD_CONTAINER,
+        "image": job.spec.training.image,
+        "env": identity_env(job, attempt),
+        "resources": quantities(HEAD_CPU, HEAD_MEMORY, {}),
+        "volumeMounts": vols.mounts,
+    }
+    return {
+        "metadata": {"labels": names.pod_labels(job.name, names.GROUP_HEAD, attempt)},
+        "spec": {
+            "serviceAccountName": names.service_account(job.name),
+            "restartPolicy": RESTART_POLICY,
+            **vols.pod_security(),
+            "containers": [container],
+            "volumes": vols.volumes,
+        },
+    }
+
+
+def anti_affinity(job: RLJob, group: WorkerGroup) -> dict[str, Any]:
+    """One pod per node (required, not preferred: two GPU pods of a group on one node would
+    split its GPUs and NICs, and the layout arithmetic assumes whole nodes). On the host network
+    the term spans all worker pods of the job, since two Ray pods on one host would fight over
+    Ray's fixed ports."""
+    match = {names.LABEL_JOB: job.name}
+    if job.spec.network.host_network:
+        match[names.LABEL_COMPONENT] = names.COMPONENT_WORKER
+    else:
+        match[names.LABEL_GROUP] = group.name
+    return {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"labelSelector": {"matchLabels": match}, "topologyKey": "kubernetes.io/hostname"},
+    ]}}
+
+
+def placement(job: RLJob, group: WorkerGroup) -> dict[str, Any]:
+    """Pod-spec fields that put a group on its node pool."""
+    pool: NodePool = group.node_pool
+    out: dict[str, Any] = {}
+    if pool.node_selector:
+        out["nodeSelector"] = dict(sorted(pool.node_selector.items()))
+    if pool.tolerations:
+        out["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True)
+                              for t in pool.tolerations]
+    # CPU pods (tests, tiny jobs) have no GPUs or NICs to keep to themselves and may share a
+    # node, so small clusters can run them; GPU pods each own a node.
+    if group.gpus_per_pod:
+        out["affinity"] = anti_affinity(job, group)
+    return out
+
+
+def worker_container(job: RLJob, group: WorkerGroup, attempt: int,
+                     mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    network = job.spec.network
+    gpu = group.gpus_per_pod > 0
+    env = identity_env(job, attempt)
+    if gpu:
+        owned = {e["name"] for e in env}
+        env += [e for e in nccl.nccl_env(network) if e["name"] not in owned]
+    extra = {GPU_RESOURCE: str(group.gpus_per_pod), **nccl.device_resources(network)} if gpu else {}
+    container: dict[str, Any] = {
+        "name": WORKER_CONTAINER,
+        "image": group.image,
+        "env": env,
+        "resources": quantities(group.resources.cpu, group.resources.memory, extra),
+        "volumeMounts": mounts,
+    }
+    if gpu and group.weight_sync_listener:
+        container["ports"] = [nccl.weight_sync_port(network)]
+    security = nccl.security_context(network) if gpu else None
+    if security:
+        container["securityContext"] = security
+    return container
+
+
+def worker_template(job: RLJob, group: WorkerGroup, attempt: int) -> dict[str, Any]:
+    vols = Volumes(group.resources.memory)
+    vols.storage(VOLUME_MODEL, job.spec.model.storage)
+    if group.mounts_checkpoints:
+        vols.checkpoints(job)
+    spec: dict[str, Any] = {
+        # Workers never call the Kubernetes API; don't hand them a token.
+        "automountServiceAccountToken": False,
+        "restartPolicy": RESTART_POLICY,
+    }
+    if group.gpus_per_pod:
+        spec.update(nccl.host_network_fields(job.spec.network))
+    spec.update(placement(job, group))
+    spec.update(vols.pod_security())
+    spec["containers"] = [worker_container(job, group, attempt, vols.mounts)]
+    spec["volumes"] = vols.volumes
+    return {
+        "metadata": {"labels": names.pod_labels(job.name, group.name, attempt)},
+        "spec": spec,
+    }

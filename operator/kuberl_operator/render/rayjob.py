@@ -1,0 +1,95 @@
+"""The KubeRay RayJob (ray.io/v1, KubeRay v1.5) that runs one attempt of an RLJob."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kuberl_api.rljob import RLJob
+from kuberl_operator.render import names
+from kuberl_operator.render.layout import WorkerGroup, worker_groups
+from kuberl_operator.render.meta import object_meta
+from kuberl_operator.render.pod import head_template, worker_template
+
+RAYJOB_API_VERSION = "ray.io/v1"
+# The Ray version in the trainer and rollout images (Dockerfile.trainer / Dockerfile.rollout
+# must install exactly this). KubeRay uses it only as metadata in v1.5, but it must not lie.
+RAY_VERSION = "2.52.0"
+
+ENTRYPOINT = f"kuberl run {names.CONFIG_PATH} --address auto --in-cluster"
+
+
+def head_group_spec(job: RLJob, attempt: int) -> dict[str, Any]:
+    return {
+        # num-gpus 0: the driver must never take a GPU, even on an image or node that has one.
+        # The dashboard listens on all interfaces so the submitter pod can reach it.
+        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
+        "template": head_template(job, attempt),
+    }
+
+
+def worker_group_spec(job: RLJob, group: WorkerGroup, attempt: int) -> dict[str, Any]:
+    """A fixed-size group: replicas = min = max, since the autoscaler is off and a training job
+    needs all its ranks at once.
+
+    The Ray custom resources go in the group's `resources` field (new in KubeRay v1.5) rather
+    than in rayStartParams["resources"]: KubeRay then builds and shell-quotes the JSON for
+    `ray start --resources` itself, whereas a rayStartParams value is pasted into a bash
+    command line and would need its own quoting. KubeRay refuses a group that sets both, so
+    rayStartParams stays empty here; num-gpus is derived by KubeRay from the nvidia.com/gpu
+    limit, and num-cpus / memory from the cpu / memory limits.
+    """
+    return {
+        "groupName": group.name,
+        "replicas": group.replicas,
+        "minReplicas": group.replicas,
+        "maxReplicas": group.replicas,
+        "rayStartParams": {},
+        "resources": {k: str(v) for k, v in group.ray_resources.items()},
+        "template": worker_template(job, group, attempt),
+    }
+
+
+def ray_cluster_spec(job: RLJob, attempt: int) -> dict[str, Any]:
+    return {
+        "rayVersion": RAY_VERSION,
+        # Fixed-size groups: an RL job can't use half its ranks, and the autoscaler would add a
+        # sidecar and RBAC to the head for nothing.
+        "enableInTreeAutoscaling": False,
+        "headGroupSpec": head_group_spec(job, attempt),
+        "workerGroupSpecs": [worker_group_spec(job, g, attempt)
+                             for g in worker_groups(job.spec)],
+    }
+
+
+def rayjob(job: RLJob, attempt: int = 0) -> dict[str, Any]:
+    """Which RayJob fields the operator owns and which it leaves alone:
+
+    - backoffLimit 0: restarts happen at the RLJob level (spec.backoffLimit), where the operator
+      resumes from the last checkpoint with a new RayJob (attempt n+1) and counts restarts in
+      RLJob status. KubeRay's own retries would create new clusters behind the operator's back
+      and double-count against the user's limit.
+    - activeDeadlineSeconds unset, for the same reason: the RLJob deadline spans all attempts,
+      a RayJob deadline would restart its clock on every attempt.
+    - shutdownAfterJobFinishes true, ttlSecondsAfterFinished 0: the GPUs go back as soon as the
+      job ends; the RayJob (and its status, which the operator reads) stays, and the driver's
+      log stays in the submitter Job. RLJob.spec.ttlSecondsAfterFinished deletes the rest.
+    - suspend, deletionStrategy, clusterSelector, managedBy: not used. Suspending an RLJob
+      deletes its RayJob; the rules-style deletionStrategy can't be combined with
+      shutdownAfterJobFinishes anyway.
+    - submissionMode K8sJobMode (the default, stated so it is visible): a submitter Job runs
+      `ray job submit` and tails the log; the entrypoint itself runs on the head.
+    """
+    return {
+        "apiVersion": RAYJOB_API_VERSION,
+        "kind": "RayJob",
+        "metadata": object_meta(job, names.rayjob(job.name, attempt), names.COMPONENT_RAYJOB,
+                                attempt),
+        "spec": {
+            "entrypoint": ENTRYPOINT,
+            "submissionMode": "K8sJobMode",
+            "shutdownAfterJobFinishes": True,
+            "ttlSecondsAfterFinished": 0,
+            "backoffLimit": 0,
+            "rayClusterSpec": ray_cluster_spec(job, attempt),
+        },
+    }
