@@ -25,6 +25,9 @@ ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 MAX_STR = 1024
 MAX_ITEMS = 64
 
+# Mount points kuberl itself uses in every pod (config, shared memory for NCCL).
+RESERVED_PATHS = ("/etc/kuberl", "/dev/shm")
+
 DEFAULT_TRAINER_IMAGE = "ghcr.io/kuberl/trainer:0.1.0"
 DEFAULT_ROLLOUT_IMAGE = "ghcr.io/kuberl/rollout:0.1.0"
 
@@ -35,12 +38,15 @@ class Storage(ApiModel):
         "json_schema_extra": cel_rules(
             cel("self.mountPath.startsWith('/')", "mountPath must be an absolute path",
                 ".mountPath"),
+            cel(f"!(self.mountPath in {list(RESERVED_PATHS)})",
+                f"mountPath may not be one of {', '.join(RESERVED_PATHS)} (used by kuberl)",
+                ".mountPath"),
         )
     }
 
     pvc: str = Field(min_length=1, max_length=253, pattern=PVC_NAME_PATTERN,
                      description="Name of a PersistentVolumeClaim in the RLJob's namespace.")
-    mount_path: str = Field("/mnt/model", min_length=1, max_length=MAX_STR,
+    mount_path: str = Field(min_length=1, max_length=MAX_STR,
                             description="Where the claim is mounted in the pods.")
     sub_path: str | None = Field(None, max_length=MAX_STR,
                                  description="Mount only this sub-directory of the claim.")
@@ -50,6 +56,8 @@ class Storage(ApiModel):
     def _absolute(self) -> Storage:
         check(self.mount_path.startswith("/"), "mountPath", self.mount_path,
               "mountPath must be an absolute path")
+        check(self.mount_path not in RESERVED_PATHS, "mountPath", self.mount_path,
+              f"mountPath may not be one of {', '.join(RESERVED_PATHS)} (used by kuberl)")
         return self
 
 
@@ -87,6 +95,14 @@ class EvalSet(ApiModel):
 class DataSpec(ApiModel):
     """Where prompts come from and how many are generated per step."""
 
+    model_config = {
+        "json_schema_extra": cel_rules(
+            cel("!has(self.storage) || self.prompts.startsWith(self.storage.mountPath)",
+                "prompts must lie under storage.mountPath when a PVC holds the data",
+                ".prompts"),
+        )
+    }
+
     prompts: str = Field(min_length=1, max_length=MAX_STR,
                          description="Prompt file (JSONL or Parquet) as seen from the head pod.")
     input_key: str = Field("prompt", min_length=1, max_length=253)
@@ -97,6 +113,14 @@ class DataSpec(ApiModel):
     max_response_len: int = Field(1024, ge=1, le=1048576, description="Tokens.")
     storage: Storage | None = Field(None, description="PVC that holds the data.")
     eval_sets: list[EvalSet] = Field(default_factory=list, max_length=16)
+
+    @model_validator(mode="after")
+    def _under_mount(self) -> DataSpec:
+        if self.storage is not None:
+            check(self.prompts.startswith(self.storage.mount_path), "prompts", self.prompts,
+                  f"prompts must lie under storage.mountPath ({self.storage.mount_path}) "
+                  "when a PVC holds the data")
+        return self
 
 
 class RewardSpec(ApiModel):
@@ -304,6 +328,8 @@ class CheckpointSpec(ApiModel):
     model_config = {
         "json_schema_extra": cel_rules(
             cel("self.path.startsWith('/')", "checkpoint path must be absolute", ".path"),
+            cel(f"!(self.path in {list(RESERVED_PATHS)})",
+                f"checkpoint path may not be one of {', '.join(RESERVED_PATHS)}", ".path"),
         )
     }
 
@@ -314,6 +340,8 @@ class CheckpointSpec(ApiModel):
     @model_validator(mode="after")
     def _absolute(self) -> CheckpointSpec:
         check(self.path.startswith("/"), "path", self.path, "checkpoint path must be absolute")
+        check(self.path not in RESERVED_PATHS, "path", self.path,
+              f"checkpoint path may not be one of {', '.join(RESERVED_PATHS)}")
         return self
 
 
@@ -374,6 +402,15 @@ class RLJobSpec(ApiModel):
                 "the global batch must split evenly into micro-batches across data-parallel "
                 "ranks: globalBatchSize % (microBatchSize * dataParallel) == 0",
                 ".training.microBatchSize"),
+            cel("!has(self.model.storage) || !has(self.data.storage) || "
+                "self.model.storage.mountPath != self.data.storage.mountPath",
+                "model and data PVCs need different storage.mountPath values",
+                ".data.storage.mountPath"),
+            cel("!has(self.model.storage) || self.model.storage.mountPath != "
+                "self.checkpoint.path",
+                "checkpoint.path must differ from model.storage.mountPath", ".checkpoint.path"),
+            cel("!has(self.data.storage) || self.data.storage.mountPath != self.checkpoint.path",
+                "checkpoint.path must differ from data.storage.mountPath", ".checkpoint.path"),
         )
     }
 
@@ -429,7 +466,20 @@ class RLJobSpec(ApiModel):
         else:
             self._check_colocated()
         self._check_batches()
+        self._check_mounts()
         return self
+
+    def _check_mounts(self) -> None:
+        """Two volumes at one mount point make the API server refuse the pod."""
+        model = self.model.storage.mount_path if self.model.storage else None
+        data = self.data.storage.mount_path if self.data.storage else None
+        ckpt = self.checkpoint.path
+        check(model is None or model != data, "data.storage.mountPath", data,
+              "model and data PVCs need different storage.mountPath values")
+        check(model != ckpt, "checkpoint.path", ckpt,
+              "checkpoint.path must differ from model.storage.mountPath")
+        check(data != ckpt, "checkpoint.path", ckpt,
+              "checkpoint.path must differ from data.storage.mountPath")
 
     def _check_colocated(self) -> None:
         if self.rollout.gpus is not None:

@@ -13,6 +13,18 @@ from typing import Final
 
 from kuberl_api.rljob import MAX_NAME_LENGTH
 
+# Re-exported: the renderers' view of the trainer contract (defined in the API package).
+from kuberl_api.runtime import (
+    CONFIG_DIR as CONFIG_DIR,
+    CONFIG_KEY as CONFIG_KEY,
+    CONFIG_PATH as CONFIG_PATH,
+    ENV_ATTEMPT as ENV_ATTEMPT,
+    ENV_JOB_NAME as ENV_JOB_NAME,
+    ENV_JOB_NAMESPACE as ENV_JOB_NAMESPACE,
+    RESOURCE_ROLLOUT as RESOURCE_ROLLOUT,
+    RESOURCE_TRAIN as RESOURCE_TRAIN,
+)
+
 MAX_RAYJOB_NAME: Final = 47  # KubeRay's MaxRayJobNameLength
 MAX_ATTEMPTS: Final = 100  # backoffLimit <= 99, so attempts fit in two digits
 
@@ -37,25 +49,10 @@ COMPONENT_RAYJOB: Final = "rayjob"
 COMPONENT_HEAD: Final = "ray-head"
 COMPONENT_WORKER: Final = "ray-worker"
 
-# Ray custom resources that pin actors to their group's pods.
-RESOURCE_TRAIN: Final = "kuberl_train"
-RESOURCE_ROLLOUT: Final = "kuberl_rollout"
 
 GROUP_HEAD: Final = "head"
 GROUP_TRAIN: Final = "train"
 GROUP_ROLLOUT: Final = "rollout"
-
-# The job config inside the head: ConfigMap key and mount point. The RayJob entrypoint reads
-# CONFIG_DIR/CONFIG_KEY, so changing either changes the trainer's command line too.
-CONFIG_KEY: Final = "rljob.yaml"
-CONFIG_DIR: Final = "/etc/kuberl"
-CONFIG_PATH: Final = f"{CONFIG_DIR}/{CONFIG_KEY}"
-
-# Environment every Ray pod gets, read by the trainer (it may not import this package, so the
-# names are part of the trainer contract: keep them in sync with kuberl_trainer).
-ENV_JOB_NAME: Final = "KUBERL_RLJOB_NAME"
-ENV_JOB_NAMESPACE: Final = "KUBERL_RLJOB_NAMESPACE"
-ENV_ATTEMPT: Final = "KUBERL_ATTEMPT"
 
 # Named container port of the trainer-to-engines weight-update group (IANA_SVC_NAME, <= 15).
 PORT_WEIGHT_SYNC: Final = "weight-sync"

@@ -1,0 +1,26 @@
+"""The contract between what the operator renders and what the trainer reads at run time.
+
+Both sides import these from the API package (the operator and the trainer may not import each
+other): the config file the head mounts, the environment every Ray pod gets, and the Ray custom
+resources that pin actors to their group's pods.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# The job config inside the head: ConfigMap key and mount point; the RayJob entrypoint reads it.
+CONFIG_KEY: Final = "rljob.yaml"
+CONFIG_DIR: Final = "/etc/kuberl"
+CONFIG_PATH: Final = f"{CONFIG_DIR}/{CONFIG_KEY}"
+
+# Identity of the running job, for the trainer's status reporter.
+ENV_JOB_NAME: Final = "KUBERL_RLJOB_NAME"
+ENV_JOB_NAMESPACE: Final = "KUBERL_RLJOB_NAMESPACE"
+ENV_ATTEMPT: Final = "KUBERL_ATTEMPT"
+
+# Ray custom resources: a train actor asks for 1 unit of RESOURCE_TRAIN per GPU, an engine for
+# gpusPerEngine units of RESOURCE_ROLLOUT (1 unit per actor on CPU). Colocated train pods carry
+# both.
+RESOURCE_TRAIN: Final = "kuberl_train"
+RESOURCE_ROLLOUT: Final = "kuberl_rollout"
