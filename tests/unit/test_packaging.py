@@ -1,0 +1,27 @@
+"""Pins that must agree across files: a mismatch breaks pods at run time, not at build time."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+from kuberl_operator.render.rayjob import RAY_VERSION
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_image_extras_pin_the_rendered_ray_version() -> None:
+    """KubeRay starts pods with the RayJob's rayVersion; the images must carry that Ray."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for extra in ("trainer", "rollout"):
+        pins = [d for d in extras[extra] if re.match(r"ray(\[.*\])?==", d)]
+        assert pins == [f"ray[default]=={RAY_VERSION}"], (extra, pins)
+
+
+def test_dockerfiles_install_the_distribution_like_ci() -> None:
+    for name, extra in (("Dockerfile.trainer", "trainer"), ("Dockerfile.rollout", "rollout")):
+        text = (ROOT / name).read_text()
+        assert f'pip install ".[{extra}]"' in text, name
+        assert re.search(r"^FROM \S+:\S+", text, re.M), f"{name}: base image must be pinned"
