@@ -1,0 +1,212 @@
+"""One reconcile pass per RLJob, serialized per object, and the timers that re-run it.
+
+Shape of a pass (every trigger runs the same one): read the RLJob -> observe its children ->
+`status.decide` (validate, compare, decide; pure) -> execute the actions (render + adopt +
+create-or-patch, or delete) -> one status patch -> Events -> metrics.
+
+Triggers: RLJob watch events, RayJob watch events (by the kuberl.dev/rljob label), a wake-up
+at the time the decision says something will expire (heartbeat, head grace, deadline, TTL), a
+retry after an error, and a periodic resync of every known RLJob. Passes for one RLJob never
+overlap (a lock per object), and a burst of triggers collapses into one extra pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from kuberl_api import RLJob
+from kuberl_operator.metrics import Metrics
+from kuberl_operator.reconcile.children import adopt, apply
+from kuberl_operator.reconcile.kube import EVENT, RAYJOB, RLJOB, Kube
+from kuberl_operator.reconcile.observe import observe
+from kuberl_operator.render import names, render_children
+from kuberl_operator.settings import Config
+from kuberl_operator.status import (
+    ANNOTATION_RESTARTS,
+    Action,
+    CreateAttempt,
+    Decision,
+    DeleteRayJob,
+    DeleteRLJob,
+    Event,
+    decide,
+    fmt_time,
+)
+
+Key = tuple[str, str]  # (namespace, name)
+COMPONENT = names.MANAGER
+MAX_EVENT_MESSAGE = 1024
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Controller:
+    def __init__(self, kube: Kube, config: Config, metrics: Metrics,
+                 logger: logging.Logger | None = None) -> None:
+        self.kube = kube
+        self.config = config
+        self.metrics = metrics
+        self.logger = logger or logging.getLogger("kuberl.operator")
+        self.known: set[Key] = set()
+        self._locks: dict[Key, asyncio.Lock] = {}
+        self._waiting: set[Key] = set()
+        self._wakeups: dict[Key, tuple[float, asyncio.TimerHandle]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._instance = socket.gethostname()
+
+    # ---------------------------------------------------------------- triggers
+
+    def trigger(self, key: Key) -> None:
+        """Reconcile soon, in the background (for watch handlers: never block the watch)."""
+        task = asyncio.get_running_loop().create_task(self.reconcile(key))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def reconcile(self, key: Key) -> None:
+        if key in self._waiting:  # a pass is already queued and will read the newest state
+            return
+        self._waiting.add(key)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            self._waiting.discard(key)
+            started = time.monotonic()
+            try:
+                await self._pass(key)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.metrics.reconcile_total.labels("error").inc()
+                self.logger.exception("reconcile of %s/%s failed: %s", *key, exc)
+                self.wake_at(key, time.time() + self.config.error_backoff_seconds)
+            else:
+                self.metrics.reconcile_total.labels("success").inc()
+            finally:
+                self.metrics.reconcile_duration.observe(time.monotonic() - started)
+
+    def wake_at(self, key: Key, when: float) -> None:
+        """Reconcile `key` at wall-clock time `when` (keeps only the earliest pending wake-up)."""
+        loop = asyncio.get_running_loop()
+        pending = self._wakeups.get(key)
+        if pending is not None:
+            if pending[0] <= when and not pending[1].cancelled():
+                return
+            pending[1].cancel()
+        delay = max(0.0, when - time.time()) + 0.05  # land just after the expiry
+        handle = loop.call_later(delay, self._wake, key)
+        self._wakeups[key] = (when, handle)
+
+    def _wake(self, key: Key) -> None:
+        self._wakeups.pop(key, None)
+        self.trigger(key)
+
+    async def resync_forever(self) -> None:
+        """Level-triggered safety net: every known RLJob, every resync interval."""
+        while True:
+            await asyncio.sleep(self.config.resync_seconds)
+            for key in sorted(self.known):
+                self.trigger(key)
+
+    def forget(self, key: Key) -> None:
+        self.known.discard(key)
+        pending = self._wakeups.pop(key, None)
+        if pending is not None:
+            pending[1].cancel()
+        self.metrics.forget(*key)
+
+    async def close(self) -> None:
+        for _, handle in self._wakeups.values():
+            handle.cancel()
+        self._wakeups.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ---------------------------------------------------------------- one pass
+
+    async def _pass(self, key: Key) -> None:
+        namespace, name = key
+        body = await self.kube.get(RLJOB.url(namespace, name))
+        if body is None:
+            self.forget(key)
+            return
+        if body.get("metadata", {}).get("deletionTimestamp"):
+            return  # going away; owner references let GC take the children
+        self.known.add(key)
+        observed = await observe(self.kube, body)
+        decision = decide(body, observed, utcnow(), self.config.tunables)
+        for action in decision.actions:
+            await self._execute(body, decision, action)
+            if isinstance(action, DeleteRLJob):
+                await self._post_events(body, decision.events)
+                self.forget(key)
+                return
+        patch = decision.status_patch(body.get("status"))
+        if patch is not None:
+            await self.kube.patch(RLJOB.url(namespace, name, "status"), {"status": patch})
+        await self._post_events(body, decision.events)
+        self.metrics.observe_status(namespace, name, decision.status)
+        if decision.requeue_at is not None:
+            self.wake_at(key, decision.requeue_at.timestamp())
+        if decision.actions or patch:
+            self.logger.info("%s/%s: phase %s, actions %s", namespace, name, decision.phase,
+                             [type(a).__name__ for a in decision.actions] or "none")
+
+    async def _execute(self, body: Mapping[str, Any], decision: Decision, action: Action) -> None:
+        namespace = body["metadata"]["namespace"]
+        if isinstance(action, CreateAttempt):
+            assert decision.job is not None, "a create needs a valid spec"
+            await self._create_attempt(body, decision.job, action)
+        elif isinstance(action, DeleteRayJob):
+            await self.kube.delete(RAYJOB.url(namespace, action.name))
+        elif isinstance(action, DeleteRLJob):
+            await self.kube.delete(RLJOB.url(namespace, body["metadata"]["name"]))
+
+    async def _create_attempt(self, body: Mapping[str, Any], job: RLJob,
+                              action: CreateAttempt) -> None:
+        """Render every child, adopt it, create-or-patch it; the RayJob comes last."""
+        for child in render_children(job, action.attempt):
+            obj = adopt(child, body)
+            if obj.get("kind") == "RayJob":
+                expected = names.rayjob(job.name, action.attempt)
+                if obj["metadata"].get("name") != expected:
+                    raise RuntimeError(f"renderer named the RayJob {obj['metadata'].get('name')}"
+                                       f", expected {expected}")
+                annotations = obj["metadata"].setdefault("annotations", {})
+                annotations[ANNOTATION_RESTARTS] = str(action.restarts)
+            await apply(self.kube, obj)
+
+    async def _post_events(self, body: Mapping[str, Any], events: tuple[Event, ...]) -> None:
+        """Post core/v1 Events about the RLJob. Best effort: a lost Event never fails a pass."""
+        meta = body["metadata"]
+        for event in events:
+            now = fmt_time(utcnow())
+            message = event.message
+            if len(message) > MAX_EVENT_MESSAGE:
+                message = message[:MAX_EVENT_MESSAGE - 3] + "..."
+            payload = {
+                "apiVersion": "v1", "kind": "Event",
+                "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+                "involvedObject": {"apiVersion": body["apiVersion"], "kind": body["kind"],
+                                   "name": meta["name"], "namespace": meta["namespace"],
+                                   "uid": meta["uid"]},
+                "type": event.type, "reason": event.reason, "message": message,
+                "source": {"component": COMPONENT},
+                "reportingComponent": COMPONENT, "reportingInstance": self._instance,
+                "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+            }
+            try:
+                await self.kube.create(EVENT.collection(meta["namespace"]), payload)
+            except Exception as exc:
+                self.logger.warning("could not post Event %s on %s/%s: %s", event.reason,
+                                    meta["namespace"], meta["name"], exc)
+            level = logging.WARNING if event.type == "Warning" else logging.INFO
+            self.logger.log(level, "%s/%s: %s: %s", meta["namespace"], meta["name"],
+                            event.reason, message)

@@ -1,0 +1,76 @@
+"""kopf handlers: thin triggers into the Controller (all decisions live in `status.decide`).
+
+Only `on.event` handlers watch resources: kopf then adds no finalizer (it does for on.delete,
+timers and daemons) and writes no progress or diff-base annotations. Cleanup is by owner
+references and Kubernetes' garbage collector, so deleting an RLJob never waits on the operator.
+Time-based work (heartbeat age, head grace, deadlines, TTL, resync) is the Controller's own
+wake-ups instead of `kopf.timer`, for the same reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import kopf
+
+from kuberl_api.rljob import GROUP, PLURAL, VERSION
+from kuberl_operator.metrics import Metrics
+from kuberl_operator.reconcile.controller import Controller
+from kuberl_operator.reconcile.kube import Kube
+from kuberl_operator.render import names
+from kuberl_operator.settings import Config
+
+LOGGER = logging.getLogger("kuberl.operator")
+
+
+def register(registry: kopf.OperatorRegistry, config: Config, metrics: Metrics) -> None:
+    """Register the operator's handlers into `registry` (one registry per operator run)."""
+    state: dict[str, Any] = {}
+
+    def controller() -> Controller:
+        ctl: Controller = state["controller"]
+        return ctl
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # In a pod: the service account; elsewhere: $KUBECONFIG or ~/.kube/config.
+        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+    @kopf.on.startup(registry=registry)
+    async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        ctl = Controller(Kube(settings, LOGGER), config, metrics, LOGGER)
+        state["controller"] = ctl
+        state["resync"] = asyncio.create_task(ctl.resync_forever(), name="kuberl resync")
+        LOGGER.info("kuberl operator started: namespaces %s, resync %ss, head grace %ss",
+                    list(config.namespaces) or "all", config.resync_seconds,
+                    config.head_lost_grace_seconds)
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(**_: Any) -> None:
+        resync = state.pop("resync", None)
+        if resync is not None:
+            resync.cancel()
+        if "controller" in state:
+            await controller().close()
+
+    @kopf.on.probe(id="rljobs", registry=registry)
+    def probe(**_: Any) -> int:
+        return len(controller().known) if "controller" in state else 0
+
+    @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
+    async def rljob_event(type: str | None, body: kopf.Body, **_: Any) -> None:
+        key = (str(body.metadata.namespace), str(body.metadata.name))
+        if type == "DELETED":
+            controller().forget(key)
+            return
+        controller().known.add(key)
+        controller().trigger(key)
+
+    @kopf.on.event("ray.io", "v1", "rayjobs", labels={names.LABEL_JOB: kopf.PRESENT},
+                   registry=registry)
+    async def rayjob_event(body: kopf.Body, **_: Any) -> None:
+        job = body.metadata.labels.get(names.LABEL_JOB)
+        if job:
+            controller().trigger((str(body.metadata.namespace), job))

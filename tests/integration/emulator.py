@@ -1,0 +1,209 @@
+"""The in-memory Kubernetes API the operator runs against: kmock's emulator, made realistic
+enough for kopf and for our assertions.
+
+kmock 0.8 stores request bodies verbatim. On top of it this adds what a real API server does
+and the operator relies on: uid/resourceVersion/generation/creationTimestamp on create,
+generateName (Events use it), `/status` subresource semantics (status only through /status;
+a spec change bumps generation), and garbage collection of objects whose owners are gone.
+Plus one test hook: `hold(predicate)` parks matching requests until released, to kill the
+operator at an exact point of a create sequence.
+
+Built on the notes of the kmock lab (kmock internals: objects, buses and requests are matched
+by identity, so a rewritten request must be swapped into `_requests`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import itertools
+import random
+import string
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import attrs
+import kmock
+from kmock._internal import enums
+
+Predicate = Callable[[Any], bool]
+
+
+class Hold:
+    """Parks the first request matching `predicate`. "before": not applied until released
+    (and dropped with a 503 when released with apply=False, as if it never arrived);
+    "after": applied, but the response is withheld until released."""
+
+    def __init__(self, predicate: Predicate, when: str) -> None:
+        self.predicate = predicate
+        self.when = when
+        self.gate = asyncio.Event()
+        self.apply = True
+        self.hits: list[str] = []
+
+    def release(self, apply: bool = True) -> None:
+        self.apply = apply
+        self.gate.set()
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@attrs.define(kw_only=True)
+class Emulator(kmock.KubernetesEmulator):
+    _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
+    _holds: list[Hold] = attrs.field(factory=list, init=False)
+
+    # ---------------------------------------------------------------- test hooks
+    def hold(self, predicate: Predicate, when: str = "before") -> Hold:
+        hold = Hold(predicate, when)
+        self._holds.append(hold)
+        return hold
+
+    # ---------------------------------------------------------------- enrichment
+    def _current(self, request: Any) -> Any:
+        key = (request.resource, request.namespace, request.name)
+        if key in self._objects and not self._objects[key].deleted:
+            return self._objects[key]
+        return None
+
+    def _has_status(self, resource: Any) -> bool:
+        return resource in self.resources and "status" in self.resources[resource].subresources
+
+    def _enrich(self, request: Any) -> Any:
+        if request.action == enums.action.CREATE and isinstance(request.data, dict):
+            data = copy.deepcopy(request.data)
+            meta = data.setdefault("metadata", {})
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = meta["generateName"] + "".join(
+                    random.choices(string.ascii_lowercase + string.digits, k=5))
+            if request.namespace and not meta.get("namespace"):
+                meta["namespace"] = request.namespace
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta.setdefault("creationTimestamp", _now())
+            meta.setdefault("generation", 1)
+            meta["resourceVersion"] = str(next(self._rv))
+            if self._has_status(request.resource):
+                data.pop("status", None)
+            return attrs.evolve(request, data=data)
+        if (request.action == enums.action.UPDATE and request.name is not None
+                and isinstance(request.data, dict)):
+            obj = self._current(request)
+            if obj is None:
+                return request
+            data = copy.deepcopy(request.data)
+            if self._has_status(request.resource):
+                if request.subresource == "status":
+                    data = {"status": data["status"]} if "status" in data else {}
+                elif request.subresource is None:
+                    data.pop("status", None)
+            meta = data.get("metadata") or {}
+            if request.subresource is None and "spec" in data:
+                meta["generation"] = obj.raw.get("metadata", {}).get("generation", 1) + 1
+            meta["resourceVersion"] = str(next(self._rv))
+            data["metadata"] = meta
+            return attrs.evolve(request, data=data)
+        return request
+
+    async def _handle(self, request: Any) -> Any:
+        if request.resource is not None:
+            async with self._lock:
+                enriched = self._enrich(request)
+            if enriched is not request:
+                idx = next(i for i, r in enumerate(self._requests) if r is request)
+                self._requests[idx] = request = enriched
+        hold = next((h for h in self._holds if h.predicate(request)), None)
+        if hold is not None:
+            self._holds.remove(hold)  # one-shot
+            hold.hits.append(f"{request.method} {request.url}")
+            if hold.when == "before":
+                await hold.gate.wait()
+                if not hold.apply:
+                    raise kmock.KubernetesError(status=503, reason="ServiceUnavailable",
+                                                message="dropped by the test")
+        try:
+            response = await super()._handle(request)
+        finally:
+            if request.resource is not None and request.action in (
+                    enums.action.DELETE, enums.action.UPDATE):
+                await self.collect_garbage()
+        if hold is not None and hold.when == "after":
+            await hold.gate.wait()
+        return response
+
+    # ---------------------------------------------------------------- garbage collection
+    async def collect_garbage(self) -> None:
+        """Delete objects whose owners (by uid) are all gone, cascading; as kube-controller-
+        manager's garbage collector does in the background."""
+        changed = True
+        while changed:
+            changed = False
+            async with self._lock:
+                live = {o.raw.get("metadata", {}).get("uid")
+                        for o in self._objects.values() if not o.deleted}
+                for (resource, _, _), obj in list(self._objects.items()):
+                    if obj.deleted:
+                        continue
+                    refs = obj.raw.get("metadata", {}).get("ownerReferences") or []
+                    if not refs or any(r.get("uid") in live for r in refs):
+                        continue
+                    raw = obj.raw
+                    obj.delete()
+                    await self._buses[resource].put({"type": "DELETED", "object": raw})
+                    changed = True
+
+    # ---------------------------------------------------------------- race-free watches
+    async def _serve_watch(self, request: Any) -> AsyncIterator[Any]:
+        yield b""
+        bus = self._buses[request.resource]
+
+        def matches(raw: dict[str, Any]) -> bool:
+            meta = raw.get("metadata", {})
+            return ((request.namespace is None or meta.get("namespace") == request.namespace)
+                    and (request.name is None or meta.get("name") == request.name))
+
+        async with self._lock:
+            mark = await bus.mark()
+            initial = [{"type": "ADDED", "object": o.raw}
+                       for (res, _, _), o in self._objects.items()
+                       if res == request.resource and not o.deleted and matches(o.raw)]
+        try:
+            for event in initial:
+                yield event
+            async for event in bus.stream(since=mark):
+                if matches(event.get("object", {})):
+                    yield event
+        finally:
+            await bus.unmark(mark)
+
+
+_VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
+
+
+def declare_resources(emu: kmock.KubernetesEmulator) -> None:
+    """Builtins (incl. kopf's backbone: namespaces, CRDs, events) and our custom resources."""
+    emu.resources.load_bundled()
+    for key, kind in (("kuberl.dev/v1alpha1/rljobs", "RLJob"), ("ray.io/v1/rayjobs", "RayJob"),
+                      ("ray.io/v1/rayclusters", "RayCluster")):
+        emu.resources[key] = kmock.ResourceInfo(kind=kind, singular=kind.lower(),
+                                                namespaced=True, subresources={"status"},
+                                                verbs=_VERBS)
+
+
+def objects(emu: kmock.KubernetesEmulator, resource: str,
+            namespace: str | None = None) -> list[dict[str, Any]]:
+    res = kmock.resource(resource)
+    return [o.raw for (r, ns, _), o in list(emu.objects.items())
+            if r == res and not o.deleted and (namespace is None or ns == namespace)]
+
+
+def get(emu: kmock.KubernetesEmulator, resource: str, namespace: str,
+        name: str) -> dict[str, Any] | None:
+    key = (kmock.resource(resource), namespace, name)
+    if key in emu.objects and not emu.objects[key].deleted:
+        raw: dict[str, Any] = emu.objects[key].raw
+        return raw
+    return None

@@ -1,0 +1,46 @@
+"""The status gauges (kube-state-metrics style) and the operator's flags/env parsing."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from kuberl_operator.metrics import Metrics
+from kuberl_operator.settings import Config, kopf_settings, parse_args
+
+
+def _text(registry: CollectorRegistry) -> str:
+    return generate_latest(registry).decode()
+
+
+def test_phase_and_condition_gauges_then_forget() -> None:
+    reg = CollectorRegistry()
+    m = Metrics(reg)
+    m.observe_status("ns", "a", {"phase": "Running", "conditions": [
+        {"type": "Training", "status": "True"}, {"type": "Stalled", "status": "False"}]})
+    text = _text(reg)
+    assert 'kuberl_rljob_status_phase{name="a",namespace="ns",phase="Running"} 1.0' in text
+    assert 'kuberl_rljob_status_phase{name="a",namespace="ns",phase="Pending"} 0.0' in text
+    assert ('kuberl_rljob_condition{name="a",namespace="ns",status="True",type="Training"} 1.0'
+            in text)
+    assert ('kuberl_rljob_condition{name="a",namespace="ns",status="False",type="Training"} 0.0'
+            in text)
+    m.observe_status("ns", "a", {"phase": "Succeeded", "conditions": []})
+    assert 'phase="Running"} 0.0' in _text(reg)
+    m.forget("ns", "a")
+    m.forget("ns", "a")  # idempotent
+    assert 'name="a"' not in _text(reg)
+    assert 'kuberl_operator_reconcile_total{result="error"} 0.0' in _text(reg)
+
+
+def test_flags_override_env_and_defaults() -> None:
+    env = {"KUBERL_METRICS_PORT": "9000", "KUBERL_NAMESPACES": "a,b",
+           "KUBERL_RESYNC_SECONDS": "7", "KUBERL_SCANNING": "false"}
+    c = parse_args([], env)
+    assert (c.metrics_port, c.namespaces, c.resync_seconds, c.scanning) == (9000, ("a", "b"),
+                                                                            7.0, False)
+    c = parse_args(["--metrics-port", "0", "-n", "x", "--head-lost-grace-seconds", "3"], env)
+    assert (c.metrics_port, c.namespaces) == (0, ("x",))
+    assert c.tunables.head_lost_grace.total_seconds() == 3
+    assert parse_args([], {}) == Config()
+    assert Config(health_port=0).liveness_endpoint is None
+    assert kopf_settings(Config(scanning=False)).scanning.disabled
