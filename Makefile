@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
-EXTRAS ?= operator,dev
+EXTRAS ?= operator,trainer,rollout,dev
 
 .PHONY: test lint unit integration crd goldens demo clean
 

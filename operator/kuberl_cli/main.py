@@ -59,7 +59,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     job = _load(args.manifest)
     try:
-        from kuberl_trainer.run import run  # type: ignore[import-not-found,unused-ignore]
+        from kuberl_trainer.run import run
     except ImportError as exc:
         print(f"kuberl run: the training loop is not installed in this environment ({exc}); "
               "install kuberl[trainer]", file=sys.stderr)
@@ -92,7 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--address", default=None, help="Ray address (default: start local Ray)")
     run.add_argument("--in-cluster", action="store_true",
                      help="running as the RayJob entrypoint: report progress to the RLJob")
-    run.add_argument("--output-dir", default=None, help="where metrics and checkpoints go")
+    run.add_argument("--output-dir", default=None,
+                     help="where metrics.jsonl and (locally) checkpoints go; default out/NAME")
+    run.add_argument("--metrics-port", type=int, default=0,
+                     help="serve per-step metrics for Prometheus on this port (0: off)")
+    run.add_argument("--tensorboard", type=Path, default=None,
+                     help="also write TensorBoard scalars here (needs tensorboard installed)")
+    run.add_argument("--seed", type=int, default=0, help="seed for data order and sampling")
     run.set_defaults(func=_cmd_run)
     return parser
 

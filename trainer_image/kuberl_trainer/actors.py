@@ -1,0 +1,179 @@
+"""Thin Ray actor groups: training workers (one per GPU, or per node on CPU) and engines.
+
+The actors hold no RL logic: a training worker wraps a Backend, an engine actor runs an engine
+HTTP server as a child process on its pod and reports the URL. The driver (the loop) talks to
+training workers through Ray and to engines only over HTTP.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+import torch
+
+from kuberl_api.spec import RLJobSpec
+from kuberl_trainer.backends.base import TrainBatch, make_backend
+from kuberl_trainer.placement import Layout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def node_ip() -> str:
+    return str(ray.util.get_node_ip_address())
+
+
+class TrainWorker:
+    """One training process: joins the trainers' default process group, owns a Backend."""
+
+    def __init__(self, spec_json: str, rank: int, world_size: int) -> None:
+        self.spec = RLJobSpec.model_validate_json(spec_json)
+        self.rank, self.world_size = rank, world_size
+        self.device = "cuda" if torch.cuda.is_available() and self.spec.training.gpus_per_node \
+            else "cpu"
+        torch.set_num_threads(max(1, int(os.environ.get("KUBERL_TORCH_THREADS", "0")) or
+                                  torch.get_num_threads()))
+
+    def address(self) -> tuple[str, int]:
+        return node_ip(), free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        if self.world_size > 1:
+            backend = "nccl" if self.device == "cuda" else "gloo"
+            torch.distributed.init_process_group(
+                backend, init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self.rank, world_size=self.world_size)
+        self.backend = make_backend(self.spec, rank=self.rank, world_size=self.world_size,
+                                    device=self.device)
+
+    def logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.backend.logprobs(batch), self.backend.ref_logprobs(batch)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        return self.backend.train_step(batch)
+
+    def push_weights(self, engine_urls: list[str], weight_version: int,
+                     bucket_bytes: int) -> float:
+        """Rank 0 broadcasts its weights to every engine; returns seconds spent."""
+        from kuberl_trainer.weight_sync.sender import push_weights
+
+        started = time.perf_counter()
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        push_weights(engine_urls, self.backend.named_tensor_buckets(bucket_bytes),
+                     backend=backend, master_address=node_ip(), master_port=free_port(),
+                     weight_version=weight_version)
+        return time.perf_counter() - started
+
+    def save(self, path: str) -> None:
+        self.backend.save(path)
+
+    def load(self, path: str) -> None:
+        self.backend.load(path)
+
+
+class EngineServer:
+    """Runs one engine HTTP server as a child process of this actor (on the actor's pod)."""
+
+    def __init__(self, spec_json: str, index: int, seed: int) -> None:
+        self.spec = RLJobSpec.model_validate_json(spec_json)
+        self.index, self.seed = index, seed
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    def start(self, model_path: str) -> str:
+        port = free_port()
+        self.proc = subprocess.Popen(self._command(model_path, port), stdout=sys.stdout,
+                                     stderr=sys.stderr)
+        self.url = f"http://{node_ip()}:{port}"
+        return self.url
+
+    def _command(self, model_path: str, port: int) -> list[str]:
+        r = self.spec.rollout
+        if r.engine == "reference":
+            device = "cuda" if torch.cuda.is_available() and self.spec.rollout_gpus else "cpu"
+            cmd = [sys.executable, "-m", "kuberl_rollout.reference", "--model-path", model_path,
+                   "--host", "0.0.0.0", "--port", str(port), "--seed", str(self.seed),
+                   "--device", device]
+        else:
+            cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+                   "--host", "0.0.0.0", "--port", str(port), "--tp-size",
+                   str(r.gpus_per_engine), "--random-seed", str(self.seed)]
+        for key, value in sorted(r.engine_args.items()):
+            cmd += [f"--{key}", value]
+        return cmd
+
+    def poll(self) -> int | None:
+        """The child's exit code, or None while it runs."""
+        return None if self.proc is None else self.proc.poll()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+class TrainGroup:
+    """The training workers, driven together: data-parallel shards of every batch."""
+
+    def __init__(self, spec: RLJobSpec, layout: Layout) -> None:
+        cls = ray.remote(TrainWorker).options(**layout.train_actor.options())  # type: ignore[arg-type]
+        spec_json = spec.model_dump_json(by_alias=True)
+        n = layout.train_workers
+        self.workers = [cls.remote(spec_json, rank, n) for rank in range(n)]
+        addr, port = ray.get(self.workers[0].address.remote())
+        ray.get([w.setup.remote(addr, port) for w in self.workers])
+
+    def _shards(self, batch: TrainBatch) -> list[TrainBatch]:
+        return batch.split(len(self.workers))
+
+    def logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        parts = ray.get([w.logprobs.remote(s)
+                         for w, s in zip(self.workers, self._shards(batch), strict=True)])
+        old = torch.cat([p[0] for p in parts])
+        ref = None if parts[0][1] is None else torch.cat([p[1] for p in parts])
+        return old, ref
+
+    def train(self, batch: TrainBatch) -> dict[str, float]:
+        results: Sequence[dict[str, float]] = ray.get(
+            [w.train_step.remote(s) for w, s in zip(self.workers, self._shards(batch),
+                                                     strict=True)])
+        return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
+
+    def push_weights(self, engine_urls: list[str], version: int, bucket_bytes: int) -> float:
+        return float(ray.get(self.workers[0].push_weights.remote(engine_urls, version,
+                                                                  bucket_bytes)))
+
+    def save(self, path: str) -> None:
+        ray.get([w.save.remote(path) for w in self.workers])
+
+    def load(self, path: str) -> None:
+        ray.get([w.load.remote(path) for w in self.workers])
+
+
+class EngineGroup:
+    def __init__(self, spec: RLJobSpec, layout: Layout, seed: int) -> None:
+        cls = ray.remote(EngineServer).options(**layout.engine_actor.options())  # type: ignore[arg-type]
+        spec_json = spec.model_dump_json(by_alias=True)
+        self.actors = [cls.remote(spec_json, i, seed + i) for i in range(layout.engines)]
+        self.urls: list[str] = ray.get([a.start.remote(spec.model.path) for a in self.actors])
+
+    def dead(self) -> dict[str, int]:
+        """Engines whose server process exited, with the exit code."""
+        codes: list[Any] = ray.get([a.poll.remote() for a in self.actors])
+        return {url: c for url, c in zip(self.urls, codes, strict=True) if c is not None}
+
+    def stop(self) -> None:
+        ray.get([a.stop.remote() for a in self.actors])

@@ -1,0 +1,71 @@
+"""Per-step metrics: one JSON object per line in metrics.jsonl (stable key names), the same
+numbers as Prometheus gauges, and TensorBoard when it is installed and asked for."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+# Keys every step line carries, in this order (others follow, sorted).
+STEP_KEYS = ("step", "reward_mean", "reward_std", "response_length_mean", "time_generate_s",
+             "time_train_s", "time_sync_s", "time_step_s", "weight_version")
+
+
+class MetricsLog:
+    def __init__(self, out_dir: Path, *, prometheus_port: int = 0,
+                 tensorboard_dir: Path | None = None) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = out_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self._gauges: dict[str, Any] = {}
+        self._registry = None
+        if prometheus_port:
+            from prometheus_client import CollectorRegistry, start_http_server
+
+            self._registry = CollectorRegistry()
+            start_http_server(prometheus_port, registry=self._registry)
+        self._tb = None
+        if tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional
+                print("tensorboard is not installed; skipping --tensorboard")
+            else:
+                self._tb = SummaryWriter(str(tensorboard_dir))
+
+    def write(self, record: dict[str, Any]) -> None:
+        ordered = {k: record[k] for k in STEP_KEYS if k in record}
+        ordered.update({k: record[k] for k in sorted(record) if k not in ordered})
+        ordered["time"] = time.time()
+        self._file.write(json.dumps(ordered) + "\n")
+        self._file.flush()
+        step = int(record["step"])
+        for key, value in record.items():
+            if isinstance(value, int | float) and key != "step":
+                self._gauge(key).set(value)
+                if self._tb is not None:
+                    self._tb.add_scalar(key, value, step)
+        if "step" in record:
+            self._gauge("step").set(step)
+
+    def _gauge(self, key: str) -> Any:
+        if self._registry is None:
+            return _Null()
+        if key not in self._gauges:
+            from prometheus_client import Gauge
+
+            self._gauges[key] = Gauge(f"kuberl_train_{key}", key.replace("_", " "),
+                                      registry=self._registry)
+        return self._gauges[key]
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+class _Null:
+    def set(self, value: float) -> None:
+        pass

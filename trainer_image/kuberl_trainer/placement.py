@@ -1,0 +1,74 @@
+"""Where training workers and engines run: a pure function of the spec, then Ray resources.
+
+The operator gives every train pod `kuberl_train` units (one per GPU, or one on CPU) and every
+rollout pod `kuberl_rollout` units (colocated train pods carry both). Actors ask for those units,
+so the same code lands actors on the right pods in a cluster and on the right share of one
+machine locally (where `local_resources` advertises the same units to a local Ray).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kuberl_api.runtime import RESOURCE_ROLLOUT, RESOURCE_TRAIN
+from kuberl_api.spec import RLJobSpec
+
+
+@dataclass(frozen=True)
+class ActorShape:
+    """What one actor asks Ray for."""
+
+    num_cpus: float
+    num_gpus: float
+    resources: dict[str, float]
+
+    def options(self) -> dict[str, object]:
+        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
+                "resources": dict(self.resources)}
+
+
+@dataclass(frozen=True)
+class Layout:
+    placement: str
+    train_workers: int
+    train_actor: ActorShape
+    engines: int
+    engine_actor: ActorShape
+    gpus_per_engine: int
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.train_actor.num_gpus > 0
+
+
+# CPU actors ask for a sliver of CPU so that on a laptop or CI box (2 cores) trainers and
+# engines can share the machine; their real limit is the Ray custom resource.
+_CPU_SLIVER = 0.1
+
+
+def layout(spec: RLJobSpec) -> Layout:
+    """One training worker per GPU (per node on CPU); `num_engines` engines of
+    `gpusPerEngine` GPUs (one CPU engine each when rollout runs on CPU)."""
+    t = spec.training
+    gpu = t.gpus_per_node > 0
+    train = ActorShape(num_cpus=1 if gpu else _CPU_SLIVER, num_gpus=1 if gpu else 0,
+                       resources={RESOURCE_TRAIN: 1})
+    rollout_gpu = spec.rollout_gpus > 0
+    per_engine = spec.rollout.gpus_per_engine if rollout_gpu else 0
+    # Colocated engines share the trainers' GPUs: they take no GPU from Ray's accounting (the
+    # engine process sees the devices through CUDA_VISIBLE_DEVICES set by the launcher) and
+    # hand memory back between phases (release/resume_memory_occupation).
+    engine_gpus = per_engine if (rollout_gpu and spec.placement == "disaggregated") else 0
+    engine = ActorShape(num_cpus=1 if rollout_gpu else _CPU_SLIVER, num_gpus=engine_gpus,
+                        resources={RESOURCE_ROLLOUT: per_engine or 1})
+    return Layout(placement=spec.placement, train_workers=t.world_size, train_actor=train,
+                  engines=spec.num_engines, engine_actor=engine, gpus_per_engine=per_engine)
+
+
+def local_resources(spec: RLJobSpec) -> dict[str, float]:
+    """Custom resources a local Ray advertises so the cluster's actor requests fit one
+    machine: exactly the units the job's actors ask for."""
+    lay = layout(spec)
+    train_units = lay.train_workers * lay.train_actor.resources[RESOURCE_TRAIN]
+    rollout_units = lay.engines * lay.engine_actor.resources[RESOURCE_ROLLOUT]
+    return {RESOURCE_TRAIN: train_units, RESOURCE_ROLLOUT: rollout_units}

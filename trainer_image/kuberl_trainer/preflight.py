@@ -1,0 +1,68 @@
+"""Checks that run before Ray starts, so bad input fails in a second with a message that says
+what and where, instead of minutes later inside an actor."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kuberl_api.spec import RLJobSpec
+
+WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+class PreflightError(ValueError):
+    pass
+
+
+@dataclass
+class Checked:
+    tokenizer_path: str
+    reward_fn: Callable[[str, str], float]
+
+
+def check_model(path: str, field: str = "spec.model.path") -> None:
+    p = Path(path)
+    if not p.is_dir():
+        raise PreflightError(f"{field}: {path} is not a directory (expected a Hugging Face "
+                             "checkpoint with config.json and weights)")
+    if not (p / "config.json").is_file():
+        raise PreflightError(f"{field}: {path} has no config.json")
+    if not any(any(p.glob(g)) for g in WEIGHT_GLOBS):
+        raise PreflightError(f"{field}: {path} has no weights (*.safetensors or *.bin)")
+
+
+def check_tokenizer(path: str, field: str) -> None:
+    if not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+        raise PreflightError(f"{field}: {path} has no tokenizer files "
+                             f"({', '.join(TOKENIZER_FILES)})")
+
+
+def check_data(spec: RLJobSpec) -> None:
+    from kuberl_trainer.data import DataError, PromptSource
+
+    d = spec.data
+    paths = [("spec.data.prompts", d.prompts)] + [
+        (f"spec.data.evalSets[{i}].path", e.path) for i, e in enumerate(d.eval_sets)]
+    for field, path in paths:
+        try:
+            PromptSource(path, d.input_key, d.label_key, seed=0).check()
+        except DataError as exc:
+            raise PreflightError(f"{field}: {exc}") from None
+
+
+def check(spec: RLJobSpec) -> Checked:
+    from kuberl_trainer import rewards
+
+    check_model(spec.model.path)
+    tokenizer = spec.model.tokenizer or spec.model.path
+    check_tokenizer(tokenizer, "spec.model.tokenizer" if spec.model.tokenizer
+                    else "spec.model.path")
+    check_data(spec)
+    try:
+        reward_fn = rewards.load(spec.reward)
+    except (ImportError, AttributeError, TypeError, ValueError) as exc:
+        raise PreflightError(f"spec.reward: {exc}") from None
+    return Checked(tokenizer_path=tokenizer, reward_fn=reward_fn)

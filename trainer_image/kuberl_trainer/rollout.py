@@ -1,0 +1,133 @@
+"""Rollout manager: prompts -> engines -> rewards -> advantages -> a TrainBatch.
+
+One step's rollout: take `rolloutBatchSize` prompts from the data source, ask the engines for
+`nSamplesPerPrompt` responses each (concurrently, load-balanced by the engine client), grade
+them, compute GRPO advantages per prompt group, optionally drop groups whose rewards are all
+equal, and pack token tensors for the trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kuberl_api.spec import RLJobSpec
+from kuberl_trainer.algos import advantages as adv_fn
+from kuberl_trainer.algos.filters import nonconstant_groups
+from kuberl_trainer.backends.base import TrainBatch
+from kuberl_trainer.data import PromptSource, Sample
+from kuberl_trainer.engine_client import EngineClient
+
+
+@dataclass
+class Response:
+    sample: Sample
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    text: str
+    truncated: bool
+    reward: float = 0.0
+
+
+@dataclass
+class Rollout:
+    batch: TrainBatch
+    metrics: dict[str, float] = field(default_factory=dict)
+    prompts: list[str] = field(default_factory=list)
+
+
+class RolloutManager:
+    def __init__(self, spec: RLJobSpec, source: PromptSource, client: EngineClient,
+                 tokenizer: Any, reward_fn: Callable[[str, str], float], *,
+                 filter_constant_groups: bool = False) -> None:
+        self.spec, self.source, self.client = spec, source, client
+        self.tokenizer, self.reward_fn = tokenizer, reward_fn
+        self.filter_constant_groups = filter_constant_groups
+
+    def sampling_params(self, step: int) -> dict[str, Any]:
+        return {
+            "temperature": self.spec.algorithm.temperature,
+            "top_p": 1.0,
+            "max_new_tokens": self.spec.data.max_response_len,
+            "stop_token_ids": [self.tokenizer.eos_token_id],
+        }
+
+    async def _sample(self, sample: Sample, n: int, params: dict[str, Any]) -> list[Response]:
+        ids = self.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
+        ids = ids[-self.spec.data.max_prompt_len:]
+        outs = await asyncio.gather(*(self.client.generate(ids, params) for _ in range(n)))
+        return [self._response(sample, ids, o) for o in outs]
+
+    def _response(self, sample: Sample, ids: list[int], out: dict[str, Any]) -> Response:
+        meta = out["meta_info"]
+        lps = [float(x[0]) for x in meta.get("output_token_logprobs", [])]
+        finish = meta.get("finish_reason") or {}
+        return Response(sample=sample, prompt_ids=ids, output_ids=list(out["output_ids"]),
+                        logprobs=lps, text=out["text"],
+                        truncated=finish.get("type") == "length")
+
+    async def generate(self, step: int) -> Rollout:
+        d = self.spec.data
+        samples = self.source.next_batch(d.rollout_batch_size)
+        params = self.sampling_params(step)
+        groups = await asyncio.gather(*(self._sample(s, d.n_samples_per_prompt, params)
+                                        for s in samples))
+        responses = [r for g in groups for r in g]
+        for r in responses:
+            r.reward = float(self.reward_fn(r.text, r.sample.label))
+        rewards = torch.tensor([r.reward for r in responses], dtype=torch.float32)
+        metrics = self._metrics(responses, rewards)
+        keep = self._kept_groups(rewards)
+        responses = [r for i, r in enumerate(responses) if keep[i // d.n_samples_per_prompt]]
+        rewards = torch.tensor([r.reward for r in responses], dtype=torch.float32)
+        advantages = adv_fn.grpo(rewards, d.n_samples_per_prompt) if responses else rewards
+        return Rollout(batch=pack(responses, advantages, self.tokenizer.pad_token_id),
+                       metrics=metrics, prompts=[s.prompt for s in samples])
+
+    def _kept_groups(self, rewards: torch.Tensor) -> list[bool]:
+        groups = len(rewards) // self.spec.data.n_samples_per_prompt
+        if not self.filter_constant_groups:
+            return [True] * groups
+        return [bool(x) for x in nonconstant_groups(rewards, self.spec.data.n_samples_per_prompt)]
+
+    @staticmethod
+    def _metrics(responses: list[Response], rewards: torch.Tensor) -> dict[str, float]:
+        lengths = [len(r.output_ids) for r in responses]
+        return {
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std(unbiased=False)),
+            "response_length_mean": statistics.fmean(lengths),
+            "response_length_max": float(max(lengths)),
+            "truncated_fraction": sum(r.truncated for r in responses) / len(responses),
+        }
+
+
+def pack(responses: list[Response], advantages: torch.Tensor, pad_id: int) -> TrainBatch:
+    """Right-padded [B, T] tensors of prompt+response; loss on response tokens only.
+
+    Token-level tensors (advantages, rollout logprobs) sit at the response tokens' positions in
+    input_ids, the convention the backend's log-probs use (position t scores token t).
+    """
+    width = max((len(r.prompt_ids) + len(r.output_ids) for r in responses), default=1)
+    b = len(responses)
+    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((b, width), dtype=torch.long)
+    loss_mask = torch.zeros((b, width), dtype=torch.float32)
+    rollout_lp = torch.zeros((b, width), dtype=torch.float32)
+    for i, r in enumerate(responses):
+        p, o = len(r.prompt_ids), len(r.output_ids)
+        input_ids[i, : p + o] = torch.tensor(r.prompt_ids + r.output_ids)
+        attention[i, : p + o] = 1
+        loss_mask[i, p : p + o] = 1.0
+        if r.logprobs:
+            rollout_lp[i, p : p + o] = torch.tensor(r.logprobs[:o])
+    token_adv = advantages[:, None] * loss_mask
+    return TrainBatch(input_ids=input_ids, attention_mask=attention, loss_mask=loss_mask,
+                      advantages=token_adv, old_logprobs=rollout_lp.clone(),
+                      rollout_logprobs=rollout_lp, ref_logprobs=None)

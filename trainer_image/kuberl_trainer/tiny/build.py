@@ -1,0 +1,145 @@
+"""Build (or reuse) the tiny job's directory: data/, tokenizer/, model/ and build.json.
+
+build.json is written last, atomically, and names the full recipe; a directory whose build.json
+matches the requested recipe and whose files are all present is reused as is, so `make demo`
+pays for the SFT once. Anything else (no build.json, another seed, an interrupted build) is
+rebuilt from scratch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kuberl_trainer.tiny import data, sft, tokenizer as tok
+from kuberl_trainer.tiny.evaluate import accuracy
+from kuberl_trainer.tiny.model import ModelShape, make_model, n_params
+
+# Bump when a code change alters what a build produces, so older caches are rebuilt.
+RECIPE = 1
+# The fresh demo machine has 2 cores; a fixed count also keeps float reductions (and so the
+# weights) identical from run to run.
+THREADS = 2
+
+TRAIN_FILE = "data/train.jsonl"
+EVAL_FILE = "data/eval.jsonl"
+TOKENIZER_DIR = "tokenizer"
+MODEL_DIR = "model"
+MANIFEST = "build.json"
+REQUIRED = (TRAIN_FILE, EVAL_FILE, f"{TOKENIZER_DIR}/tokenizer.json",
+            f"{MODEL_DIR}/config.json", f"{MODEL_DIR}/model.safetensors",
+            f"{MODEL_DIR}/tokenizer.json")
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """Everything that determines the built files (the cache key)."""
+
+    seed: int = 0
+    sft_steps: int = 900
+    sft_batch_size: int = 64
+    sft_lr: float = 1e-3
+    n_eval: int = 500
+    eval_samples: int = 8  # sampled accuracy: this many responses per prompt at temperature 1
+    shape: ModelShape = field(default_factory=ModelShape)
+    recipe: int = RECIPE
+
+    def key(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def cached(out: Path, config: BuildConfig) -> dict[str, Any] | None:
+    """The previous build's record if `out` holds a complete build of `config`, else None."""
+    try:
+        record: dict[str, Any] = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if record.get("config") != config.key():
+        return None
+    if not all((out / name).is_file() for name in REQUIRED):
+        return None
+    return record
+
+
+def build(out: Path, config: BuildConfig, *, force: bool = False,
+          log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Build into `out` unless it already holds this build; returns build.json's content."""
+    if not force and (record := cached(out, config)) is not None:
+        log(f"tiny: reusing {out} (seed {config.seed}, {config.sft_steps} SFT steps)")
+        return record
+    out.mkdir(parents=True, exist_ok=True)
+    # Drop the old record first: if this build dies midway, the directory reads as incomplete.
+    (out / MANIFEST).unlink(missing_ok=True)
+    with _threads(THREADS):
+        record = _build(out, config, log)
+    _write_json(out / MANIFEST, record)
+    log(f"tiny: built {out}: greedy accuracy {record['greedy_accuracy']:.3f}, sampled "
+        f"{record['sampled_accuracy']:.3f}, {record['seconds']['total']:.1f} s")
+    return record
+
+
+def _build(out: Path, config: BuildConfig, log: Callable[[str], None]) -> dict[str, Any]:
+    start = time.perf_counter()
+    train, held_out = data.split(config.seed, config.n_eval)
+    data.write_jsonl(out / TRAIN_FILE, train)
+    data.write_jsonl(out / EVAL_FILE, held_out)
+    tokenizer = tok.make_tokenizer()
+    tok.save(tokenizer, out / TOKENIZER_DIR)
+
+    model = make_model(config.shape, config.seed)
+    log(f"tiny: SFT of a {n_params(model) / 1e6:.2f}M-parameter model, "
+        f"{config.sft_steps} steps x {config.sft_batch_size}")
+    sft_start = time.perf_counter()
+    losses = sft.train(model, tokenizer, train, steps=config.sft_steps,
+                       batch_size=config.sft_batch_size, lr=config.sft_lr, seed=config.seed)
+    sft_seconds = time.perf_counter() - sft_start
+    model.save_pretrained(str(out / MODEL_DIR))
+    # The model directory alone is a complete HF checkpoint: model.path needs no tokenizer.
+    tok.save(tokenizer, out / MODEL_DIR)
+
+    greedy = accuracy(model, tokenizer, held_out, seed=config.seed)
+    sampled = accuracy(model, tokenizer, held_out, temperature=1.0,
+                       n_samples=config.eval_samples, seed=config.seed)
+    return {
+        "config": config.key(),
+        "params": n_params(model),
+        "vocab_size": len(tok.VOCAB),
+        "train_problems": len(train),
+        "eval_problems": len(held_out),
+        "sft_final_loss": _tail_mean(losses),
+        "greedy_accuracy": greedy,
+        "sampled_accuracy": sampled,
+        "seconds": {"sft": round(sft_seconds, 2),
+                    "total": round(time.perf_counter() - start, 2)},
+        "threads": THREADS,
+        "torch": torch.__version__,
+    }
+
+
+def _tail_mean(losses: list[float], n: int = 20) -> float | None:
+    tail = losses[-n:]
+    return sum(tail) / len(tail) if tail else None
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _write_json(path: Path, record: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)

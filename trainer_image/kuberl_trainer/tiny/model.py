@@ -1,0 +1,58 @@
+"""The tiny policy: a Qwen2-config causal LM sized like DESIGN.md's reference (~0.66M params).
+
+Qwen2 (not a bespoke module) so the trainer backends and the reference engine run it through the
+same `AutoModelForCausalLM` path as a real checkpoint. hidden 128 x 4 layers is the smallest
+shape we found that learns carries within a minute of SFT on 2 cores; hidden 64 at 2-4 layers
+(a quarter of the parameters) plateaus lower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+from kuberl_trainer.tiny.tokenizer import EOS, PAD, VOCAB
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4
+    intermediate: int = 256
+    # prompt (6) + answer (<= 3) + eos, with room to spare for longer prompts in tests.
+    max_positions: int = 64
+
+
+def make_config(shape: ModelShape) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=len(VOCAB),
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.heads,
+        max_position_embeddings=shape.max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=VOCAB[PAD],
+        eos_token_id=VOCAB[EOS],
+        bos_token_id=None,
+    )
+
+
+def make_model(shape: ModelShape, seed: int) -> Qwen2ForCausalLM:
+    """A freshly initialised model; the weights depend only on `seed` (and torch's version)."""
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(make_config(shape))
+    # generation_config.json is written by save_pretrained; without eos/pad there, HF
+    # `generate` would run to max_new_tokens and warn about a missing pad token.
+    model.generation_config = GenerationConfig(
+        eos_token_id=VOCAB[EOS], pad_token_id=VOCAB[PAD], max_new_tokens=4)
+    return model
+
+
+def n_params(model: torch.nn.Module) -> int:
+    # Tied embeddings are one tensor; parameters() already yields it once.
+    return sum(p.numel() for p in model.parameters())

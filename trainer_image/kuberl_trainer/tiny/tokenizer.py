@@ -1,0 +1,48 @@
+"""A 14-symbol character tokenizer: pad, eos, the ten digits, '+' and '='.
+
+Built with the `tokenizers` library and saved as a `PreTrainedTokenizerFast` directory, so the
+trainer, the reference engine and `AutoTokenizer.from_pretrained(dir)` load it offline like any
+HF tokenizer. A WordLevel model over single characters (rather than BPE with no merges) makes
+an out-of-vocabulary character an error instead of a silently dropped one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+PAD = "<pad>"
+EOS = "<eos>"
+SYMBOLS = "0123456789+="
+# pad is id 0 so zero-initialised buffers read as padding; no bos: prompts are short and fixed
+# in form, and Qwen2 needs none.
+VOCAB: dict[str, int] = {tok: i for i, tok in enumerate([PAD, EOS, *SYMBOLS])}
+
+
+def _backend() -> Tokenizer:
+    tok = Tokenizer(models.WordLevel(vocab=VOCAB, unk_token=None))
+    # Every character is its own token ("isolated" keeps each match as a piece).
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # Fuse joins decoded tokens without the spaces WordLevel would put between them.
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([PAD, EOS])
+    return tok
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """The tokenizer object; `save(dir)` writes it for `AutoTokenizer`."""
+    return PreTrainedTokenizerFast(
+        tokenizer_object=_backend(),
+        pad_token=PAD,
+        eos_token=EOS,
+        # Left padding is what batched generation needs (prompts here are equal-length anyway).
+        padding_side="left",
+        model_max_length=64,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def save(tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
+    tokenizer.save_pretrained(str(out))
