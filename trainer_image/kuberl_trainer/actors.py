@@ -64,12 +64,19 @@ class TrainWorker:
 
     def push_weights(self, engine_urls: list[str], weight_version: int,
                      bucket_bytes: int) -> float:
-        """Rank 0 broadcasts its weights to every engine; returns seconds spent."""
+        """Rank 0 broadcasts its weights to every engine; returns seconds spent. Every rank
+        must iterate the buckets: with sharded weights (FSDP2) each full tensor is gathered
+        collectively, so the other ranks take part and drop what they gathered."""
         from kuberl_trainer.weight_sync.sender import push_weights
 
         started = time.perf_counter()
+        buckets = self.backend.named_tensor_buckets(bucket_bytes)
+        if self.rank != 0:
+            for _ in buckets:
+                pass
+            return time.perf_counter() - started
         backend = "nccl" if self.device == "cuda" else "gloo"
-        push_weights(engine_urls, self.backend.named_tensor_buckets(bucket_bytes),
+        push_weights(engine_urls, buckets,
                      backend=backend, master_address=node_ip(), master_port=free_port(),
                      weight_version=weight_version)
         return time.perf_counter() - started
@@ -153,8 +160,9 @@ class TrainGroup:
         return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
 
     def push_weights(self, engine_urls: list[str], version: int, bucket_bytes: int) -> float:
-        return float(ray.get(self.workers[0].push_weights.remote(engine_urls, version,
-                                                                  bucket_bytes)))
+        seconds = ray.get([w.push_weights.remote(engine_urls, version, bucket_bytes)
+                           for w in self.workers])
+        return float(seconds[0])
 
     def save(self, path: str) -> None:
         ray.get([w.save.remote(path) for w in self.workers])

@@ -86,7 +86,10 @@ class RolloutManager:
         keep = self._kept_groups(rewards)
         responses = [r for i, r in enumerate(responses) if keep[i // d.n_samples_per_prompt]]
         rewards = torch.tensor([r.reward for r in responses], dtype=torch.float32)
-        advantages = adv_fn.grpo(rewards, d.n_samples_per_prompt) if responses else rewards
+        # Dr.GRPO drops the std normalisation (the length normalisation lives in the loss).
+        normalize = self.spec.algorithm.advantage_estimator != "dr_grpo"
+        advantages = (adv_fn.grpo(rewards, d.n_samples_per_prompt, normalize_std=normalize)
+                      if responses else rewards)
         return Rollout(batch=pack(responses, advantages, self.tokenizer.pad_token_id),
                        metrics=metrics, prompts=[s.prompt for s in samples])
 

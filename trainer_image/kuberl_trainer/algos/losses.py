@@ -14,7 +14,7 @@ from torch import Tensor
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """Mean of ``x[B, T]`` over positions where ``mask[B, T]`` is 1; a scalar.
+    """Mean of ``x[B, T]`` over positions where the 0/1 ``mask[B, T]`` is 1; a scalar.
 
     An all-zero mask gives 0 rather than NaN (0 / 0), so an empty micro-batch contributes no
     gradient instead of poisoning the step.

@@ -31,8 +31,8 @@ def import_reward(path: str) -> RewardFn:
         raise RewardLoadError(f"reward function {path!r}: module {module_name!r} has no "
                               f"attribute {attr!r}")
     if not callable(fn):
-        raise RewardLoadError(f"reward function {path!r} is not callable (it is a "
-                              f"{type(fn).__name__})")
+        raise RewardLoadError(f"reward function {path!r} is not callable (got an "
+                              f"object of type {type(fn).__name__})")
 
     def reward(response: str, label: str) -> float:
         return float(fn(response, label))

@@ -33,25 +33,26 @@ def math_reward(response: str, label: str) -> float:
         gold = _parse_label(label, timeout)
         if not gold:
             return 0.0
-        answer = parse(response, list(_RESPONSE_TARGETS), parsing_timeout=timeout)  # type: ignore[arg-type]
-        return float(bool(answer) and verify(gold, answer, timeout_seconds=timeout))
+        # parsing_timeout is annotated int, but math-verify documents None as "no timeout".
+        answer = parse(response, _RESPONSE_TARGETS, parsing_timeout=timeout)
+        return float(bool(answer) and verify(list(gold), answer, timeout_seconds=timeout))
     except (Exception, TimeoutException):
         # math-verify catches its own errors; this is the backstop for anything it lets out.
         return 0.0
 
 
 @lru_cache(maxsize=4096)
-def _parse_label(label: str, timeout: int | None) -> list[Any]:
+def _parse_label(label: str, timeout: int | None) -> tuple[Any, ...]:
     """Parsed label, cached: every label is graded once per response in its group.
 
     Bare LaTeX such as ``x^2+1`` is only found inside math delimiters, so the label is tried
     as written, then wrapped in ``$...$``.
     """
     for text in (label, f"${label}$"):
-        parsed: list[Any] = parse(text, parsing_timeout=timeout)  # type: ignore[arg-type]
+        parsed = parse(text, parsing_timeout=timeout)
         if parsed:
-            return parsed
-    return []
+            return tuple(parsed)  # immutable: the cached value is shared between calls
+    return ()
 
 
 def _timeout() -> int | None:

@@ -1,0 +1,69 @@
+"""`python -m kuberl_rollout.reference`: load the model, then serve until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+# Local files only: the engine must never reach out to the Hub (pods may have no egress, and
+# tests must not depend on the network). Set before transformers is imported.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m kuberl_rollout.reference",
+                                description=__doc__)
+    p.add_argument("--model-path", required=True, help="local HF checkpoint directory")
+    p.add_argument("--tokenizer-path", default=None, help="default: --model-path")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds requests that carry no sampling_seed (SGLang: --random-seed)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--weight-version", default="default", help="initial weight_version")
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--batch-wait-ms", type=float, default=5.0,
+                   help="how long the first request of a batch waits for others to join")
+    p.add_argument("--weight-sync-timeout", type=float, default=300.0,
+                   help="seconds a weight-group rendezvous or broadcast may take")
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="torch intra-op threads (0: torch's default)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import torch
+    from aiohttp import web
+
+    from kuberl_rollout.reference.engine import ReferenceEngine
+    from kuberl_rollout.reference.server import Server
+
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    engine = ReferenceEngine(args.model_path, tokenizer_path=args.tokenizer_path,
+                             device=args.device, dtype=args.dtype, seed=args.seed,
+                             weight_version=args.weight_version)
+    server = Server(engine, max_batch_size=args.max_batch_size,
+                    batch_wait_s=args.batch_wait_ms / 1000,
+                    weight_sync_timeout_s=args.weight_sync_timeout)
+    logging.getLogger("kuberl.reference").info(
+        "serving %s on http://%s:%d (%s, %s)", args.model_path, args.host, args.port,
+        args.device, args.dtype)
+    web.run_app(server.app(), host=args.host, port=args.port, print=None,
+                access_log=None, handler_cancellation=True)
+    # The worker thread may sit in a collective or a long batch; don't let interpreter
+    # shutdown wait for it once the server has stopped.
+    logging.shutdown()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""The reference engine's model: batched generation with a KV cache, and weight management.
+
+Not thread-safe by design: every method that touches torch runs on the server's single worker
+thread (see server.py), which serialises generation batches and weight updates the way SGLang's
+scheduler does, with no locks here.
+
+Generation: prompts are left-padded into one batch (position ids from the attention mask, so
+padding changes nothing), one prefill, then one decode step per token over a DynamicCache until
+every row has finished. Finished rows keep decoding a pad token (their output is ignored):
+simpler than compacting the cache, and the reference engine is for tests and local runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from kuberl_rollout.reference.sampling import Finish, Sampling, check_finish, choose_tokens
+from kuberl_trainer.weight_sync.codec import tensor_sha256
+
+LOG = logging.getLogger("kuberl.reference")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MEMORY_TAGS = frozenset({"weights", "kv_cache"})
+
+
+class EngineBusy(RuntimeError):
+    """The engine can't serve this now (memory released): HTTP 503."""
+
+
+@dataclass
+class GenRequest:
+    rid: str
+    seq: int  # arrival order; abort_all aborts every request up to a sequence number
+    input_ids: list[int]
+    sampling: Sampling
+    return_logprob: bool
+    generator: torch.Generator = field(repr=False)
+
+
+@dataclass
+class _Row:
+    req: GenRequest
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: Finish | None = None
+
+
+class ReferenceEngine:
+    def __init__(self, model_path: str, *, tokenizer_path: str | None = None,
+                 device: str = "cpu", dtype: str = "float32", seed: int = 0,
+                 weight_version: str = "default") -> None:
+        self.model_path = model_path
+        self.tokenizer_path = tokenizer_path or model_path
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path,
+                                                       local_files_only=True)
+        model: Any = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True,
+                                                          dtype=DTYPES[dtype])
+        self.model = model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.context_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 20))
+        self.eos_ids = self._eos_ids()
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = min(self.eos_ids) if self.eos_ids else 0
+        self.weight_version = weight_version
+        self.released: set[str] = set()
+        self.original_logprob = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in {
+            "1", "true", "yes"}
+        # Seeds for requests without sampling_seed: reproducible given --seed and arrival order.
+        self._seeds = random.Random(seed)
+        torch.manual_seed(seed)
+        self.aborted_rids: set[str] = set()
+        self.abort_all_upto = -1
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (self.model.generation_config.eos_token_id,
+                       self.model.config.eos_token_id, self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, list | tuple):
+                ids.update(int(i) for i in source)
+        return frozenset(ids)
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def make_request(self, input_ids: Sequence[int], sampling: Sampling, *, rid: str, seq: int,
+                     return_logprob: bool) -> GenRequest:
+        """Validate one prompt (ValueError -> HTTP 400)."""
+        if not input_ids:
+            raise ValueError("input_ids must not be empty")
+        bad = [t for t in input_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        if len(input_ids) + sampling.max_new_tokens > self.context_len:
+            raise ValueError(f"prompt ({len(input_ids)} tokens) + max_new_tokens "
+                             f"({sampling.max_new_tokens}) exceeds the context length "
+                             f"{self.context_len}")
+        seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63)
+        generator = torch.Generator().manual_seed(seed)
+        return GenRequest(rid=rid, seq=seq, input_ids=list(input_ids), sampling=sampling,
+                          return_logprob=return_logprob, generator=generator)
+
+    def _aborted(self, req: GenRequest) -> bool:
+        return req.seq <= self.abort_all_upto or req.rid in self.aborted_rids
+
+    # ---- generation (worker thread) ---------------------------------------------------------
+
+    def generate(self, reqs: Sequence[GenRequest]) -> list[dict[str, Any]]:
+        if self.released:
+            raise EngineBusy(f"memory released ({sorted(self.released)}); "
+                             "call /resume_memory_occupation first")
+        rows = [_Row(r) for r in reqs]
+        for row in rows:
+            if self._aborted(row.req):
+                row.finish = Finish("abort")
+            elif row.req.sampling.max_new_tokens == 0:
+                row.finish = Finish("length")
+        if any(row.finish is None for row in rows):
+            with torch.inference_mode():
+                self._decode(rows)
+        return [self._result(row) for row in rows]
+
+    def _decode(self, rows: list[_Row]) -> None:
+        width = max(len(r.req.input_ids) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            n = len(row.req.input_ids)
+            ids[i, width - n:] = torch.tensor(row.req.input_ids)
+            mask[i, width - n:] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=DynamicCache(config=self.model.config), use_cache=True,
+                         logits_to_keep=1)
+        params = [r.req.sampling for r in rows]
+        gens = [r.req.generator for r in rows]
+        while True:
+            logits = out.logits[:, -1, :].float()
+            tokens, logprobs = choose_tokens(logits, params, gens,
+                                             original_logprob=self.original_logprob)
+            token_list, lp_list = tokens.tolist(), logprobs.tolist()
+            for i, row in enumerate(rows):
+                if row.finish is None:
+                    self._append(row, token_list[i], lp_list[i])
+            if all(row.finish is not None for row in rows):
+                return
+            feed = torch.tensor([[self.pad_id if r.finish else t]
+                                 for r, t in zip(rows, token_list, strict=True)],
+                                device=self.device)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = positions[:, -1:] + 1
+            out = self.model(input_ids=feed, attention_mask=mask, position_ids=positions,
+                             past_key_values=out.past_key_values, use_cache=True)
+
+    def _append(self, row: _Row, token: int, logprob: float) -> None:
+        row.output_ids.append(token)
+        row.logprobs.append(logprob)
+        p = row.req.sampling
+        tail = ""
+        if p.stop:
+            window = max(len(s) for s in p.stop) + 2
+            tail = str(self.tokenizer.decode(row.output_ids[-window:],
+                                             skip_special_tokens=p.skip_special_tokens))
+        row.finish = check_finish(row.output_ids, p, self.eos_ids, tail)
+        if row.finish is None and self._aborted(row.req):
+            row.finish = Finish("abort")
+
+    def _result(self, row: _Row) -> dict[str, Any]:
+        req, finish = row.req, row.finish or Finish("abort")
+        p = req.sampling
+        text_ids = row.output_ids
+        # SGLang's detokenizer drops a matched stop token and cuts at a matched stop string;
+        # output_ids and logprobs keep every generated token (what the trainer trains on).
+        if isinstance(finish.matched, int) and not p.no_stop_trim:
+            text_ids = text_ids[:-1]
+        text = str(self.tokenizer.decode(text_ids, skip_special_tokens=p.skip_special_tokens))
+        if isinstance(finish.matched, str) and not p.no_stop_trim:
+            cut = text.find(finish.matched)
+            text = text if cut < 0 else text[:cut]
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": finish.to_json(p.max_new_tokens),
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(row.output_ids),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, tok, None] for lp, tok in zip(row.logprobs, row.output_ids, strict=True)]
+        self.aborted_rids.discard(req.rid)
+        return {"text": text, "output_ids": list(row.output_ids), "meta_info": meta}
+
+    # ---- weights (worker thread) ------------------------------------------------------------
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """HF name -> tensor, tied aliases included (both `lm_head.weight` and
+        `model.embed_tokens.weight` when tied; writing either updates both)."""
+        return dict(self.model.state_dict())
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy tensors into the model by HF name (cast to the model's dtype). All names and
+        shapes are checked before anything is written, so a bad update changes nothing."""
+        if "weights" in self.released:
+            raise EngineBusy("weights released; call /resume_memory_occupation first")
+        targets = self.named_tensors()
+        items = list(named)
+        problems = [f"unknown tensor {n!r}" for n, _ in items if n not in targets]
+        problems += [f"{n}: shape {tuple(t.shape)} != {tuple(targets[n].shape)}"
+                     for n, t in items if n in targets and t.shape != targets[n].shape]
+        if problems:
+            raise ValueError("; ".join(problems[:10]))
+        with torch.no_grad():
+            for name, tensor in items:
+                targets[name].copy_(tensor)
+        return len(items)
+
+    def checksums(self) -> dict[str, str]:
+        return {name: tensor_sha256(t) for name, t in self.named_tensors().items()}
+
+    def release(self, tags: Sequence[str] | None) -> None:
+        chosen = self._tags(tags)
+        if "weights" in chosen and "weights" not in self.released and self.device.type == "cuda":
+            # SGLang discards the weights; moving them to host memory frees the GPU the same
+            # way and keeps resume correct even without a weight update in between.
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self.released |= chosen
+
+    def resume(self, tags: Sequence[str] | None) -> None:
+        chosen = self._tags(tags)
+        if "weights" in chosen and "weights" in self.released and self.device.type == "cuda":
+            self.model.to(self.device)
+        self.released -= chosen
+
+    @staticmethod
+    def _tags(tags: Sequence[str] | None) -> set[str]:
+        chosen = set(tags) if tags else set(MEMORY_TAGS)
+        unknown = chosen - MEMORY_TAGS
+        if unknown:
+            raise ValueError(f"unknown memory tags {sorted(unknown)} (known: "
+                             f"{sorted(MEMORY_TAGS)})")
+        return chosen

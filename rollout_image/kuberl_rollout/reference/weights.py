@@ -1,0 +1,113 @@
+"""Engine side of weight sync for the reference engine (runs on the engine's worker thread).
+
+- /init_weights_update_group: join the trainer's group as rank `rank_offset` through the same
+  helper the trainer uses (kuberl_trainer.weight_sync.group), so both ends build identical
+  stores and process groups.
+- /update_weights_from_distributed: allocate empty tensors for the announced names, dtypes and
+  shapes, receive them by broadcast from rank 0 in the announced order, then copy them into the
+  model by HF name. Tensors are always received, even if a name is wrong, so the collective
+  stays in step with the trainer; the error is reported after.
+- /update_weights_from_tensor: decode the torch.save payload (see weight_sync.codec) and copy.
+`weight_version`, when given, becomes the engine's version once the update has succeeded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from kuberl_rollout.reference.engine import ReferenceEngine
+from kuberl_trainer.weight_sync import codec
+from kuberl_trainer.weight_sync.dtypes import str_to_dtype
+from kuberl_trainer.weight_sync.group import WeightSyncGroup, new_group
+
+LOG = logging.getLogger("kuberl.reference")
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+
+
+def _field(body: Mapping[str, Any], key: str, kind: type) -> Any:
+    if key not in body or body[key] is None:
+        raise ValueError(f"missing field {key!r}")
+    value = body[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ValueError(f"field {key!r} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+class Receiver:
+    def __init__(self, engine: ReferenceEngine, *, timeout_s: float = 300.0) -> None:
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self.groups: dict[str, WeightSyncGroup] = {}
+
+    def init_group(self, body: Mapping[str, Any]) -> str:
+        backend = str(body.get("backend") or "nccl")
+        name = str(body.get("group_name") or DEFAULT_GROUP)
+        if backend == "nccl" and self.engine.device.type != "cuda":
+            raise ValueError("backend nccl needs a CUDA engine; use gloo on CPU")
+        old = self.groups.pop(name, None)
+        if old is not None:  # a restarted trainer re-initialises under the same name
+            old.destroy()
+        group = new_group(backend, _field(body, "master_address", str),
+                          _field(body, "master_port", int), _field(body, "rank_offset", int),
+                          _field(body, "world_size", int), name, self.timeout_s)
+        self.groups[name] = group
+        return f"joined {name!r} as rank {group.rank}/{group.world_size} ({backend})"
+
+    def destroy_group(self, body: Mapping[str, Any]) -> str:
+        name = str(body.get("group_name") or DEFAULT_GROUP)
+        group = self.groups.pop(name, None)
+        if group is None:
+            raise ValueError(f"no weight-update group {name!r}")
+        group.destroy()
+        return f"destroyed {name!r}"
+
+    def update_from_distributed(self, body: Mapping[str, Any]) -> str:
+        names, dtypes, shapes = (_field(body, k, list) for k in ("names", "dtypes", "shapes"))
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"names/dtypes/shapes lengths differ: "
+                             f"{len(names)}/{len(dtypes)}/{len(shapes)}")
+        if body.get("load_format") is not None:
+            raise ValueError("load_format is not supported by the reference engine")
+        name = str(body.get("group_name") or DEFAULT_GROUP)
+        group = self.groups.get(name)
+        if group is None:
+            raise ValueError(f"no weight-update group {name!r}: /init_weights_update_group first")
+        device = "cuda" if group.backend == "nccl" else "cpu"
+        started = time.perf_counter()
+        buffers = [torch.empty([int(d) for d in shape], dtype=str_to_dtype(dtype), device=device)
+                   for dtype, shape in zip(dtypes, shapes, strict=True)]
+        group.broadcast(buffers, src=0)
+        count = self.engine.load_weights(zip(names, buffers, strict=True))
+        return self._done(body, count, sum(b.numel() * b.element_size() for b in buffers),
+                          started)
+
+    def update_from_tensor(self, body: Mapping[str, Any]) -> str:
+        payloads = _field(body, "serialized_named_tensors", list)
+        if body.get("load_format") is not None:
+            raise ValueError("load_format must be null: the reference engine reads torch.save "
+                             "payloads (kuberl_trainer.weight_sync.codec)")
+        if len(payloads) != 1:
+            raise ValueError(f"expected 1 serialized entry (tensor parallel size 1), got "
+                             f"{len(payloads)}")
+        started = time.perf_counter()
+        named = codec.decode_named_tensors(payloads[0])
+        count = self.engine.load_weights(named)
+        return self._done(body, count, sum(t.numel() * t.element_size() for _, t in named),
+                          started)
+
+    def _done(self, body: Mapping[str, Any], count: int, nbytes: int, started: float) -> str:
+        seconds = time.perf_counter() - started
+        version = body.get("weight_version")
+        if version is not None:
+            self.engine.weight_version = str(version)
+        LOG.info("updated %d tensors, %.2f MB in %.3fs, weight_version %s", count, nbytes / 1e6,
+                 seconds, self.engine.weight_version)
+        message = f"updated {count} tensors"
+        if version is not None:
+            message += f"; weight version updated to {version}"
+        return message

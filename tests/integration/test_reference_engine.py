@@ -1,0 +1,342 @@
+"""The reference engine as a real server process, driven by the trainer's own client and weight
+sender: generation semantics, weight sync over gloo (this test process is trainer rank 0,
+two engines are ranks 1 and 2), the colocated tensor path, memory release, and a dead engine.
+
+Three engines start once per module, in parallel (~5 s on two busy cores); the third is the
+one the last test kills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kuberl_trainer.engine_client import EngineClient, EngineError, SamplingParams
+from kuberl_trainer.weight_sync.codec import tensor_sha256
+from kuberl_trainer.weight_sync.sender import DistributedWeightSender, bucketize, send_tensors
+from tests.integration.tiny_model import EOS_ID, build_tiny_model, build_tokenizer
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [[4, 5, 40, 6, 44], [7], [8, 9, 10, 11, 12, 13, 14, 15]]
+GREEDY = {"temperature": 0.0, "max_new_tokens": 12}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Engine:
+    def __init__(self, model_dir: Path, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kuberl_rollout.reference", "--model-path", str(model_dir),
+             "--port", str(self.port), "--seed", "0", "--torch-threads", "1",
+             "--weight-sync-timeout", "30"],
+            stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ})
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine exited {self.proc.returncode}:\n"
+                                   f"{self.log.read_text()[-3000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError(f"engine not listening after {timeout}s:\n{self.log.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Engine]]:
+    logs = tmp_path_factory.mktemp("engine-logs")
+    started = [Engine(model_dir, logs / f"engine{i}.log") for i in range(3)]
+    try:
+        for engine in started:
+            engine.wait_ready()
+        yield started
+    finally:
+        for engine in started:
+            engine.stop()
+
+
+@pytest.fixture
+def pair(engines: list[Engine]) -> list[str]:
+    return [e.url for e in engines[:2]]
+
+
+@pytest.fixture(scope="module")
+def reference_model(model_dir: Path) -> torch.nn.Module:
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_dir,
+                                                                  dtype=torch.float32)
+    return model.eval()
+
+
+async def generate_raw(url: str, body: dict[str, object]) -> object:
+    async with EngineClient([url], request_timeout_s=30) as client:
+        return await client.request(url, "POST", "/generate", body)
+
+
+# ---- generation -----------------------------------------------------------------------------
+
+
+async def test_batched_generation_matches_single_and_is_deterministic(pair: list[str]) -> None:
+    url = pair[0]
+    batch = await generate_raw(url, {"input_ids": PROMPTS, "sampling_params": GREEDY,
+                                     "return_logprob": True})
+    assert isinstance(batch, list) and len(batch) == len(PROMPTS)
+    for prompt, out in zip(PROMPTS, batch, strict=True):
+        single = await generate_raw(url, {"input_ids": prompt, "sampling_params": GREEDY})
+        assert isinstance(single, dict)
+        assert single["output_ids"] == out["output_ids"]  # left padding changes nothing
+        meta = out["meta_info"]
+        assert meta["prompt_tokens"] == len(prompt)
+        assert meta["completion_tokens"] == len(out["output_ids"])
+        assert meta["weight_version"] == "default"
+    text = await generate_raw(url, {"text": "12+3=", "sampling_params": GREEDY})
+    assert isinstance(text, dict) and text["output_ids"] == batch[0]["output_ids"]
+
+
+async def test_logprobs_are_temperature_scaled_logprobs_of_the_sampled_tokens(
+        pair: list[str], reference_model: torch.nn.Module) -> None:
+    """SGLang semantics: log softmax(logits / T) of each chosen token (T = 1 when greedy)."""
+    for params in (GREEDY, {"temperature": 0.7, "max_new_tokens": 12, "sampling_seed": 5}):
+        out = await generate_raw(pair[0], {"input_ids": PROMPTS[0], "sampling_params": params,
+                                           "return_logprob": True})
+        assert isinstance(out, dict)
+        lps = [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
+        assert [entry[1] for entry in out["meta_info"]["output_token_logprobs"]] == \
+            out["output_ids"]
+        assert len(lps) == out["meta_info"]["completion_tokens"]
+        full = torch.tensor([PROMPTS[0] + out["output_ids"]])
+        with torch.no_grad():
+            logits = reference_model(input_ids=full).logits[0, len(PROMPTS[0]) - 1:-1]
+        temperature = max(float(params["temperature"]), 1e-6) if params["temperature"] else 1.0
+        expected = torch.log_softmax(logits / temperature, -1).gather(
+            1, torch.tensor(out["output_ids"])[:, None]).squeeze(1)
+        assert torch.allclose(torch.tensor(lps), expected, atol=1e-4)
+
+
+async def test_seeds_reproduce_and_differ(pair: list[str]) -> None:
+    async with EngineClient(pair, request_timeout_s=30) as client:
+        def params(seed: int) -> dict[str, object]:
+            return SamplingParams(temperature=1.0, max_new_tokens=16,
+                                  sampling_seed=seed).to_dict()
+        # The same seed on either engine, alone or in a batch: the same tokens.
+        runs = await client.generate([PROMPTS[1]] * 4, [params(1), params(1), params(2),
+                                                        params(3)])
+        assert runs[0].output_ids == runs[1].output_ids
+        assert len({tuple(r.output_ids) for r in runs}) >= 2
+        again = await client.generate_one(PROMPTS[1], params(1), url=pair[1])
+        assert again.output_ids == runs[0].output_ids
+        # Load balancing spread the concurrent requests over both engines.
+        spread = await client.generate([PROMPTS[0]] * 8, params(4))
+        assert {r.engine_url for r in spread} == set(pair)
+
+
+async def test_stops_and_length(pair: list[str]) -> None:
+    tokenizer = build_tokenizer()
+    async with EngineClient(pair[:1], request_timeout_s=30) as client:
+        free = await client.generate_one(PROMPTS[2], {**GREEDY, "max_new_tokens": 10})
+        assert free.finish_reason == "length" and free.completion_tokens == 10
+        assert free.meta_info["finish_reason"] == {"type": "length", "length": 10}
+        assert len(free.logprobs or []) == 10
+        assert all(torch.isfinite(torch.tensor(free.logprobs)))
+
+        stop_id = free.output_ids[3]
+        first = free.output_ids.index(stop_id)
+        by_id = await client.generate_one(PROMPTS[2], {**GREEDY, "stop_token_ids": [stop_id]})
+        assert by_id.output_ids == free.output_ids[:first + 1]  # the stop token is kept
+        assert by_id.meta_info["finish_reason"] == {"type": "stop", "matched": stop_id}
+        assert by_id.text == tokenizer.decode(free.output_ids[:first])  # ...but not in text
+
+        stop_str = free.text[4:6]
+        cut = free.text.index(stop_str)
+        by_str = await client.generate_one(PROMPTS[2], {**GREEDY, "stop": [stop_str]})
+        assert by_str.meta_info["finish_reason"] == {"type": "stop", "matched": stop_str}
+        assert by_str.text == free.text[:cut]
+        assert by_str.completion_tokens == cut + len(stop_str)  # one token per character
+
+        ignore = await client.generate_one(PROMPTS[2], {**GREEDY, "stop_token_ids": [EOS_ID],
+                                                         "max_new_tokens": 0})
+        assert ignore.output_ids == [] and ignore.finish_reason == "length"
+
+
+async def test_bad_requests_are_400_with_a_message(pair: list[str]) -> None:
+    async with EngineClient(pair[:1], request_timeout_s=30) as client:
+        for body, needle in [({"input_ids": [1], "sampling_params": {"seed": 1}}, "sampling_seed"),
+                             ({"input_ids": [999]}, "out of range"),
+                             ({"input_ids": [1], "sampling_params": {"max_new_tokens": 9999}},
+                              "context length"),
+                             ({"input_ids": [1], "text": "x"}, "exactly one"),
+                             ({"input_ids": [1], "sampling_params": {"min_p": 0.5}}, "min_p")]:
+            with pytest.raises(EngineError, match=needle) as err:
+                await client.request(pair[0], "POST", "/generate", body)
+            assert err.value.status == 400 and err.value.url == pair[0]
+
+
+# ---- weight sync ----------------------------------------------------------------------------
+
+
+def perturbed(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    state = {name: (t + 0.3 * torch.randn(t.shape, generator=gen)).contiguous()
+             for name, t in model.state_dict().items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied, as in the model
+    return state
+
+
+def trainer_params(state: dict[str, torch.Tensor], model: torch.nn.Module) -> list[
+        tuple[str, torch.Tensor]]:
+    """What a trainer sends: named_parameters (tied lm_head.weight appears once, under the
+    embedding's name) with values from `state`."""
+    return [(name, state[name]) for name, _ in model.named_parameters()]
+
+
+def greedy_locally(model: torch.nn.Module, state: dict[str, torch.Tensor], prompt: list[int],
+                   steps: int) -> list[int]:
+    clone = AutoModelForCausalLM.from_config(model.config).eval()
+    clone.load_state_dict(state)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(clone(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            if ids[-1] == EOS_ID:
+                break
+    return ids[len(prompt):]
+
+
+async def checksums(client: EngineClient) -> list[dict[str, str]]:
+    return [await client.request(u, "GET", "/get_weights_checksum") for u in client.urls]
+
+
+async def test_distributed_sync_over_gloo_to_two_engines(
+        pair: list[str], reference_model: torch.nn.Module) -> None:
+    original = {n: t.clone() for n, t in reference_model.state_dict().items()}
+    async with EngineClient(pair, request_timeout_s=60) as client:
+        sender = DistributedWeightSender(client, master_address="127.0.0.1",
+                                         master_port=free_port(), backend="gloo",
+                                         group_name="kuberl_test", timeout_s=30)
+        await sender.connect()
+        try:
+            for version, seed in ((1, 1), (2, 2)):
+                state = perturbed(reference_model, seed)
+                stats = await sender.send(bucketize(trainer_params(state, reference_model),
+                                                    bucket_bytes=16 << 10))
+                assert stats.weight_version == str(version) and stats.buckets > 1
+                want = {n: tensor_sha256(t) for n, t in state.items()}
+                assert await checksums(client) == [want, want]
+                for url in pair:
+                    assert (await client.get_model_info(url))["weight_version"] == str(version)
+                out = await client.generate([PROMPTS[0]] * 2, GREEDY)
+                assert {o.weight_version for o in out} == {str(version)}
+                assert out[0].output_ids == greedy_locally(reference_model, state, PROMPTS[0],
+                                                           12)
+            # An engine-side error (unknown name) fails the sync loudly, after the tensors
+            # were received, so the group stays in step and the next sync works.
+            with pytest.raises(EngineError, match="unknown tensor 'nope'"):
+                await sender.send([[("nope", torch.zeros(2))]])
+            stats = await sender.send([trainer_params(state, reference_model)])
+            assert stats.buckets == 1 and stats.weight_version == "3"
+            # Restore the original weights for the other tests (the tensor path, colocated).
+            stats = await send_tensors(client, bucketize(trainer_params(
+                original, reference_model), 1 << 20), weight_version="restored")
+            assert stats.tensors == len(list(reference_model.named_parameters()))
+            want = {n: tensor_sha256(t) for n, t in original.items()}
+            assert await checksums(client) == [want, want]
+            assert (await client.get_model_info(pair[1]))["weight_version"] == "restored"
+        finally:
+            await sender.close()
+
+
+async def test_tensor_update_rejects_unknown_names_and_changes_nothing(
+        pair: list[str], reference_model: torch.nn.Module) -> None:
+    async with EngineClient(pair[:1], request_timeout_s=30) as client:
+        before = await checksums(client)
+        bad = [("model.embed_tokens.weight", torch.zeros(3, 3)), ("nope", torch.zeros(1))]
+        with pytest.raises(EngineError, match=r"unknown tensor 'nope'.*shape"):
+            await send_tensors(client, [bad], weight_version="x")
+        assert await checksums(client) == before
+        assert (await client.get_model_info(pair[0]))["weight_version"] != "x"
+
+
+async def test_release_and_resume_memory(pair: list[str]) -> None:
+    url = pair[0]
+    async with EngineClient([url], request_timeout_s=30) as client:
+        await client.request(url, "POST", "/release_memory_occupation", {"tags": None})
+        with pytest.raises(EngineError, match="resume_memory_occupation") as err:
+            await client.generate_one(PROMPTS[0], GREEDY)
+        assert err.value.status == 503
+        await client.wait_healthy(timeout_s=5)  # /health stays up while released
+        await client.request(url, "POST", "/resume_memory_occupation", {"tags": ["weights"]})
+        with pytest.raises(EngineError):  # kv_cache is still released
+            await client.generate_one(PROMPTS[0], GREEDY)
+        await client.request(url, "POST", "/resume_memory_occupation", {"tags": ["kv_cache"]})
+        assert (await client.generate_one(PROMPTS[0], GREEDY)).completion_tokens == 12
+        await client.request(url, "GET", "/health_generate")
+
+
+async def test_abort_request_finishes_running_requests_as_abort(pair: list[str]) -> None:
+    url = pair[1]
+    async with EngineClient([url], request_timeout_s=30) as client:
+        long = {"temperature": 1.0, "max_new_tokens": 240, "ignore_eos": True}
+        task = asyncio.ensure_future(client.generate([[4]] * 32, long))
+        while client.outstanding[url] < 32:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        await client.request(url, "POST", "/abort_request", {"rid": "", "abort_all": True})
+        results = await asyncio.wait_for(task, timeout=10)
+        assert {r.finish_reason for r in results} == {"abort"}
+        assert all(r.completion_tokens < 240 for r in results)
+        assert (await client.generate_one([4], GREEDY)).finish_reason != "abort"
+
+
+async def test_engine_killed_mid_request_raises_with_its_url(engines: list[Engine]) -> None:
+    victim = engines[2]
+    async with EngineClient([victim.url], request_timeout_s=30) as client:
+        await client.wait_healthy(timeout_s=10)
+        long = {"temperature": 1.0, "max_new_tokens": 240, "ignore_eos": True}
+        task = asyncio.ensure_future(client.generate([[4]] * 64, long))
+        while client.outstanding[victim.url] == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        assert not task.done(), "generation finished before the kill; make it longer"
+        victim.proc.kill()
+        with pytest.raises(EngineError) as err:
+            await asyncio.wait_for(task, timeout=10)
+        assert err.value.url == victim.url
+        with pytest.raises(EngineError, match="cannot connect") as err:
+            await client.generate_one([4], GREEDY)
+        assert err.value.url == victim.url

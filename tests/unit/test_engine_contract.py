@@ -1,0 +1,125 @@
+"""The trainer's engine requests use only field names SGLang's own request types accept.
+
+SGLang's HTTP server parses bodies into the request types of
+python/sglang/srt/managers/io_struct.py (and SamplingParams for `sampling_params`) and rejects
+unknown fields, so a misspelt field works against the reference engine but fails in a cluster.
+
+How the field lists below were obtained: read from sgl-project/sglang source through a code
+search index (no SGLang install here), files and commits:
+  python/sglang/srt/managers/io_struct.py            @ 001067fffe33427bee0ed2f007fb7551a1d76b44
+  python/sglang/srt/sampling/sampling_params.py      @ 00c17cafcb9e289d5ca97c50e44ada54e4fd5b03
+  python/sglang/srt/entrypoints/http_server.py       @ 0025436eab0556737d615b36a4dd3e1e26e82f3d
+  python/sglang/srt/managers/tokenizer_manager.py    (meta_info keys; several versions agree)
+The index holds one version per file, not a tagged release: version.py there reads 0.5.3rc2
+and the files are 0.5.x-era or newer main. The lists are the fields the trainer can use, not
+every SGLang field; when SGLang is pinned in the rollout image, re-check them against that tag.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kuberl_rollout.reference import sampling as ref_sampling, server as ref_server
+from kuberl_trainer.engine_client import SamplingParams, generate_request
+from kuberl_trainer.weight_sync import protocol
+from kuberl_trainer.weight_sync.plan import TensorMeta
+
+SGLANG_CHECKED = "0.5.3rc2+ (sgl-project/sglang main, see commits in the module docstring)"
+
+# io_struct.py request types (the subset of fields relevant to RL; all exist there).
+SGLANG_REQUEST_FIELDS: dict[str, set[str]] = {
+    "GenerateReqInput": {
+        "rid", "text", "input_ids", "input_embeds", "image_data", "sampling_params",
+        "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
+        "return_text_in_logprobs", "stream", "log_metrics", "return_hidden_states",
+        "modalities", "session_params", "lora_path", "lora_id", "custom_logit_processor",
+        "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank",
+        "priority", "no_logs", "custom_labels", "return_bytes", "return_entropy",
+    },
+    "InitWeightsUpdateGroupReqInput": {
+        "rid", "master_address", "master_port", "rank_offset", "world_size", "group_name",
+        "backend",
+    },
+    "UpdateWeightsFromDistributedReqInput": {
+        "rid", "names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
+        "weight_version", "load_format", "torch_empty_cache",
+    },
+    "UpdateWeightsFromTensorReqInput": {
+        "rid", "serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
+        "weight_version", "disable_draft_model", "torch_empty_cache",
+    },
+    "DestroyWeightsUpdateGroupReqInput": {"rid", "group_name"},
+    "ReleaseMemoryOccupationReqInput": {"rid", "tags"},
+    "ResumeMemoryOccupationReqInput": {"rid", "tags"},
+    "AbortReq": {"rid", "abort_all", "finished_reason", "abort_message"},
+}
+
+# sampling_params.py SamplingParams API parameters (internal fields such as stop_strs omitted).
+SGLANG_SAMPLING_FIELDS = {
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
+    "n", "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
+    "logit_bias", "sampling_seed",
+}
+
+# tokenizer_manager.py: keys of a /generate answer's meta_info the client reads; the answer
+# itself carries "text" and "output_ids".
+SGLANG_META_INFO_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens",
+                         "cached_tokens", "weight_version", "output_token_logprobs"}
+SGLANG_FINISH_TYPES = {"stop", "length", "abort"}
+
+
+def assert_fields(body: dict[str, Any], request_type: str) -> None:
+    extra = set(body) - SGLANG_REQUEST_FIELDS[request_type]
+    assert not extra, f"{request_type} has no fields {sorted(extra)} in SGLang {SGLANG_CHECKED}"
+
+
+def test_generate_request_uses_sglang_fields() -> None:
+    params = SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=5, stop=("x",),
+                            stop_token_ids=(1,), ignore_eos=True, sampling_seed=3).to_dict()
+    assert set(params) == {"max_new_tokens", "temperature", "top_p", "top_k", "stop",
+                           "stop_token_ids", "ignore_eos", "sampling_seed"}
+    assert set(params) <= SGLANG_SAMPLING_FIELDS
+    assert_fields(generate_request([1, 2], params, return_logprob=True), "GenerateReqInput")
+
+
+def test_weight_requests_use_sglang_fields() -> None:
+    metas = [TensorMeta("w", "bfloat16", (2, 2), 8)]
+    assert_fields(protocol.init_weights_update_group(
+        master_address="10.0.0.1", master_port=1, rank_offset=1, world_size=2, group_name="g",
+        backend="nccl"), "InitWeightsUpdateGroupReqInput")
+    assert_fields(protocol.update_weights_from_distributed(
+        metas, group_name="g", weight_version="1"), "UpdateWeightsFromDistributedReqInput")
+    assert_fields(protocol.update_weights_from_tensor(["x"], weight_version="1"),
+                  "UpdateWeightsFromTensorReqInput")
+    assert_fields(protocol.destroy_weights_update_group("g"), "DestroyWeightsUpdateGroupReqInput")
+    assert_fields(protocol.memory_occupation(["weights"]), "ReleaseMemoryOccupationReqInput")
+    assert_fields(protocol.memory_occupation(None), "ResumeMemoryOccupationReqInput")
+    assert_fields(protocol.abort_request("r1"), "AbortReq")
+
+
+def test_init_group_carries_every_required_field() -> None:
+    # SGLang's InitWeightsUpdateGroupReqInput has no defaults for these.
+    body = protocol.init_weights_update_group(master_address="a", master_port=1, rank_offset=1,
+                                              world_size=2, group_name="g", backend="gloo")
+    assert {"master_address", "master_port", "rank_offset", "world_size"} <= set(body)
+
+
+def test_reference_engine_accepts_only_sglang_names() -> None:
+    """The reference engine must not accept a spelling SGLang would reject (the trainer would
+    pass its tests and fail in the cluster)."""
+    accepted_sampling = ref_sampling._SUPPORTED | set(ref_sampling._DEFAULT_ONLY)
+    assert accepted_sampling <= SGLANG_SAMPLING_FIELDS, accepted_sampling - SGLANG_SAMPLING_FIELDS
+    accepted_generate = ref_server._GENERATE_FIELDS
+    assert accepted_generate <= SGLANG_REQUEST_FIELDS["GenerateReqInput"]
+
+
+def test_reference_engine_answers_with_sglang_keys() -> None:
+    """The keys the reference engine puts in meta_info are SGLang's (checked on a real answer
+    in tests/integration/test_reference_engine.py; the set is the contract here)."""
+    assert {"finish_reason", "prompt_tokens", "completion_tokens", "output_token_logprobs",
+            "weight_version"} <= SGLANG_META_INFO_KEYS
+    assert ref_sampling.Finish("stop", matched=1).to_json(4)["type"] in SGLANG_FINISH_TYPES
+    assert ref_sampling.Finish("length").to_json(4) == {"type": "length", "length": 4}
+    assert ref_sampling.Finish("abort").to_json(4)["type"] == "abort"

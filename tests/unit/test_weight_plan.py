@@ -1,0 +1,124 @@
+"""Weight-sync planning and encoding: bucket plans, dtype names, the tensor codec, request
+bodies. Pure (torch tensors only, no processes or network)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kuberl_trainer.weight_sync import codec, protocol
+from kuberl_trainer.weight_sync.dtypes import dtype_to_str, str_to_dtype
+from kuberl_trainer.weight_sync.plan import TensorMeta, iter_buckets, plan_buckets
+from kuberl_trainer.weight_sync.sender import _with_last, bucketize, tensor_meta
+
+
+def meta(name: str, nbytes: int) -> TensorMeta:
+    return TensorMeta(name=name, dtype="uint8", shape=(nbytes,), nbytes=nbytes)
+
+
+def names(buckets: list[list[TensorMeta]]) -> list[list[str]]:
+    return [[m.name for m in b] for b in buckets]
+
+
+def test_buckets_fill_up_to_the_limit_in_order() -> None:
+    metas = [meta("a", 40), meta("b", 60), meta("c", 1), meta("d", 99), meta("e", 100)]
+    assert names(plan_buckets(metas, 100)) == [["a", "b"], ["c", "d"], ["e"]]
+
+
+def test_a_tensor_larger_than_the_limit_gets_its_own_bucket() -> None:
+    metas = [meta("a", 10), meta("big", 250), meta("b", 10), meta("c", 10)]
+    assert names(plan_buckets(metas, 100)) == [["a"], ["big"], ["b", "c"]]
+
+
+def test_every_tensor_appears_once_and_no_bucket_exceeds_the_limit_unless_alone() -> None:
+    sizes = [7, 93, 1, 0, 100, 101, 55, 45, 46, 3]
+    metas = [meta(f"t{i}", s) for i, s in enumerate(sizes)]
+    buckets = plan_buckets(metas, 100)
+    assert [m for b in buckets for m in b] == metas
+    for b in buckets:
+        assert sum(m.nbytes for m in b) <= 100 or len(b) == 1
+
+
+def test_empty_input_and_bad_limits() -> None:
+    assert plan_buckets([], 100) == []
+    with pytest.raises(ValueError, match="positive"):
+        plan_buckets([meta("a", 1)], 0)
+    with pytest.raises(ValueError, match="duplicate"):
+        plan_buckets([meta("a", 1), meta("a", 2)], 10)
+
+
+def test_iter_buckets_streams_without_consuming_ahead() -> None:
+    seen: list[int] = []
+
+    def gen() -> Iterator[int]:
+        for i in range(6):
+            seen.append(i)
+            yield i
+
+    it = iter_buckets(gen(), lambda _: 50, 100)
+    assert next(it) == [0, 1]
+    assert seen == [0, 1, 2]  # one item of lookahead closes the first bucket
+    assert list(it) == [[2, 3], [4, 5]]
+
+
+def test_bucketize_uses_tensor_bytes() -> None:
+    named = [("a", torch.zeros(10)), ("b", torch.zeros(20, dtype=torch.bfloat16)),
+             ("c", torch.zeros(5))]
+    assert [[n for n, _ in b] for b in bucketize(named, 80)] == [["a", "b"], ["c"]]
+    assert tensor_meta("b", named[1][1]) == TensorMeta("b", "bfloat16", (20,), 40)
+
+
+def test_with_last_marks_only_the_final_bucket() -> None:
+    assert list(_with_last(iter([[1], [2], [3]]))) == [([1], False), ([2], False), ([3], True)]
+    assert list(_with_last(iter([]))) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64,
+                                   torch.uint8, torch.bool, torch.float8_e4m3fn])
+def test_dtype_names_round_trip(dtype: torch.dtype) -> None:
+    name = dtype_to_str(dtype)
+    assert str_to_dtype(name) is dtype
+    assert str_to_dtype(str(dtype)) is dtype  # "torch.bfloat16" is accepted too
+    assert getattr(torch, name) is dtype  # what SGLang does with the string
+
+
+def test_unknown_dtype_names_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="unknown dtype 'float128'"):
+        str_to_dtype("float128")
+    with pytest.raises(ValueError, match="no weight-sync name"):
+        dtype_to_str(torch.complex64)
+
+
+def test_codec_round_trip_and_checksums() -> None:
+    named = [("w", torch.randn(3, 4)), ("b", torch.randn(4).to(torch.bfloat16))]
+    decoded = codec.decode_named_tensors(codec.encode_named_tensors(named))
+    assert [n for n, _ in decoded] == ["w", "b"]
+    for (_, a), (_, b) in zip(named, decoded, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+        assert codec.tensor_sha256(a) == codec.tensor_sha256(b)
+    assert codec.tensor_sha256(named[0][1]) != codec.tensor_sha256(named[0][1] + 1)
+    # Non-contiguous views hash like their contiguous copy.
+    t = torch.arange(12.0).reshape(3, 4)
+    assert codec.tensor_sha256(t.T) == codec.tensor_sha256(t.T.contiguous())
+
+
+def test_codec_rejects_payloads_that_are_not_named_tensors() -> None:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"not": "a list"}, buf)
+    with pytest.raises(ValueError, match="list of"):
+        codec.decode_named_tensors(base64.b64encode(buf.getvalue()))
+
+
+def test_update_request_carries_names_dtypes_shapes_in_order() -> None:
+    metas = [TensorMeta("x", "float32", (2, 3), 24), TensorMeta("y", "bfloat16", (4,), 8)]
+    body = protocol.update_weights_from_distributed(metas, group_name="g", weight_version="7")
+    assert body == {"names": ["x", "y"], "dtypes": ["float32", "bfloat16"],
+                    "shapes": [[2, 3], [4]], "group_name": "g", "flush_cache": True,
+                    "weight_version": "7"}
+    assert "weight_version" not in protocol.update_weights_from_distributed(
+        metas, group_name="g", weight_version=None)

@@ -1,0 +1,158 @@
+"""The training-backend interface (docs/trainer-contracts.md) and the batch it trains on.
+
+A backend owns one rank's copy (or shard) of the policy, its optimizer and the frozen
+reference model. The loop never touches tensors of the model directly: it asks a backend for
+log-probs, hands it batches to train on, pulls its weights in HF-named buckets for weight
+sync, and tells it where to save and load.
+
+Token alignment (one convention across the trainer): every ``[B, T]`` tensor is indexed by
+position in ``input_ids``, and the value at position ``t`` is about token ``input_ids[:, t]``
+(its log-prob, advantage, loss weight). Position 0 has no preceding context, so nothing is
+predicted there and its log-prob is 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from kuberl_api.spec import RLJobSpec
+
+MEGATRON_ISSUE = 6  # the issue that brings the megatron-core backend
+
+
+@dataclass
+class TrainBatch:
+    """One rollout's samples, right-padded to a common width ``T``.
+
+    Attributes (all ``[B, T]``, aligned to ``input_ids`` positions, see the module docstring):
+        input_ids: long, prompt + response tokens, then padding.
+        attention_mask: 1 on real tokens, 0 on padding.
+        loss_mask: 1 on response tokens (the ones the policy is trained on), else 0.
+        advantages: float, per-token advantage (0 off the loss mask).
+        old_logprobs: float, log-probs under the policy that is being updated, taken before
+            the first optimizer step of this rollout (the PPO ratio's denominator).
+        rollout_logprobs: float, log-probs the engines reported while sampling (used for
+            off-policy diagnostics and importance corrections; not by the PPO ratio).
+        ref_logprobs: float, log-probs under the frozen reference model, or None when the
+            job has no KL term (``algorithm.klCoef == 0``).
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    loss_mask: Tensor
+    advantages: Tensor
+    old_logprobs: Tensor
+    rollout_logprobs: Tensor
+    ref_logprobs: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.input_ids.shape)
+        if len(shape) != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {shape}")
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None and tuple(value.shape) != shape:
+                raise ValueError(f"TrainBatch.{field.name} has shape {tuple(value.shape)}; "
+                                 f"every field must match input_ids {shape}")
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def map(self, fn: _TensorFn) -> TrainBatch:
+        """A new batch with ``fn`` applied to every tensor field (None stays None)."""
+        changes = {f.name: fn(getattr(self, f.name)) for f in dataclasses.fields(self)
+                   if getattr(self, f.name) is not None}
+        return dataclasses.replace(self, **changes)
+
+    def slice(self, start: int, end: int) -> TrainBatch:
+        """Samples ``start:end`` (views, no copy)."""
+        return self.map(lambda t: t[start:end])
+
+    def to(self, device: str | torch.device) -> TrainBatch:
+        return self.map(lambda t: t.to(device))
+
+    def chunks(self, size: int) -> Iterator[TrainBatch]:
+        """Consecutive batches of ``size`` samples (the last one may be shorter)."""
+        if size < 1:
+            raise ValueError(f"chunk size must be >= 1, got {size}")
+        for start in range(0, len(self), size):
+            yield self.slice(start, min(start + size, len(self)))
+
+    def split(self, parts: int) -> list[TrainBatch]:
+        """``parts`` equal contiguous shards, one per data-parallel rank.
+
+        Equal sizes are required, not just convenient: every rank must run the same number
+        of forward/backward passes and optimizer steps, or the gradient all-reduce of the
+        rank with more work waits forever for the others.
+        """
+        if parts < 1 or len(self) % parts:
+            raise ValueError(f"a batch of {len(self)} samples does not split evenly into "
+                             f"{parts} data-parallel shards")
+        size = len(self) // parts
+        return [self.slice(i * size, (i + 1) * size) for i in range(parts)]
+
+
+class _TensorFn(Protocol):
+    def __call__(self, t: Tensor, /) -> Tensor: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the loop needs from a training backend; one instance per training rank.
+
+    Constructed as ``Backend(spec, *, rank, world_size, device)``; when ``world_size > 1``
+    the caller has already initialised torch.distributed's default process group.
+    Methods marked *collective* must be called on every rank, in the same order.
+    """
+
+    def logprobs(self, batch: TrainBatch) -> Tensor:
+        """``[B, T]`` current-policy log-probs of each token given the tokens before it,
+        logits divided by ``algorithm.temperature``; 0 off the loss mask and at position 0.
+        Returned on CPU."""
+        ...
+
+    def ref_logprobs(self, batch: TrainBatch) -> Tensor | None:
+        """As ``logprobs`` under the frozen reference model; None when klCoef == 0."""
+        ...
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """Collective. Train on this rank's shard of a rollout: one optimizer step per
+        global batch (micro-batches, gradient accumulation, clipping, AdamW, LR schedule).
+        Returns metrics averaged over the shard."""
+        ...
+
+    def named_tensor_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+        """The full weights as ``(HF state_dict name, tensor)`` lists of at most
+        ``bucket_bytes`` each (a single larger tensor gets a bucket of its own)."""
+        ...
+
+    def save(self, dir: str | Path) -> None:
+        """Collective. Write model (an HF directory), optimizer, scheduler and RNG state."""
+        ...
+
+    def load(self, dir: str | Path) -> None:
+        """Collective. Restore what ``save`` wrote into this (freshly built) backend."""
+        ...
+
+
+def make_backend(spec: RLJobSpec, rank: int, world_size: int, device: str) -> Backend:
+    """The backend ``spec.training.backend`` names, built for this rank."""
+    kind = spec.training.backend
+    if kind == "fsdp":
+        # Imported here: transformers is slow to import and only the chosen backend needs it.
+        from kuberl_trainer.backends.fsdp import FSDPBackend
+
+        return FSDPBackend(spec, rank=rank, world_size=world_size, device=device)
+    if kind == "megatron":
+        raise NotImplementedError(
+            f"training.backend 'megatron' is not implemented yet (issue {MEGATRON_ISSUE}: "
+            "the megatron-core backend); set training.backend: fsdp for now")
+    raise ValueError(f"unknown training.backend {kind!r}; expected 'fsdp' or 'megatron'")

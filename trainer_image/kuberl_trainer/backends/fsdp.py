@@ -1,0 +1,502 @@
+"""The `fsdp` backend: a Hugging Face causal LM trained with plain torch data parallelism.
+
+How the policy is replicated across the ``world_size`` training ranks:
+
+- one rank: the bare HF module (on GPU with bf16 autocast over fp32 weights);
+- several ranks on GPU: FSDP2 ``fully_shard`` per decoder layer and at the root, bf16
+  compute, fp32 gradient reduction and fp32 master weights/optimizer state sharded across
+  ranks — the memory profile that lets a model larger than one GPU's share train at all;
+- several ranks on CPU: DDP over gloo. FSDP's collectives (all-gather / reduce-scatter of
+  flat shards) are built and tested for NCCL; on CPU models are small anyway, and DDP's
+  all-reduce is the simplest correct choice.
+
+The reference model (only when ``algorithm.klCoef > 0``) is built exactly like the policy,
+minus the optimizer, so at step 0 policy and reference give bitwise-equal log-probs (KL 0).
+
+Both models are kept in ``eval()`` mode throughout: no dropout, so ``logprobs`` and the
+training forward agree and the PPO ratio starts at exactly 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import shutil
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from kuberl_api.spec import RLJobSpec
+from kuberl_trainer.algos import kl as kl_estimators, losses
+from kuberl_trainer.backends.base import TrainBatch
+from kuberl_trainer.backends.buckets import bucketize
+from kuberl_trainer.backends.optim import (
+    OptimConfig,
+    build_optimizer,
+    build_scheduler,
+    clip_gradients,
+)
+from kuberl_trainer.backends.rng import rng_state, set_rng_state
+from kuberl_trainer.backends.tokens import (
+    gather_logprobs,
+    next_token_logits,
+    response_mask,
+    used_width,
+)
+
+LOG = logging.getLogger("kuberl.backend.fsdp")
+
+Mode = Literal["single", "ddp", "fsdp2"]
+
+MODEL_DIR = "model"           # an HF checkpoint directory (config.json + safetensors)
+OPTIM_FILE = "optimizer.pt"   # optimizer + LR scheduler, full (unsharded) state, from rank 0
+RNG_FILE = "rng_rank{rank}.pt"
+# Copied next to the saved weights so the checkpoint directory is servable on its own.
+TOKENIZER_GLOBS = ("tokenizer*", "vocab*", "merges.txt", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template*")
+
+
+class FSDPBackend:
+    """One training rank of the fsdp backend (see the module docstring for the layout)."""
+
+    def __init__(self, spec: RLJobSpec, *, rank: int, world_size: int, device: str,
+                 optim: OptimConfig | None = None) -> None:
+        self.spec, self.algo = spec, spec.algorithm
+        self.rank, self.world_size = rank, world_size
+        self.device = _resolve_device(device)
+        self.mode: Mode = parallel_mode(world_size, self.device)
+        self.micro_batch_size = spec.training.micro_batch_size
+        self.rank_batch_size = rank_batch_size(spec.global_batch_size, world_size,
+                                               self.micro_batch_size)
+        # `module` is the HF model itself (HF state_dict names, save_pretrained); `model` is
+        # what the training forward runs through (the DDP wrapper, when there is one).
+        self.module = build_model(spec.model.path, self.device, self.mode, trainable=True)
+        self.model = self._wrap(self.module)
+        self.ref = (build_model(spec.model.path, self.device, self.mode, trainable=False)
+                    if self.algo.kl_coef > 0 else None)
+        config = optim or OptimConfig()
+        self.optimizer = build_optimizer(self.module.parameters(), self.algo.lr, config)
+        self.scheduler = build_scheduler(self.optimizer, config)
+
+    # -- log-probs ---------------------------------------------------------------------------
+
+    def logprobs(self, batch: TrainBatch) -> Tensor:
+        """``[B, T]`` float32 on CPU; see ``Backend.logprobs``. Collective under FSDP2."""
+        return self._logprobs(self.module, batch).cpu()
+
+    def ref_logprobs(self, batch: TrainBatch) -> Tensor | None:
+        return None if self.ref is None else self._logprobs(self.ref, batch).cpu()
+
+    @torch.no_grad()
+    def _logprobs(self, model: nn.Module, batch: TrainBatch) -> Tensor:
+        """``[B, T]`` on the device, in micro-batches. Runs the unwrapped module: no DDP
+        hooks (nothing to synchronise without gradients)."""
+        width = batch.input_ids.shape[1]
+        parts = []
+        for mb in batch.to(self.device).chunks(self.micro_batch_size):
+            mb = _trim(mb)
+            logp = gather_logprobs(self._shifted_logits(model, mb), mb.input_ids)
+            logp = logp * response_mask(mb.loss_mask)
+            parts.append(nn.functional.pad(logp, (0, width - logp.shape[1])))
+        return torch.cat(parts)
+
+    def _shifted_logits(self, model: nn.Module, mb: TrainBatch) -> Tensor:
+        """``[b, t-1, V]`` float32 temperature-scaled logits, row ``i`` predicting token
+        ``i+1`` (see ``tokens.py``)."""
+        with self._autocast():
+            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                        use_cache=False)
+        return next_token_logits(out.logits, self.algo.temperature)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        # FSDP2 casts through its MixedPrecisionPolicy; a single GPU gets the same bf16
+        # compute from autocast; CPU stays float32 (bf16 matmuls on CPU are slow and lossy).
+        if self.mode == "single" and self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # -- training ----------------------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """Collective. ``batch`` is this rank's shard of one rollout (``B`` samples).
+
+        It is cut into ``B / rank_batch_size`` optimizer steps (``rank_batch_size =
+        globalBatchSize / world_size``), each accumulated over micro-batches of
+        ``microBatchSize``. Returned metrics are token-weighted means over the shard, plus
+        the mean grad norm and the last learning rate of its optimizer steps.
+        """
+        if len(batch) == 0 or len(batch) % self.rank_batch_size:
+            raise ValueError(
+                f"this rank got {len(batch)} samples, not a positive multiple of its share of "
+                f"the global batch ({self.rank_batch_size} = globalBatchSize "
+                f"{self.spec.global_batch_size} / {self.world_size} ranks)")
+        batch = self._with_reference(batch.to(self.device))
+        metrics = _Metrics()
+        for step_batch in batch.chunks(self.rank_batch_size):
+            self._optimizer_step(step_batch, metrics)
+        return metrics.summary()
+
+    def _with_reference(self, batch: TrainBatch) -> TrainBatch:
+        """Fill in reference log-probs when the KL term needs them and the caller did not."""
+        if self.ref is None or batch.ref_logprobs is not None:
+            return batch
+        return dataclasses.replace(batch, ref_logprobs=self._logprobs(self.ref, batch))
+
+    def _optimizer_step(self, batch: TrainBatch, metrics: _Metrics) -> None:
+        """One optimizer step over ``batch`` (this rank's part of one global batch).
+
+        The loss is the token-mean over the *whole global batch*, not a mean of micro-batch
+        means: each micro-batch's token-mean is re-weighted by ``its tokens / all ranks'
+        tokens`` (times world_size, which DDP/FSDP's gradient averaging divides back out).
+        That makes the update independent of how the batch is cut into micro-batches and
+        ranks, and weighs every response token equally as the losses module intends.
+        """
+        total_tokens = self._global_tokens(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        micro = list(batch.chunks(self.micro_batch_size))
+        for i, mb in enumerate(micro):
+            with self._grad_sync(i == len(micro) - 1):
+                loss, stats, tokens = self._micro_loss(_trim(mb))
+                torch.autograd.backward(loss * (tokens * self.world_size / total_tokens))
+            metrics.add_tokens(stats, tokens)
+        grad_norm = clip_gradients(self.module.parameters())
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:  # the same on every rank: the norm is computed from all-reduced gradients
+            LOG.warning("non-finite gradient norm %s: skipping this optimizer step", grad_norm)
+            self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        metrics.add_step(grad_norm, lr)
+
+    def _micro_loss(self, mb: TrainBatch) -> tuple[Tensor, dict[str, float], int]:
+        """``(loss, stats, response tokens)`` for one micro-batch.
+
+        loss = ppo_clip + klCoef * KL(policy || ref) - entropyCoef * entropy, each a masked
+        token-mean over this micro-batch's response tokens (all-zero mask -> 0, not NaN).
+        """
+        shifted = self._shifted_logits(self.model, mb)      # [b, t-1, V]
+        logp = gather_logprobs(shifted, mb.input_ids)         # [b, t]
+        mask = response_mask(mb.loss_mask)                    # [b, t]
+        algo = self.algo
+        pg_loss, pg_stats = losses.ppo_clip(logp, mb.old_logprobs, mb.advantages, mask,
+                                            algo.eps_clip, algo.eps_clip_high,
+                                            clip_c=algo.eps_clip_c)
+        # Entropy is costly ([b, t-1, V] float32); keep its graph only when it is trained on.
+        with contextlib.nullcontext() if algo.entropy_coef > 0 else torch.no_grad():
+            entropy = losses.entropy(shifted, mask[:, 1:])
+        kl = self._kl(logp, mb.ref_logprobs, mask)
+        loss = pg_loss
+        if algo.kl_coef > 0:
+            loss = loss + algo.kl_coef * kl
+        if algo.entropy_coef > 0:
+            loss = loss - algo.entropy_coef * entropy
+        stats = {"pg_loss": pg_loss.item(), **pg_stats, "entropy": entropy.item(),
+                 "kl": kl.item(), "loss": loss.item()}
+        return loss, stats, int(mask.sum().item())
+
+    def _kl(self, logp: Tensor, ref_logp: Tensor | None, mask: Tensor) -> Tensor:
+        if ref_logp is None:
+            return torch.zeros((), device=logp.device)
+        return losses.masked_mean(kl_estimators.estimate(logp, ref_logp,
+                                                         self.algo.kl_loss_type), mask)
+
+    def _global_tokens(self, batch: TrainBatch) -> float:
+        """Response tokens in the global batch: this rank's part summed over ranks (>= 1)."""
+        count = response_mask(batch.loss_mask).sum()
+        if self.world_size > 1:
+            dist.all_reduce(count)
+        return max(float(count.item()), 1.0)
+
+    def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """DDP: all-reduce gradients only on the last micro-batch of a step. FSDP2 keeps
+        reduce-scattering every micro-batch: its gradients stay sharded, which is the point
+        of sharding; skipping the sync would hold full-size gradients instead."""
+        if self.mode == "ddp" and not last:
+            assert isinstance(self.model, DistributedDataParallel)
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def _wrap(self, module: nn.Module) -> nn.Module:
+        if self.mode != "ddp":
+            return module  # single: bare; fsdp2: sharded in place by build_model
+        # broadcast_buffers=False: HF models' buffers (rotary tables) are constants, and the
+        # broadcast would make every forward, even a no-grad one, a collective.
+        return DistributedDataParallel(module, broadcast_buffers=False)
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def named_tensor_buckets(self, bucket_bytes: int, *, skip_tied: bool = False,
+                             dtype: torch.dtype | None = None,
+                             ) -> Iterator[list[tuple[str, Tensor]]]:
+        """Buckets of ``(name, tensor)`` covering ``module.state_dict()`` of the HF model.
+
+        Names are exactly a plain HF model's ``state_dict()`` keys (no DDP ``module.``
+        prefix: it walks the unwrapped module). Tied weights: a tied model's state_dict holds
+        both ``model.embed_tokens.weight`` and ``lm_head.weight`` (one tensor); both are
+        yielded by default so ``load_state_dict(strict=True)`` accepts the result. With
+        ``skip_tied=True`` only the first name of each tied group is yielded — the keys
+        ``save_pretrained`` writes, enough for SGLang, which re-ties on load.
+
+        Tensors are on the training device, in the training dtype unless ``dtype`` is given;
+        the single/DDP ones share storage with the live weights: read, don't write.
+        Under FSDP2 every rank must iterate (each tensor is an all-gather).
+        """
+        return bucketize(self._named_full_tensors(skip_tied, dtype), bucket_bytes)
+
+    def _named_full_tensors(self, skip_tied: bool, dtype: torch.dtype | None,
+                            ) -> Iterator[tuple[str, Tensor]]:
+        entries = self.module.state_dict(keep_vars=True)  # keep_vars: identity finds ties
+        uses = Counter(id(t) for t in entries.values())
+        gathered: dict[int, Tensor] = {}                    # only tied tensors are kept
+        for name, value in entries.items():
+            key = id(value)
+            if key in gathered:
+                if not skip_tied:
+                    yield name, gathered[key]
+                continue
+            tensor = _full_tensor(value, dtype)
+            if uses[key] > 1:
+                gathered[key] = tensor
+            yield name, tensor
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def save(self, dir: str | Path) -> None:
+        """Collective. ``dir/model/`` (HF dir), ``dir/optimizer.pt``, ``dir/rng_rank<r>.pt``.
+
+        The weights are saved in float32 (the master copy, so a resumed run is exact), but
+        config.json keeps the source model's dtype, so engines loading the directory run in
+        the dtype the model came in.
+        """
+        path = Path(dir)
+        path.mkdir(parents=True, exist_ok=True)
+        model_state, optim_state = self._full_state()
+        if self.rank == 0:
+            self._save_hf(path / MODEL_DIR, model_state)
+            torch.save({"optimizer": optim_state, "scheduler": self.scheduler.state_dict()},
+                       path / OPTIM_FILE)
+        torch.save(rng_state(), path / RNG_FILE.format(rank=self.rank))
+        self._barrier()  # the caller may mark the checkpoint complete once save returns
+
+    def load(self, dir: str | Path) -> None:
+        """Collective. Restore weights, optimizer, scheduler and this rank's RNG state."""
+        path = Path(dir)
+        reads = self.mode != "fsdp2" or self.rank == 0     # FSDP2: rank 0 reads, broadcasts
+        model_state = read_safetensors_dir(path / MODEL_DIR) if reads else {}
+        saved = torch.load(path / OPTIM_FILE, map_location="cpu") if reads else {}
+        self._load_full_state(model_state, saved.get("optimizer", {}))
+        scheduler: dict[str, Any] = saved.get("scheduler", {})
+        if self.mode == "fsdp2":
+            scheduler = _broadcast_object(scheduler)
+        self.scheduler.load_state_dict(scheduler)
+        self._load_rng(path / RNG_FILE.format(rank=self.rank))
+        self._barrier()
+
+    @staticmethod
+    def _load_rng(file: Path) -> None:
+        if file.exists():
+            set_rng_state(torch.load(file))
+        else:
+            LOG.warning("%s missing (saved with fewer ranks?): RNG state not restored", file)
+
+    def _full_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Full (unsharded) model and optimizer state; meaningful on rank 0."""
+        if self.mode != "fsdp2":
+            return self.module.state_dict(), self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return (get_model_state_dict(self.module, options=opts),
+                get_optimizer_state_dict(self.module, self.optimizer, options=opts))
+
+    def _load_full_state(self, model_state: dict[str, Any],
+                         optim_state: dict[str, Any]) -> None:
+        if model_state:
+            model_state = with_tied_aliases(model_state, self.module)
+        if self.mode != "fsdp2":
+            self.module.load_state_dict(model_state, strict=True)
+            self.optimizer.load_state_dict(optim_state)
+            return
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(self.module, model_state, options=opts)
+        set_optimizer_state_dict(self.module, self.optimizer, optim_state, options=opts)
+
+    def _save_hf(self, out: Path, state: dict[str, Tensor]) -> None:
+        self.module.save_pretrained(out, state_dict=state)
+        source = Path(self.spec.model.path)
+        _keep_source_dtype(source / "config.json", out / "config.json")
+        tokenizer = Path(self.spec.model.tokenizer) if self.spec.model.tokenizer else source
+        for pattern in TOKENIZER_GLOBS:
+            for f in tokenizer.glob(pattern):
+                if f.is_file():
+                    shutil.copy2(f, out / f.name)
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+# -- construction helpers --------------------------------------------------------------------
+
+
+def parallel_mode(world_size: int, device: torch.device) -> Mode:
+    if world_size == 1:
+        return "single"
+    return "fsdp2" if device.type == "cuda" else "ddp"
+
+
+def rank_batch_size(global_batch: int, world_size: int, micro_batch: int) -> int:
+    """Samples per optimizer step on one rank; the spec validates the same divisibility."""
+    if global_batch % (world_size * micro_batch):
+        raise ValueError(f"globalBatchSize {global_batch} must be a multiple of "
+                         f"microBatchSize * ranks = {micro_batch} * {world_size}")
+    return global_batch // world_size
+
+
+def build_model(path: str, device: torch.device, mode: Mode, *,
+                trainable: bool) -> PreTrainedModel:
+    """Load the HF causal LM in float32 (the master weights) and place it for ``mode``."""
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=torch.float32)
+    model.train(False)  # eval mode, no dropout ever: see the module docstring
+    if not trainable:
+        model.requires_grad_(False)
+    if mode == "fsdp2":
+        _fully_shard(model)  # moves each rank's shard to its GPU; the full copy stays on CPU
+        return model
+    nn.Module.to(model, device)  # in place (HF's own `to` wrapper confuses type checkers)
+    return model
+
+
+def _fully_shard(model: PreTrainedModel) -> None:
+    """FSDP2: one shard group per decoder layer (HF's ``_no_split_modules``) plus the root,
+    so only one layer's full parameters are materialised at a time."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    layer_types = set(getattr(model, "_no_split_modules", None) or ())
+    for sub in model.modules():
+        if type(sub).__name__ in layer_types:
+            fully_shard(sub, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+def _resolve_device(device: str) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", dev.index if dev.index is not None
+                           else torch.cuda.current_device())
+        torch.cuda.set_device(dev)  # FSDP2's default mesh and NCCL use the current device
+    return dev
+
+
+def tied_aliases(module: nn.Module) -> dict[str, str]:
+    """``{alias: source}`` for state-dict names that repeat an earlier entry's tensor, e.g.
+    ``{"lm_head.weight": "model.embed_tokens.weight"}`` in a model with tied embeddings."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        source = first.setdefault(id(value), name)
+        if source != name:
+            aliases[name] = source
+    return aliases
+
+
+def with_tied_aliases(state: dict[str, Any], module: nn.Module) -> dict[str, Any]:
+    """``state`` plus the tied aliases HF's safetensors files leave out, so it loads with
+    ``strict=True`` (a genuinely missing or extra key still fails loudly)."""
+    missing = {a: s for a, s in tied_aliases(module).items() if a not in state and s in state}
+    return {**state, **{alias: state[source] for alias, source in missing.items()}}
+
+
+def read_safetensors_dir(path: Path) -> dict[str, Tensor]:
+    """Every tensor of an HF directory's ``*.safetensors`` files (one file or shards)."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    state: dict[str, Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+def _full_tensor(value: Tensor, dtype: torch.dtype | None) -> Tensor:
+    tensor = value.detach()
+    full = getattr(tensor, "full_tensor", None)  # a DTensor shard under FSDP2
+    if callable(full):
+        tensor = full()
+    return tensor if dtype is None else tensor.to(dtype)
+
+
+def _trim(mb: TrainBatch) -> TrainBatch:
+    """Drop trailing all-padding columns (see ``tokens.used_width``)."""
+    width = used_width(mb.attention_mask)
+    return mb if width == mb.input_ids.shape[1] else mb.map(lambda t: t[:, :width])
+
+
+def _keep_source_dtype(source_config: Path, saved_config: Path) -> None:
+    """save_pretrained records the float32 master dtype; restore the source model's."""
+    if not source_config.exists():
+        return
+    source = json.loads(source_config.read_text())
+    saved = json.loads(saved_config.read_text())
+    for key in ("dtype", "torch_dtype"):
+        if key in source:
+            saved[key] = source[key]
+    saved_config.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+
+
+def _broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (FSDP2 load: only rank 0 reads the files)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class _Metrics:
+    """Token-weighted means of micro-batch stats; mean grad norm, last lr of the steps."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.tokens = 0
+        self.grad_norms: list[float] = []
+        self.lr = 0.0
+
+    def add_tokens(self, stats: dict[str, float], tokens: int) -> None:
+        for key, value in stats.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value * tokens
+        self.tokens += tokens
+
+    def add_step(self, grad_norm: float, lr: float) -> None:
+        self.grad_norms.append(grad_norm)
+        self.lr = lr
+
+    def summary(self) -> dict[str, float]:
+        out = {k: v / max(self.tokens, 1) for k, v in self.sums.items()}
+        out["grad_norm"] = sum(self.grad_norms) / max(len(self.grad_norms), 1)
+        out["lr"] = self.lr
+        out["optimizer_steps"] = float(len(self.grad_norms))
+        out["response_tokens"] = float(self.tokens)
+        return out

@@ -1,0 +1,279 @@
+"""The trainer's only way to reach engines: an async HTTP client over SGLang's native API.
+
+The same client drives real SGLang servers and the reference engine (kuberl_rollout.reference);
+request bodies use SGLang's field names (tests/unit/test_engine_contract.py checks them).
+
+- Load balancing: each prompt is its own `/generate` request, sent to the engine with the fewest
+  outstanding requests (ties broken round-robin). Engines batch concurrent requests themselves,
+  so per-prompt requests lose no throughput and keep engines evenly loaded when response
+  lengths differ a lot (a chunk-per-engine split would wait on the slowest chunk).
+- Failure: every call has a total timeout; a refused connection, a dropped connection (engine
+  died mid-request), a timeout or a 4xx/5xx answer raises `EngineError` carrying the engine URL
+  and its error text. `generate` cancels its other requests on the first failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import aiohttp
+
+T = TypeVar("T")
+
+
+class EngineError(RuntimeError):
+    """An engine failed: `url` is the engine, `status` the HTTP status if it answered."""
+
+    def __init__(self, url: str, message: str, status: int | None = None) -> None:
+        self.url = url
+        self.message = message
+        self.status = status
+        where = f"engine {url}" + (f" (HTTP {status})" if status is not None else "")
+        super().__init__(f"{where}: {message}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """SGLang sampling params the trainer uses. temperature 0 means greedy. SGLang spells the
+    per-request seed `sampling_seed`. `top_k=-1` means the whole vocabulary."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"max_new_tokens": self.max_new_tokens,
+                               "temperature": self.temperature, "top_p": self.top_p,
+                               "top_k": self.top_k}
+        if self.stop:
+            out["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.ignore_eos:
+            out["ignore_eos"] = True
+        if self.sampling_seed is not None:
+            out["sampling_seed"] = self.sampling_seed
+        return out
+
+
+@dataclass
+class GenerateResult:
+    output_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[float] | None  # one per output token, when return_logprob
+    weight_version: str | None
+    engine_url: str
+    meta_info: dict[str, Any] = field(repr=False, default_factory=dict)
+
+
+def generate_request(input_ids: Sequence[int], sampling_params: Mapping[str, Any], *,
+                     return_logprob: bool) -> dict[str, Any]:
+    """The /generate body for one tokenized prompt (SGLang's GenerateReqInput fields)."""
+    return {"input_ids": [int(t) for t in input_ids], "sampling_params": dict(sampling_params),
+            "return_logprob": return_logprob}
+
+
+def parse_generate_response(url: str, body: Any, *, return_logprob: bool) -> GenerateResult:
+    """One /generate answer (SGLang's shape) -> GenerateResult; malformed -> EngineError."""
+    try:
+        meta = body["meta_info"]
+        output_ids = [int(t) for t in body["output_ids"]]
+        logprobs = None
+        if return_logprob:
+            logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
+            if len(logprobs) != len(output_ids):
+                raise ValueError(f"{len(logprobs)} logprobs for {len(output_ids)} tokens")
+        finish = meta.get("finish_reason") or {}
+        version = meta.get("weight_version")
+        return GenerateResult(
+            output_ids=output_ids, text=str(body.get("text", "")),
+            finish_reason=str(finish.get("type", "")), prompt_tokens=int(meta["prompt_tokens"]),
+            completion_tokens=int(meta["completion_tokens"]), logprobs=logprobs,
+            weight_version=None if version is None else str(version), engine_url=url,
+            meta_info=meta)
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise EngineError(url, f"malformed /generate answer ({exc!r}): {body!r:.300}") from exc
+
+
+def _error_text(body: str) -> str:
+    """SGLang answers errors as {"error": {"message"}}, {"message"} or plain text."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.strip()[:2000] or "(empty body)"
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in data:
+            return str(data["message"])
+    return body.strip()[:2000]
+
+
+async def first_error(aws: Iterable[Awaitable[T]]) -> list[T]:
+    """Await all; on the first exception cancel the rest and raise it (asyncio.gather would
+    leave the others running and, with a dead engine, keep the caller waiting on them)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        # Retrieve every exception (no "never retrieved" warnings), raise the first in order.
+        errors = [exc for task in tasks if task in done and (exc := task.exception())]
+        if errors:
+            raise errors[0]
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+
+
+class EngineClient:
+    """Async client for a fixed set of engine URLs (e.g. "http://10.0.0.5:30000")."""
+
+    def __init__(self, urls: Sequence[str], *, request_timeout_s: float = 600.0,
+                 connect_timeout_s: float = 10.0, max_connections: int = 1024) -> None:
+        if not urls:
+            raise ValueError("EngineClient needs at least one engine URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.request_timeout_s = request_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._max_connections = max_connections
+        self.outstanding = dict.fromkeys(self.urls, 0)
+        self._rotation = itertools.cycle(range(len(self.urls)))
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _session_now(self) -> aiohttp.ClientSession:
+        # Created lazily: a ClientSession belongs to the event loop it was created in.
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._max_connections))
+        return self._session
+
+    def pick(self) -> str:
+        """Least outstanding requests; the rotating start spreads ties."""
+        start = next(self._rotation)
+        order = self.urls[start:] + self.urls[:start]
+        return min(order, key=lambda u: self.outstanding[u])
+
+    async def request(self, url: str, method: str, path: str, body: Any = None, *,
+                      timeout_s: float | None = None) -> Any:
+        """One HTTP call; returns the decoded JSON (or text, or None for an empty body)."""
+        total = timeout_s if timeout_s is not None else self.request_timeout_s
+        timeout = aiohttp.ClientTimeout(total=total, sock_connect=self.connect_timeout_s)
+        try:
+            async with self._session_now().request(method, url + path, json=body,
+                                                   timeout=timeout) as resp:
+                text = await resp.text()
+                if resp.status >= 400:
+                    raise EngineError(url, f"{path}: {_error_text(text)}", resp.status)
+        except EngineError:
+            raise
+        except TimeoutError as exc:
+            raise EngineError(url, f"{path}: no answer within {total:g}s") from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise EngineError(url, f"{path}: cannot connect ({exc.os_error})") from exc
+        except aiohttp.ClientError as exc:
+            raise EngineError(url, f"{path}: {type(exc).__name__}: {exc}") from exc
+        if not text:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+
+    async def generate_one(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any],
+                           *, return_logprob: bool = True, url: str | None = None,
+                           ) -> GenerateResult:
+        url = url or self.pick()
+        self.outstanding[url] += 1
+        try:
+            body = await self.request(url, "POST", "/generate", generate_request(
+                input_ids, sampling_params, return_logprob=return_logprob))
+        finally:
+            self.outstanding[url] -= 1
+        return parse_generate_response(url, body, return_logprob=return_logprob)
+
+    async def generate(self, prompts: Sequence[Sequence[int]],
+                       sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+                       *, return_logprob: bool = True) -> list[GenerateResult]:
+        """One result per prompt, in order. `sampling_params`: one mapping for all prompts or
+        one per prompt (e.g. different `sampling_seed`s)."""
+        if isinstance(sampling_params, Mapping):
+            per_prompt: Sequence[Mapping[str, Any]] = [sampling_params] * len(prompts)
+        else:
+            per_prompt = sampling_params
+            if len(per_prompt) != len(prompts):
+                raise ValueError(f"{len(per_prompt)} sampling_params for {len(prompts)} prompts")
+        return await first_error(
+            self.generate_one(p, sp, return_logprob=return_logprob)
+            for p, sp in zip(prompts, per_prompt, strict=True))
+
+    async def post_all(self, path: str, body: Any | Sequence[Any], *,
+                       timeout_s: float | None = None, per_engine: bool = False) -> list[Any]:
+        """POST to every engine concurrently (the same body, or with per_engine one body per
+        engine); answers in engine order. SGLang's weight endpoints answer {success, message}
+        with HTTP 200 or 400, so `success: false` is turned into EngineError here too."""
+        bodies = list(body) if per_engine else [body] * len(self.urls)
+        if len(bodies) != len(self.urls):
+            raise ValueError(f"{len(bodies)} bodies for {len(self.urls)} engines")
+
+        async def one(url: str, b: Any) -> Any:
+            answer = await self.request(url, "POST", path, b, timeout_s=timeout_s)
+            if isinstance(answer, dict) and answer.get("success") is False:
+                raise EngineError(url, f"{path}: {answer.get('message', '')}")
+            return answer
+
+        return await first_error(one(u, b) for u, b in zip(self.urls, bodies, strict=True))
+
+    async def wait_healthy(self, timeout_s: float = 120.0, interval_s: float = 0.2) -> None:
+        """Until every engine answers GET /health with 200; EngineError naming the engines
+        still unhealthy (and why) after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        waiting = set(self.urls)
+        last: dict[str, str] = {}
+        while waiting:
+            for url in sorted(waiting):
+                try:
+                    await self.request(url, "GET", "/health",
+                                       timeout_s=max(1.0, min(5.0, timeout_s)))
+                    waiting.discard(url)
+                except EngineError as exc:
+                    last[url] = exc.message
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                detail = "; ".join(f"{u}: {last.get(u, '?')}" for u in sorted(waiting))
+                raise EngineError(sorted(waiting)[0],
+                                  f"not healthy within {timeout_s:g}s ({detail})")
+            await asyncio.sleep(interval_s)
+
+    async def get_model_info(self, url: str) -> dict[str, Any]:
+        info = await self.request(url, "GET", "/get_model_info")
+        if not isinstance(info, dict):
+            raise EngineError(url, f"/get_model_info: unexpected answer {info!r:.200}")
+        return info

@@ -1,0 +1,58 @@
+"""Bodies of SGLang's weight-management requests, with SGLang's field names (see
+python/sglang/srt/managers/io_struct.py; tests/unit/test_engine_contract.py pins them).
+
+Pure builders: the sender and the tests use them, and the contract test checks that every key
+they emit is a field SGLang's request type accepts (SGLang rejects unknown fields).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kuberl_trainer.weight_sync.plan import TensorMeta
+
+
+def init_weights_update_group(*, master_address: str, master_port: int, rank_offset: int,
+                              world_size: int, group_name: str, backend: str) -> dict[str, Any]:
+    return {"master_address": master_address, "master_port": master_port,
+            "rank_offset": rank_offset, "world_size": world_size,
+            "group_name": group_name, "backend": backend}
+
+
+def update_weights_from_distributed(metas: Sequence[TensorMeta], *, group_name: str,
+                                    weight_version: str | None,
+                                    flush_cache: bool = True) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "names": [m.name for m in metas],
+        "dtypes": [m.dtype for m in metas],
+        "shapes": [list(m.shape) for m in metas],
+        "group_name": group_name,
+        "flush_cache": flush_cache,
+    }
+    if weight_version is not None:
+        body["weight_version"] = weight_version
+    return body
+
+
+def update_weights_from_tensor(serialized_named_tensors: Sequence[str], *,
+                               weight_version: str | None, flush_cache: bool = True,
+                               load_format: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"serialized_named_tensors": list(serialized_named_tensors),
+                            "load_format": load_format, "flush_cache": flush_cache}
+    if weight_version is not None:
+        body["weight_version"] = weight_version
+    return body
+
+
+def destroy_weights_update_group(group_name: str) -> dict[str, Any]:
+    return {"group_name": group_name}
+
+
+def memory_occupation(tags: Sequence[str] | None = None) -> dict[str, Any]:
+    """Body of both /release_memory_occupation and /resume_memory_occupation."""
+    return {"tags": list(tags) if tags is not None else None}
+
+
+def abort_request(rid: str | None = None, *, abort_all: bool = False) -> dict[str, Any]:
+    return {"rid": rid or "", "abort_all": abort_all}
