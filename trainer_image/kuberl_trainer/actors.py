@@ -30,7 +30,7 @@ def free_port() -> int:
 
 
 def node_ip() -> str:
-    return str(ray.util.get_node_ip_address())
+    return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
 
 
 class TrainWorker:
@@ -80,6 +80,13 @@ class TrainWorker:
                      backend=backend, master_address=node_ip(), master_port=free_port(),
                      weight_version=weight_version)
         return time.perf_counter() - started
+
+    def checksums(self) -> dict[str, str]:
+        """sha256 of every weight as the engines receive it (for sync checks); collective."""
+        from kuberl_trainer.weight_sync.codec import tensor_sha256
+
+        return {name: tensor_sha256(t) for bucket in self.backend.named_tensor_buckets(1 << 26)
+                for name, t in bucket}
 
     def save(self, path: str) -> None:
         self.backend.save(path)
@@ -136,7 +143,7 @@ class TrainGroup:
     """The training workers, driven together: data-parallel shards of every batch."""
 
     def __init__(self, spec: RLJobSpec, layout: Layout) -> None:
-        cls = ray.remote(TrainWorker).options(**layout.train_actor.options())  # type: ignore[arg-type]
+        cls: Any = ray.remote(TrainWorker).options(**layout.train_actor.options())
         spec_json = spec.model_dump_json(by_alias=True)
         n = layout.train_workers
         self.workers = [cls.remote(spec_json, rank, n) for rank in range(n)]
@@ -164,6 +171,10 @@ class TrainGroup:
                            for w in self.workers])
         return float(seconds[0])
 
+    def checksums(self) -> dict[str, str]:
+        sums: list[dict[str, str]] = ray.get([w.checksums.remote() for w in self.workers])
+        return sums[0]
+
     def save(self, path: str) -> None:
         ray.get([w.save.remote(path) for w in self.workers])
 
@@ -173,7 +184,7 @@ class TrainGroup:
 
 class EngineGroup:
     def __init__(self, spec: RLJobSpec, layout: Layout, seed: int) -> None:
-        cls = ray.remote(EngineServer).options(**layout.engine_actor.options())  # type: ignore[arg-type]
+        cls: Any = ray.remote(EngineServer).options(**layout.engine_actor.options())
         spec_json = spec.model_dump_json(by_alias=True)
         self.actors = [cls.remote(spec_json, i, seed + i) for i in range(layout.engines)]
         self.urls: list[str] = ray.get([a.start.remote(spec.model.path) for a in self.actors])

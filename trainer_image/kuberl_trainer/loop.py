@@ -24,6 +24,7 @@ class Reporter(Protocol):
 
 @dataclass
 class Parts:
+    aio: asyncio.AbstractEventLoop  # the engine client's loop (its HTTP session lives on it)
     rollout: RolloutManager
     train: TrainGroup
     engines: EngineGroup
@@ -35,27 +36,23 @@ class Parts:
 
 def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
     """Steps start..total-1; returns the weight version reached. Raises on engine death."""
-    loop = asyncio.new_event_loop()
-    try:
-        for step in range(start, total):
-            t0 = time.perf_counter()
-            rollout = loop.run_until_complete(parts.rollout.generate(step))   # prompts -> batch
-            t1 = time.perf_counter()
-            old, ref = parts.train.logprobs(rollout.batch)                   # pi_old, pi_ref
-            rollout.batch.old_logprobs, rollout.batch.ref_logprobs = old, ref
-            stats = parts.train.train(rollout.batch)                          # optimizer step(s)
-            t2 = time.perf_counter()
-            weight_version += 1
-            parts.train.push_weights(parts.engines.urls, weight_version, parts.bucket_bytes)
-            t3 = time.perf_counter()
-            record = {"step": step, **rollout.metrics, **stats, "weight_version": weight_version,
-                      "time_generate_s": t1 - t0, "time_train_s": t2 - t1,
-                      "time_sync_s": t3 - t2, "time_step_s": t3 - t0}
-            parts.log.write(record)
-            ckpt = None
-            if parts.checkpointer.due(step + 1):
-                ckpt = (step + 1, parts.checkpointer.save(step + 1, weight_version))
-            parts.reporter.step(step, record, ckpt)
-    finally:
-        loop.close()
+    for step in range(start, total):
+        t0 = time.perf_counter()
+        rollout = parts.aio.run_until_complete(parts.rollout.generate(step))  # -> batch
+        t1 = time.perf_counter()
+        old, ref = parts.train.logprobs(rollout.batch)                   # pi_old, pi_ref
+        rollout.batch.old_logprobs, rollout.batch.ref_logprobs = old, ref
+        stats = parts.train.train(rollout.batch)                          # optimizer step(s)
+        t2 = time.perf_counter()
+        weight_version += 1
+        parts.train.push_weights(parts.engines.urls, weight_version, parts.bucket_bytes)
+        t3 = time.perf_counter()
+        record = {"step": step, **rollout.metrics, **stats, "weight_version": weight_version,
+                  "time_generate_s": t1 - t0, "time_train_s": t2 - t1,
+                  "time_sync_s": t3 - t2, "time_step_s": t3 - t0}
+        parts.log.write(record)
+        ckpt = None
+        if parts.checkpointer.due(step + 1):
+            ckpt = (step + 1, parts.checkpointer.save(step + 1, weight_version))
+        parts.reporter.step(step, record, ckpt)
     return weight_version

@@ -15,16 +15,17 @@ HEADER = "step  reward    std   len   gen_s  train_s sync_s"
 
 class Progress:
     def __init__(self, total: int, start: int = 0) -> None:
+        # The bar only on a terminal; in logs (CI, kubectl logs) the per-step lines suffice.
         self.bar = tqdm(total=total, initial=start, unit="step", file=sys.stderr,
-                        dynamic_ncols=True, leave=False)
+                        dynamic_ncols=True, leave=False, disable=not sys.stderr.isatty())
         self.header_printed = False
 
     def step(self, record: dict[str, Any]) -> None:
         if not self.header_printed:
-            self.bar.write(HEADER)
+            self.bar.write(HEADER, file=sys.stdout)
             self.header_printed = True
         cells = [fmt.format(record.get(k, 0)) for k, fmt in COLUMNS]
-        self.bar.write("  ".join(cells))
+        self.bar.write("  ".join(cells), file=sys.stdout)
         self.bar.set_postfix(reward=f"{record.get('reward_mean', 0):.3f}")
         self.bar.update(1)
 

@@ -9,6 +9,7 @@ equal, and pack token tensors for the trainer.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,51 +39,52 @@ class Response:
 @dataclass
 class Rollout:
     batch: TrainBatch
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
     prompts: list[str] = field(default_factory=list)
 
 
 class RolloutManager:
     def __init__(self, spec: RLJobSpec, source: PromptSource, client: EngineClient,
-                 tokenizer: Any, reward_fn: Callable[[str, str], float], *,
+                 tokenizer: Any, reward_fn: Callable[[str, str], float], *, seed: int = 0,
                  filter_constant_groups: bool = False) -> None:
-        self.spec, self.source, self.client = spec, source, client
+        self.spec, self.source, self.client, self.seed = spec, source, client, seed
         self.tokenizer, self.reward_fn = tokenizer, reward_fn
         self.filter_constant_groups = filter_constant_groups
 
-    def sampling_params(self, step: int) -> dict[str, Any]:
+    def sampling_params(self, step: int, sample: Sample, k: int) -> dict[str, Any]:
+        """Each response gets its own seed, a function of (run seed, step, prompt, k): the same
+        sample comes out whichever engine serves it, so a resumed run regenerates exactly what
+        an uninterrupted one would have."""
         return {
             "temperature": self.spec.algorithm.temperature,
             "top_p": 1.0,
             "max_new_tokens": self.spec.data.max_response_len,
             "stop_token_ids": [self.tokenizer.eos_token_id],
+            "sampling_seed": sample_seed(self.seed, step, sample, k),
         }
 
-    async def _sample(self, sample: Sample, n: int, params: dict[str, Any]) -> list[Response]:
+    async def _sample(self, step: int, sample: Sample, n: int) -> list[Response]:
         ids = self.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
         ids = ids[-self.spec.data.max_prompt_len:]
-        outs = await asyncio.gather(*(self.client.generate(ids, params) for _ in range(n)))
-        return [self._response(sample, ids, o) for o in outs]
-
-    def _response(self, sample: Sample, ids: list[int], out: dict[str, Any]) -> Response:
-        meta = out["meta_info"]
-        lps = [float(x[0]) for x in meta.get("output_token_logprobs", [])]
-        finish = meta.get("finish_reason") or {}
-        return Response(sample=sample, prompt_ids=ids, output_ids=list(out["output_ids"]),
-                        logprobs=lps, text=out["text"],
-                        truncated=finish.get("type") == "length")
+        params = [self.sampling_params(step, sample, k) for k in range(n)]
+        outs = await self.client.generate([ids] * n, params)
+        return [Response(sample=sample, prompt_ids=ids, output_ids=list(o.output_ids),
+                         logprobs=list(o.logprobs or []), text=o.text,
+                         truncated=o.finish_reason == "length") for o in outs]
 
     async def generate(self, step: int) -> Rollout:
         d = self.spec.data
         samples = self.source.next_batch(d.rollout_batch_size)
-        params = self.sampling_params(step)
-        groups = await asyncio.gather(*(self._sample(s, d.n_samples_per_prompt, params)
+        groups = await asyncio.gather(*(self._sample(step, s, d.n_samples_per_prompt)
                                         for s in samples))
         responses = [r for g in groups for r in g]
         for r in responses:
             r.reward = float(self.reward_fn(r.text, r.sample.label))
         rewards = torch.tensor([r.reward for r in responses], dtype=torch.float32)
         metrics = self._metrics(responses, rewards)
+        # Which prompts this step saw: a resumed run must see exactly the same ones.
+        metrics["prompts_sha"] = hashlib.sha256(
+            "\n".join(f"{s.epoch}:{s.index}" for s in samples).encode()).hexdigest()[:16]
         keep = self._kept_groups(rewards)
         responses = [r for i, r in enumerate(responses) if keep[i // d.n_samples_per_prompt]]
         rewards = torch.tensor([r.reward for r in responses], dtype=torch.float32)
@@ -109,6 +111,11 @@ class RolloutManager:
             "response_length_max": float(max(lengths)),
             "truncated_fraction": sum(r.truncated for r in responses) / len(responses),
         }
+
+
+def sample_seed(seed: int, step: int, sample: Sample, k: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{step}:{sample.epoch}:{sample.index}:{k}".encode())
+    return int.from_bytes(digest.digest()[:4], "little") & 0x7FFFFFFF
 
 
 def pack(responses: list[Response], advantages: torch.Tensor, pad_id: int) -> TrainBatch:

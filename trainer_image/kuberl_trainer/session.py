@@ -40,6 +40,7 @@ class Session:
         self.trainers: TrainGroup | None = None
         self.step = 0
         self.weight_version = 0
+        self.aio = asyncio.new_event_loop()  # one loop for the run: the HTTP session lives on it
         self.status: StatusReporter | None = StatusReporter.in_cluster() if opts.in_cluster \
             else None
 
@@ -55,7 +56,7 @@ class Session:
         self.engines = EngineGroup(self.spec, lay, seed=self.opts.seed)
         self.trainers = TrainGroup(self.spec, lay)
         self.client = EngineClient(self.engines.urls)
-        asyncio.run(self.client.wait_healthy(timeout=ENGINE_START_TIMEOUT_S))
+        self.aio.run_until_complete(self.client.wait_healthy(timeout_s=ENGINE_START_TIMEOUT_S))
         self.source = PromptSource(self.spec.data.prompts, self.spec.data.input_key,
                                    self.spec.data.label_key, seed=self.opts.seed)
         self._resume()
@@ -78,8 +79,9 @@ class Session:
         assert self.trainers is not None and self.engines is not None
         tokenizer = AutoTokenizer.from_pretrained(self.checked.tokenizer_path)
         parts = Parts(
+            aio=self.aio,
             rollout=RolloutManager(self.spec, self.source, self.client, tokenizer,
-                                   self.checked.reward_fn),
+                                   self.checked.reward_fn, seed=self.opts.seed),
             train=self.trainers, engines=self.engines,
             log=MetricsLog(self.opts.output_dir, prometheus_port=self.opts.prometheus_port,
                            tensorboard_dir=self.opts.tensorboard),
@@ -99,7 +101,7 @@ class Session:
     def due(self, step: int) -> bool:
         self.step = step  # the loop calls this once per finished step
         every = self.spec.schedule.save_interval
-        return bool(every) and step % every == 0
+        return every is not None and step % every == 0
 
     def save(self, step: int, weight_version: int) -> str:
         assert self.trainers is not None
@@ -128,9 +130,12 @@ class Session:
 
     def close(self) -> None:
         try:
+            if hasattr(self, "client"):
+                self.aio.run_until_complete(self.client.close())
             if self.engines is not None:
                 self.engines.stop()
         finally:
+            self.aio.close()
             if ray.is_initialized():
                 ray.shutdown()
 

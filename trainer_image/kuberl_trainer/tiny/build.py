@@ -44,9 +44,9 @@ class BuildConfig:
     """Everything that determines the built files (the cache key)."""
 
     seed: int = 0
-    sft_steps: int = 900
+    sft_steps: int = 300
     sft_batch_size: int = 64
-    sft_lr: float = 1e-3
+    sft_lr: float = 5e-4
     n_eval: int = 500
     eval_samples: int = 8  # sampled accuracy: this many responses per prompt at temperature 1
     shape: ModelShape = field(default_factory=ModelShape)
