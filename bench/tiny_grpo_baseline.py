@@ -2,7 +2,7 @@
 
 One process, no Ray, no HTTP, no weight sync: sample `prompts x samples` responses at
 temperature 1 with a KV cache, reward exact match, GRPO advantages (group mean / std), PPO-clip
-loss on the sampled tokens, one AdamW step per rollout. DESIGN.md asks the full system
+loss on the sampled tokens, one AdamW step per rollout (the fsdp backend's AdamW settings). DESIGN.md asks the full system
 (`kuberl run examples/tiny-grpo.yaml`) to stay within 1.5x this step time on the same machine.
 
     .venv/bin/python bench/tiny_grpo_baseline.py --out out/tiny --steps 200
@@ -29,6 +29,9 @@ from kuberl_trainer.tiny.build import EVAL_FILE, MODEL_DIR, THREADS, TRAIN_FILE,
 from kuberl_trainer.tiny.data import Problem, read_jsonl
 from kuberl_trainer.tiny.evaluate import MAX_NEW_TOKENS, accuracy, prompt_ids
 from kuberl_trainer.tiny.sampling import Samples, answers, exact_rewards, sample
+
+MAX_GRAD_NORM = 1.0
+WEIGHT_DECAY = 0.01
 
 
 @dataclass
@@ -118,6 +121,7 @@ def grpo_step(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
     loss, clipfrac = ppo_clip_loss(logp, logp.detach(), adv, s.mask, args.eps_clip)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
     optimizer.step()
     t2 = time.perf_counter()
     return StepStats(0, float(rewards.mean()), t1 - t0, t2 - t1, clipfrac)
@@ -131,7 +135,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--samples", type=int, default=8)
-    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--eps-clip", type=float, default=0.2)
     p.add_argument("--temperature", type=float, default=1.0)
     return p.parse_args(argv)
@@ -146,7 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(args.out / MODEL_DIR))
     stream = PromptStream(load_problems(args.out / TRAIN_FILE), args.seed)
     held_out = load_problems(args.out / EVAL_FILE)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    # The fsdp backend's optimizer (kuberl_trainer/backends/optim.py): AdamW, betas (0.9,
+    # 0.999), weight decay 0.01, no warmup, grad-norm clip 1.0; so the curves compare.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY)
     generator = torch.Generator().manual_seed(args.seed)
 
     greedy_before = accuracy(model, tokenizer, held_out)

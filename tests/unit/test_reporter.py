@@ -15,7 +15,7 @@ def test_report_patches_only_progress() -> None:
     seen: list[dict[str, Any]] = []
 
     class Handler(BaseHTTPRequestHandler):
-        def do_PATCH(self) -> None:  # noqa: N802 (http.server's naming)
+        def do_PATCH(self) -> None:
             body = self.rfile.read(int(self.headers["Content-Length"]))
             seen.append({"path": self.path, "auth": self.headers["Authorization"],
                          "type": self.headers["Content-Type"], "body": json.loads(body)})

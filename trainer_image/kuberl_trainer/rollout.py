@@ -81,7 +81,7 @@ class RolloutManager:
         for r in responses:
             r.reward = float(self.reward_fn(r.text, r.sample.label))
         rewards = torch.tensor([r.reward for r in responses], dtype=torch.float32)
-        metrics = self._metrics(responses, rewards)
+        metrics: dict[str, Any] = dict(self._metrics(responses, rewards))
         # Which prompts this step saw: a resumed run must see exactly the same ones.
         metrics["prompts_sha"] = hashlib.sha256(
             "\n".join(f"{s.epoch}:{s.index}" for s in samples).encode()).hexdigest()[:16]

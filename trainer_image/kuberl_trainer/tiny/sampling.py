@@ -78,7 +78,7 @@ def answers(tokenizer: PreTrainedTokenizerBase, samples: Samples) -> list[str]:
     """Decoded responses, eos and padding dropped."""
     rows = (samples.tokens * samples.mask).tolist()
     lengths = samples.mask.sum(1).tolist()
-    return [tokenizer.decode(row[:n], skip_special_tokens=True)
+    return [str(tokenizer.decode(row[:n], skip_special_tokens=True))
             for row, n in zip(rows, lengths, strict=True)]
 
 

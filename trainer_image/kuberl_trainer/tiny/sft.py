@@ -53,5 +53,5 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: 
         loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))
-    model.eval()
+    model.train(False)  # eval mode; `eval()` is untyped in transformers
     return losses

@@ -8,6 +8,7 @@ an out-of-vocabulary character an error instead of a silently dropped one.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -33,7 +34,7 @@ def _backend() -> Tokenizer:
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
     """The tokenizer object; `save(dir)` writes it for `AutoTokenizer`."""
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=_backend(),
         pad_token=PAD,
         eos_token=EOS,
@@ -46,3 +47,17 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 def save(tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
     tokenizer.save_pretrained(str(out))
+    _declare_no_unk(out / "tokenizer_config.json")
+
+
+def _declare_no_unk(config_path: Path) -> None:
+    """Write `"unk_token": null` into tokenizer_config.json.
+
+    Next to a qwen2 config.json, AutoTokenizer loads Qwen2Tokenizer (transformers overrides the
+    saved tokenizer_class for qwen2), whose default unk_token "<|endoftext|>" would be added as
+    a 15th token, outside the model's 14-row embedding. save_pretrained omits None values, so
+    the explicit null is written here.
+    """
+    config = json.loads(config_path.read_text())
+    config["unk_token"] = None
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

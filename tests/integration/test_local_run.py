@@ -1,0 +1,186 @@
+"""`kuberl run` end to end on CPU: real Ray, real reference engines behind the SGLang HTTP API,
+real weight sync over gloo, checkpoints that resume exactly, and bad input that fails early."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[2]
+KUBERL = [sys.executable, "-m", "kuberl_cli.main"]
+SFT_STEPS = 300  # a partly trained policy: room for RL to improve it within a few steps
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Path:
+    """The tiny job's model and data, built once per machine (the build is seeded and cached
+    under the user's cache directory, so later runs and clean clones reuse it)."""
+    from kuberl_trainer.tiny.build import BuildConfig, build
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    out = cache / "kuberl" / f"test-tiny-sft{SFT_STEPS}"
+    build(out, BuildConfig(sft_steps=SFT_STEPS))
+    return out
+
+
+def manifest(tiny: Path, tmp: Path, name: str, **spec: Any) -> Path:
+    body: dict[str, Any] = {
+        "model": {"path": str(tiny / "model")},
+        "data": {"prompts": str(tiny / "data" / "train.jsonl"), "rolloutBatchSize": 16,
+                 "nSamplesPerPrompt": 8, "maxPromptLen": 8, "maxResponseLen": 4},
+        "reward": {"type": "exact"},
+        "algorithm": {"lr": 5e-4, "temperature": 1.0},
+        "training": {"backend": "fsdp", "gpusPerNode": 0, "microBatchSize": 64},
+        "rollout": {"engine": "reference"},
+        "schedule": {"numRollouts": 4},
+    }
+    for key, value in spec.items():
+        body[key] = {**body.get(key, {}), **value} if isinstance(value, dict) else value
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "kuberl.dev/v1alpha1", "kind": "RLJob",
+                                    "metadata": {"name": name}, "spec": body}))
+    return path
+
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # so `tests.integration.toy_rewards` imports
+
+
+def kuberl_run(job: Path, out: Path, *extra: str,
+               timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*KUBERL, "run", str(job), "--output-dir", str(out), *extra],
+                          capture_output=True, text=True, timeout=timeout, cwd=job.parent,
+                          env=ENV)
+
+
+def metrics(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+LEARNABLE = {"type": "custom", "function": "tests.integration.toy_rewards:leading_one"}
+
+
+def test_colocated_run_learns_and_writes_metrics(tiny: Path, tmp_path: Path) -> None:
+    job = manifest(tiny, tmp_path, "colo", reward=LEARNABLE,
+                   schedule={"numRollouts": 8, "saveInterval": 4})
+    res = kuberl_run(job, tmp_path / "out")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = metrics(tmp_path / "out")
+    assert [r["step"] for r in rows] == list(range(8))
+    for key in ("reward_mean", "reward_std", "response_length_mean", "time_generate_s",
+                "time_train_s", "time_sync_s", "pg_loss", "entropy", "weight_version"):
+        assert all(key in r for r in rows), key
+    assert [r["weight_version"] for r in rows] == list(range(1, 9))
+    first = sum(r["reward_mean"] for r in rows[:2]) / 2
+    last = sum(r["reward_mean"] for r in rows[-3:]) / 3
+    assert last > first + 0.2, (first, last)
+    assert "step  reward" in res.stdout  # the per-step table a person watches
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == [
+        "step_4", "step_8"]
+
+
+def test_disaggregated_engines_hold_the_trainers_weights(tiny: Path, tmp_path: Path) -> None:
+    """Two engines; after training steps, every engine's weights equal the trainer's."""
+    import asyncio
+
+    from kuberl_api import load
+    from kuberl_trainer.engine_client import EngineClient
+    from kuberl_trainer.preflight import check
+    from kuberl_trainer.progress import Progress
+    from kuberl_trainer.run import Options
+    from kuberl_trainer.session import Session
+
+    job = load(manifest(tiny, tmp_path, "disagg", placement="disaggregated",
+                        rollout={"gpus": 0, "engines": 2}, schedule={"numRollouts": 2}))
+    opts = Options(address=None, in_cluster=False, output_dir=tmp_path / "out",
+                   checkpoint_dir=tmp_path / "ckpt", prometheus_port=0, tensorboard=None,
+                   seed=0)
+    session = Session(job, opts, check(job.spec))
+    try:
+        session.start()
+        assert session.engines is not None and session.trainers is not None
+        urls = session.engines.urls
+        assert len(urls) == 2
+        session.train(Progress(2))
+        trainer = session.trainers.checksums()
+
+        async def engine_sums() -> list[dict[str, Any]]:
+            client = EngineClient(urls)
+            try:
+                return [await client.request(u, "GET", "/get_weights_checksum") for u in urls]
+            finally:
+                await client.close()
+
+        for sums in asyncio.run(engine_sums()):
+            weights = sums.get("checksums", sums)
+            assert {k: weights[k] for k in trainer} == trainer
+        assert metrics(tmp_path / "out")[-1]["weight_version"] == 2
+    finally:
+        session.close()
+
+
+def test_resume_replays_the_uninterrupted_run(tiny: Path, tmp_path: Path) -> None:
+    whole = manifest(tiny, tmp_path, "whole", schedule={"numRollouts": 6, "saveInterval": 3})
+    assert kuberl_run(whole, tmp_path / "a").returncode == 0
+    first = manifest(tiny, tmp_path, "part", schedule={"numRollouts": 3, "saveInterval": 3})
+    assert kuberl_run(first, tmp_path / "b").returncode == 0
+    rest = manifest(tiny, tmp_path, "part", schedule={"numRollouts": 6, "saveInterval": 3})
+    res = kuberl_run(rest, tmp_path / "b")
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert [r["step"] for r in b] == list(range(6))
+    for ra, rb in zip(a[3:], b[3:], strict=True):
+        assert ra["prompts_sha"] == rb["prompts_sha"]
+        for key in ("reward_mean", "response_length_mean", "pg_loss", "entropy"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-5), key
+
+
+@pytest.mark.parametrize(("edit", "expect"), [
+    (lambda t: {"data": {"prompts": str(t / "missing.jsonl")}}, "spec.data.prompts"),
+    (lambda t: {"data": {"inputKey": "question"}}, "question"),
+    (lambda t: {"model": {"path": str(t / "data")}}, "spec.model.path"),
+    (lambda t: {"reward": {"type": "custom", "function": "no_such_module:score"}},
+     "no_such_module"),
+])
+def test_bad_input_fails_before_ray_starts(tiny: Path, tmp_path: Path, edit: Any,
+                                           expect: str) -> None:
+    job = manifest(tiny, tmp_path, "bad", **edit(tiny))
+    started = time.monotonic()
+    res = kuberl_run(job, tmp_path / "out", timeout=120)
+    assert res.returncode == 1
+    assert expect in res.stderr
+    assert "Ray" not in res.stderr and time.monotonic() - started < 60
+
+
+def test_engine_death_fails_the_run_with_its_error(tiny: Path, tmp_path: Path) -> None:
+    job = manifest(tiny, tmp_path, "dies", placement="disaggregated",
+                   rollout={"gpus": 0, "engines": 2}, schedule={"numRollouts": 200})
+    out = tmp_path / "out"
+    proc = subprocess.Popen([*KUBERL, "run", str(job), "--output-dir", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics.jsonl").exists() or not metrics(out):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the run never started"
+            time.sleep(0.5)
+        engines = subprocess.run(["pgrep", "-f", f"kuberl_rollout.reference --model-path {tiny}"],
+                                 capture_output=True, text=True).stdout.split()
+        assert engines
+        os.kill(int(engines[0]), signal.SIGKILL)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    assert "engine" in err and "error:" in err
