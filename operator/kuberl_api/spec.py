@@ -171,6 +171,9 @@ class AlgorithmSpec(ApiModel):
     kl_loss_type: KlType = "low_var_kl"
     entropy_coef: float = Field(0.0, ge=0, le=100)
     temperature: float = Field(1.0, gt=0, le=100, description="Sampling temperature.")
+    drop_constant_groups: bool = Field(
+        False, description="Leave out of the loss the prompt groups whose rewards are all "
+        "equal (they carry no GRPO signal but dilute the token mean).")
 
     @model_validator(mode="after")
     def _clip_order(self) -> AlgorithmSpec:

@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="serve per-step metrics for Prometheus on this port (0: off)")
     run.add_argument("--tensorboard", type=Path, default=None,
                      help="also write TensorBoard scalars here (needs tensorboard installed)")
+    run.add_argument("--wandb", metavar="PROJECT", default=None,
+                     help="also log to Weights & Biases (needs wandb installed and logged in)")
     run.add_argument("--seed", type=int, default=0, help="seed for data order and sampling")
     run.set_defaults(func=_cmd_run)
     return parser

@@ -20,7 +20,7 @@ import torch
 
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.backends.base import TrainBatch, make_backend
-from kuberl_trainer.placement import Layout
+from kuberl_trainer.placement import ActorShape, Layout
 
 
 def free_port() -> int:
@@ -139,14 +139,40 @@ class EngineServer:
                 self.proc.kill()
 
 
+PLACEMENT_TIMEOUT_S = 600.0
+
+
+def placed(shape: ActorShape, count: int, what: str) -> list[dict[str, Any]]:
+    """Reserve `count` bundles at once (a gang: all or nothing) and return per-actor options.
+
+    PACK keeps consecutive ranks on the same node where they fit, so data-parallel neighbours
+    talk over NVLink and an engine's GPUs never straddle nodes (a bundle is one node).
+    """
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = placement_group([shape.bundle() for _ in range(count)], strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(
+            f"could not place {count} {what} actor(s) of {shape.bundle()} within "
+            f"{PLACEMENT_TIMEOUT_S:.0f}s; the Ray cluster offers {ray.cluster_resources()}"
+        ) from None
+    return [{**shape.options(), "scheduling_strategy": PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=i)} for i in range(count)]
+
+
 class TrainGroup:
     """The training workers, driven together: data-parallel shards of every batch."""
 
     def __init__(self, spec: RLJobSpec, layout: Layout) -> None:
-        cls: Any = ray.remote(TrainWorker).options(**layout.train_actor.options())
+        cls: Any = ray.remote(TrainWorker)
         spec_json = spec.model_dump_json(by_alias=True)
         n = layout.train_workers
-        self.workers = [cls.remote(spec_json, rank, n) for rank in range(n)]
+        opts = placed(layout.train_actor, n, "training")
+        self.workers = [cls.options(**opts[rank]).remote(spec_json, rank, n)
+                        for rank in range(n)]
         addr, port = ray.get(self.workers[0].address.remote())
         ray.get([w.setup.remote(addr, port) for w in self.workers])
 
@@ -184,9 +210,11 @@ class TrainGroup:
 
 class EngineGroup:
     def __init__(self, spec: RLJobSpec, layout: Layout, seed: int) -> None:
-        cls: Any = ray.remote(EngineServer).options(**layout.engine_actor.options())
+        cls: Any = ray.remote(EngineServer)
         spec_json = spec.model_dump_json(by_alias=True)
-        self.actors = [cls.remote(spec_json, i, seed + i) for i in range(layout.engines)]
+        opts = placed(layout.engine_actor, layout.engines, "engine")
+        self.actors = [cls.options(**opts[i]).remote(spec_json, i, seed + i)
+                       for i in range(layout.engines)]
         self.urls: list[str] = ray.get([a.start.remote(spec.model.path) for a in self.actors])
 
     def dead(self) -> dict[str, int]:

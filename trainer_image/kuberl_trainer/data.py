@@ -73,6 +73,10 @@ class PromptSource:
             self.position += 1
         return batch
 
+    def samples(self) -> list[Sample]:
+        """Every row once, in file order (for evaluation sets)."""
+        return [Sample(prompt, label, i, 0) for i, (prompt, label) in enumerate(self._load())]
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
 

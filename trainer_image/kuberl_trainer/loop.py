@@ -32,6 +32,7 @@ class Parts:
     checkpointer: Checkpointer
     reporter: Reporter
     bucket_bytes: int
+    eval_interval: int | None = None
 
 
 def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
@@ -50,6 +51,9 @@ def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
         record = {"step": step, **rollout.metrics, **stats, "weight_version": weight_version,
                   "time_generate_s": t1 - t0, "time_train_s": t2 - t1,
                   "time_sync_s": t3 - t2, "time_step_s": t3 - t0}
+        every = parts.eval_interval
+        if every and (step + 1) % every == 0:
+            record.update(parts.aio.run_until_complete(parts.rollout.evaluate(step)))
         parts.log.write(record)
         ckpt = None
         if parts.checkpointer.due(step + 1):

@@ -15,7 +15,8 @@ STEP_KEYS = ("step", "reward_mean", "reward_std", "response_length_mean", "time_
 
 class MetricsLog:
     def __init__(self, out_dir: Path, *, prometheus_port: int = 0,
-                 tensorboard_dir: Path | None = None) -> None:
+                 tensorboard_dir: Path | None = None, wandb_project: str | None = None,
+                 run_name: str = "kuberl") -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / "metrics.jsonl"
         self._file = self.path.open("a")
@@ -35,6 +36,16 @@ class MetricsLog:
             else:
                 self._tb = SummaryWriter(str(tensorboard_dir))
 
+        self._wandb: Any = None
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:  # wandb is optional
+                print("wandb is not installed; skipping --wandb")
+            else:
+                self._wandb = wandb.init(project=wandb_project, name=run_name,
+                                         dir=str(out_dir))
+
     def write(self, record: dict[str, Any]) -> None:
         ordered = {k: record[k] for k in STEP_KEYS if k in record}
         ordered.update({k: record[k] for k in sorted(record) if k not in ordered})
@@ -49,6 +60,9 @@ class MetricsLog:
                     self._tb.add_scalar(key, value, step)
         if "step" in record:
             self._gauge("step").set(step)
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items()
+                             if isinstance(v, int | float)}, step=step)
 
     def _gauge(self, key: str) -> Any:
         if self._registry is None:
@@ -64,6 +78,8 @@ class MetricsLog:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 class _Null:

@@ -26,6 +26,13 @@ class ActorShape:
         return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
                 "resources": dict(self.resources)}
 
+    def bundle(self) -> dict[str, float]:
+        """The placement-group bundle reserving exactly what one such actor asks for."""
+        out = {"CPU": self.num_cpus, **self.resources}
+        if self.num_gpus:
+            out["GPU"] = self.num_gpus
+        return out
+
 
 @dataclass(frozen=True)
 class Layout:

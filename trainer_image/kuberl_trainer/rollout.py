@@ -19,7 +19,7 @@ import torch
 
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.algos import advantages as adv_fn
-from kuberl_trainer.algos.filters import nonconstant_groups
+from kuberl_trainer.algos.filters import expand_to_samples, nonconstant_groups
 from kuberl_trainer.backends.base import TrainBatch
 from kuberl_trainer.data import PromptSource, Sample
 from kuberl_trainer.engine_client import EngineClient
@@ -45,11 +45,14 @@ class Rollout:
 
 class RolloutManager:
     def __init__(self, spec: RLJobSpec, source: PromptSource, client: EngineClient,
-                 tokenizer: Any, reward_fn: Callable[[str, str], float], *, seed: int = 0,
-                 filter_constant_groups: bool = False) -> None:
+                 tokenizer: Any, reward_fn: Callable[[str, str], float], *,
+                 seed: int = 0) -> None:
         self.spec, self.source, self.client, self.seed = spec, source, client, seed
         self.tokenizer, self.reward_fn = tokenizer, reward_fn
-        self.filter_constant_groups = filter_constant_groups
+        self.eval_sets = [
+            (e.name, PromptSource(e.path, spec.data.input_key, spec.data.label_key,
+                                  seed=seed).samples(), e.n_samples_per_prompt)
+            for e in spec.data.eval_sets]
 
     def sampling_params(self, step: int, sample: Sample, k: int) -> dict[str, Any]:
         """Each response gets its own seed, a function of (run seed, step, prompt, k): the same
@@ -63,10 +66,13 @@ class RolloutManager:
             "sampling_seed": sample_seed(self.seed, step, sample, k),
         }
 
-    async def _sample(self, step: int, sample: Sample, n: int) -> list[Response]:
+    async def _sample(self, step: int, sample: Sample, n: int, *,
+                      greedy: bool = False) -> list[Response]:
         ids = self.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
         ids = ids[-self.spec.data.max_prompt_len:]
         params = [self.sampling_params(step, sample, k) for k in range(n)]
+        if greedy:
+            params = [p | {"temperature": 0.0} for p in params]
         outs = await self.client.generate([ids] * n, params)
         return [Response(sample=sample, prompt_ids=ids, output_ids=list(o.output_ids),
                          logprobs=list(o.logprobs or []), text=o.text,
@@ -85,21 +91,30 @@ class RolloutManager:
         # Which prompts this step saw: a resumed run must see exactly the same ones.
         metrics["prompts_sha"] = hashlib.sha256(
             "\n".join(f"{s.epoch}:{s.index}" for s in samples).encode()).hexdigest()[:16]
-        keep = self._kept_groups(rewards)
-        responses = [r for i, r in enumerate(responses) if keep[i // d.n_samples_per_prompt]]
-        rewards = torch.tensor([r.reward for r in responses], dtype=torch.float32)
         # Dr.GRPO drops the std normalisation (the length normalisation lives in the loss).
         normalize = self.spec.algorithm.advantage_estimator != "dr_grpo"
-        advantages = (adv_fn.grpo(rewards, d.n_samples_per_prompt, normalize_std=normalize)
-                      if responses else rewards)
-        return Rollout(batch=pack(responses, advantages, self.tokenizer.pad_token_id),
-                       metrics=metrics, prompts=[s.prompt for s in samples])
+        advantages = adv_fn.grpo(rewards, d.n_samples_per_prompt, normalize_std=normalize)
+        batch = pack(responses, advantages, self.tokenizer.pad_token_id)
+        if self.spec.algorithm.drop_constant_groups:
+            # Dropped groups stay in the batch (shapes, and so data-parallel shards, stay fixed)
+            # but leave the loss: their mask is zero, so they don't dilute the token mean.
+            keep = expand_to_samples(nonconstant_groups(rewards, d.n_samples_per_prompt),
+                                     d.n_samples_per_prompt)
+            batch.loss_mask *= keep[:, None].to(batch.loss_mask.dtype)
+            batch.advantages *= batch.loss_mask
+            metrics["kept_group_fraction"] = float(keep.float().mean())
+        return Rollout(batch=batch, metrics=metrics, prompts=[s.prompt for s in samples])
 
-    def _kept_groups(self, rewards: torch.Tensor) -> list[bool]:
-        groups = len(rewards) // self.spec.data.n_samples_per_prompt
-        if not self.filter_constant_groups:
-            return [True] * groups
-        return [bool(x) for x in nonconstant_groups(rewards, self.spec.data.n_samples_per_prompt)]
+    async def evaluate(self, step: int) -> dict[str, float]:
+        """Mean reward on each eval set: `nSamplesPerPrompt` samples per problem at the job's
+        temperature, or greedy when that is 1 (the usual "accuracy" number)."""
+        out: dict[str, float] = {}
+        for name, samples, n in self.eval_sets:
+            groups = await asyncio.gather(*(self._sample(step, s, n, greedy=n == 1)
+                                            for s in samples))
+            rewards = [float(self.reward_fn(r.text, r.sample.label)) for g in groups for r in g]
+            out[f"eval_{name}_reward"] = statistics.fmean(rewards)
+        return out
 
     @staticmethod
     def _metrics(responses: list[Response], rewards: torch.Tensor) -> dict[str, float]:

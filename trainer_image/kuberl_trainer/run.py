@@ -33,6 +33,7 @@ class Options:
     prometheus_port: int
     tensorboard: Path | None
     seed: int
+    wandb_project: str | None = None
 
 
 def options(job: RLJob, args: argparse.Namespace) -> Options:
@@ -40,7 +41,8 @@ def options(job: RLJob, args: argparse.Namespace) -> Options:
     ckpt = Path(job.spec.checkpoint.path) if args.in_cluster else out / "checkpoints"
     return Options(address=args.address, in_cluster=args.in_cluster, output_dir=out,
                    checkpoint_dir=ckpt, prometheus_port=getattr(args, "metrics_port", 0) or 0,
-                   tensorboard=getattr(args, "tensorboard", None), seed=getattr(args, "seed", 0))
+                   tensorboard=getattr(args, "tensorboard", None), seed=getattr(args, "seed", 0),
+                   wandb_project=getattr(args, "wandb", None))
 
 
 def run(job: RLJob, args: argparse.Namespace) -> int:

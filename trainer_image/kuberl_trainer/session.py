@@ -84,9 +84,10 @@ class Session:
                                    self.checked.reward_fn, seed=self.opts.seed),
             train=self.trainers, engines=self.engines,
             log=MetricsLog(self.opts.output_dir, prometheus_port=self.opts.prometheus_port,
-                           tensorboard_dir=self.opts.tensorboard),
+                           tensorboard_dir=self.opts.tensorboard,
+                           wandb_project=self.opts.wandb_project, run_name=self.job.name),
             checkpointer=self, reporter=_Watchers(progress, self),
-            bucket_bytes=1 << 26)
+            bucket_bytes=1 << 26, eval_interval=self.spec.schedule.eval_interval)
         progress.bar.n = self.step
         try:
             self.weight_version = train(parts, self.step, self.spec.schedule.num_rollouts,

@@ -1,0 +1,110 @@
+"""The rollout manager's bookkeeping: groups, seeds, packing, the constant-group filter, eval.
+
+The engine here is a stand-in that answers from a table (the real reference engine is
+exercised in tests/integration); what is under test is how responses become a TrainBatch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kuberl_api import parse
+from kuberl_trainer.data import PromptSource, Sample
+from kuberl_trainer.engine_client import GenerateResult
+from kuberl_trainer.rollout import Response, RolloutManager, pack, sample_seed
+from tests.integration.tiny_model import build_tokenizer
+
+
+class TableEngine:
+    """Answers "right" (the label) for seeds that are even, "wrong" otherwise."""
+
+    def __init__(self, labels: dict[str, str], tokenizer: Any) -> None:
+        self.labels, self.tok, self.calls = labels, tokenizer, []  # type: ignore[var-annotated]
+
+    async def generate(self, prompts: Sequence[Sequence[int]],
+                       params: Sequence[Mapping[str, Any]]) -> list[GenerateResult]:
+        self.calls.append(list(params))
+        out = []
+        for ids, p in zip(prompts, params, strict=True):
+            prompt = self.tok.decode(list(ids))
+            text = self.labels[prompt] if p["sampling_seed"] % 2 == 0 or p["temperature"] == 0 \
+                else "0"
+            toks = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            out.append(GenerateResult(output_ids=toks, text=text, finish_reason="stop",
+                                      prompt_tokens=len(ids), completion_tokens=len(toks),
+                                      logprobs=[-0.5] * len(toks), weight_version="1",
+                                      engine_url="table"))
+        return out
+
+
+def setup(tmp_path: Path, **algorithm: Any) -> tuple[RolloutManager, TableEngine]:
+    rows = [{"prompt": f"{a}+{a}=", "label": str(2 * a)} for a in range(10, 20)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    spec = parse({"apiVersion": "kuberl.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "x"},
+                  "spec": {"model": {"path": "/m"},
+                           "data": {"prompts": str(data), "rolloutBatchSize": 2,
+                                    "nSamplesPerPrompt": 4, "maxResponseLen": 4,
+                                    "evalSets": [{"name": "add", "path": str(data)}]},
+                           "reward": {"type": "exact"}, "algorithm": algorithm,
+                           "training": {"backend": "fsdp", "gpusPerNode": 0}}}).spec
+    tok = build_tokenizer()
+    engine = TableEngine({r["prompt"]: r["label"] for r in rows}, tok)
+    from kuberl_trainer.rewards import load
+
+    mgr = RolloutManager(spec, PromptSource(data, "prompt", "label", seed=0), engine,  # type: ignore[arg-type]
+                         tok, load(spec.reward), seed=7)
+    return mgr, engine
+
+
+def test_groups_seeds_and_batch(tmp_path: Path) -> None:
+    mgr, engine = setup(tmp_path)
+    rollout = asyncio.run(mgr.generate(step=3))
+    batch = rollout.batch
+    assert batch.input_ids.shape[0] == 8  # 2 prompts x 4 samples
+    seeds = [p["sampling_seed"] for call in engine.calls for p in call]
+    assert len(set(seeds)) == 8  # every response has its own seed...
+    again, engine2 = setup(tmp_path)
+    asyncio.run(again.generate(step=3))
+    assert seeds == [p["sampling_seed"] for c in engine2.calls for p in c]  # ...reproducibly
+    rewards = torch.tensor([1.0 if s % 2 == 0 else 0.0 for s in seeds])
+    assert rollout.metrics["reward_mean"] == float(rewards.mean())
+    # advantages: GRPO per group, only on response tokens
+    assert torch.all(batch.advantages[batch.loss_mask == 0] == 0)
+
+
+def test_drop_constant_groups_masks_them_out(tmp_path: Path) -> None:
+    mgr, _ = setup(tmp_path, dropConstantGroups=True)
+    rollout = asyncio.run(mgr.generate(step=0))
+    b = rollout.batch
+    rewards = b.advantages.sum(1)  # 0 for a dropped group
+    per_group = b.loss_mask.sum(1).view(2, 4)
+    for g in range(2):
+        kept = bool(per_group[g].sum() > 0)
+        assert kept == bool(rewards.view(2, 4)[g].abs().sum() > 0)
+    assert b.input_ids.shape[0] == 8 and "kept_group_fraction" in rollout.metrics
+
+
+def test_evaluate_is_greedy(tmp_path: Path) -> None:
+    mgr, engine = setup(tmp_path)
+    out = asyncio.run(mgr.evaluate(step=0))
+    assert out == {"eval_add_reward": 1.0}
+    assert all(p["temperature"] == 0.0 for call in engine.calls for p in call)
+
+
+def test_pack_aligns_tokens_with_positions() -> None:
+    s = Sample("p", "l", 0, 0)
+    rs = [Response(s, [5, 6, 7], [8, 1], [-0.1, -0.2], "x", False),
+          Response(s, [5, 6], [9, 9, 1], [-0.3, -0.4, -0.5], "y", True)]
+    b = pack(rs, torch.tensor([1.0, -1.0]), pad_id=0)
+    assert b.input_ids.tolist() == [[5, 6, 7, 8, 1], [5, 6, 9, 9, 1]]
+    assert b.loss_mask.tolist() == [[0, 0, 0, 1, 1], [0, 0, 1, 1, 1]]
+    assert b.rollout_logprobs[0].tolist() == [0, 0, 0, -0.1, -0.2] or torch.allclose(
+        b.rollout_logprobs[0], torch.tensor([0, 0, 0, -0.1, -0.2]))
+    assert b.advantages.tolist() == [[0, 0, 0, 1, 1], [0, 0, -1, -1, -1]]
+    assert sample_seed(0, 1, s, 0) != sample_seed(0, 1, s, 1) != sample_seed(0, 2, s, 1)
