@@ -37,8 +37,10 @@ crd: $(STAMP)
 goldens: $(STAMP)
 	$(BIN)/pytest -q tests/unit/test_render_golden.py --update-goldens
 
+# The main job: build the tiny model and data (seeded, cached in out/tiny), then GRPO on CPU.
 demo: $(STAMP)
-	@echo "make demo: the local GRPO job arrives with issue 3 (kuberl run examples/tiny-grpo.yaml)"; exit 1
+	$(BIN)/python -m kuberl_trainer.tiny build --out out/tiny
+	$(BIN)/kuberl run examples/tiny-grpo.yaml --output-dir out/tiny-grpo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

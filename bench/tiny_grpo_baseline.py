@@ -2,8 +2,9 @@
 
 One process, no Ray, no HTTP, no weight sync: sample `prompts x samples` responses at
 temperature 1 with a KV cache, reward exact match, GRPO advantages (group mean / std), PPO-clip
-loss on the sampled tokens, one AdamW step per rollout (the fsdp backend's AdamW settings). DESIGN.md asks the full system
-(`kuberl run examples/tiny-grpo.yaml`) to stay within 1.5x this step time on the same machine.
+loss on the sampled tokens, one AdamW step per rollout (with the fsdp backend's AdamW settings).
+DESIGN.md asks the full system (`kuberl run examples/tiny-grpo.yaml`) to stay within 1.5x this
+step time on the same machine.
 
     .venv/bin/python bench/tiny_grpo_baseline.py --out out/tiny --steps 200
 
@@ -23,7 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from kuberl_trainer.tiny.build import EVAL_FILE, MODEL_DIR, THREADS, TRAIN_FILE, BuildConfig, build
 from kuberl_trainer.tiny.data import Problem, read_jsonl
@@ -63,7 +69,7 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
     return loss, float((clipped * m).sum() / m.sum().clamp(min=1))
 
 
-def response_logprobs(model: torch.nn.Module, prompts: torch.Tensor, s: Samples,
+def response_logprobs(model: PreTrainedModel, prompts: torch.Tensor, s: Samples,
                       temperature: float) -> torch.Tensor:
     """Temperature-scaled log-probs [B,T] of the sampled response tokens (with grad)."""
     ids = torch.cat([prompts, s.tokens], 1)
@@ -79,7 +85,8 @@ class PromptStream:
     """Seeded shuffle per epoch, wrapping (what kuberl_trainer.data.PromptSource does)."""
 
     def __init__(self, problems: list[Problem], seed: int) -> None:
-        self.problems, self.seed, self.epoch, self.order = problems, seed, 0, []
+        self.problems, self.seed, self.epoch = problems, seed, 0
+        self.order: list[int] = []
 
     def next(self, n: int) -> list[Problem]:
         batch: list[Problem] = []
@@ -100,13 +107,13 @@ def load_problems(path: Path) -> list[Problem]:
     return out
 
 
-def grpo_step(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+def grpo_step(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
               optimizer: torch.optim.Optimizer, batch: list[Problem], args: argparse.Namespace,
               generator: torch.Generator) -> StepStats:
     group = [p for p in batch for _ in range(args.samples)]  # groups contiguous
     prompts = prompt_ids(tokenizer, [p.prompt for p in group])
     t0 = time.perf_counter()
-    model.eval()
+    model.train(False)  # eval mode (`eval()` is untyped in transformers)
     s = sample(model, prompts, max_new_tokens=MAX_NEW_TOKENS, temperature=args.temperature,
                eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
                generator=generator)
@@ -120,7 +127,7 @@ def grpo_step(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
     adv = grpo_advantages(rewards, args.samples)
     loss, clipfrac = ppo_clip_loss(logp, logp.detach(), adv, s.mask, args.eps_clip)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]
     torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
     optimizer.step()
     t2 = time.perf_counter()
@@ -165,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stats.append(st)
         print(f"{step:>5} {st.reward:>7.3f} {st.generate_s:>7.3f} {st.train_s:>7.3f} "
               f"{st.clipfrac:>8.3f}", flush=True)
-    model.eval()
+    model.train(False)
     summarize(stats, greedy_before, accuracy(model, tokenizer, held_out))
     return 0
 

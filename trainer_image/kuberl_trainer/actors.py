@@ -7,6 +7,7 @@ training workers through Ray and to engines only over HTTP.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -21,6 +22,8 @@ import torch
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.backends.base import TrainBatch, make_backend
 from kuberl_trainer.placement import ActorShape, Layout
+
+SYNC_TIMEOUT_S = 300.0
 
 
 def free_port() -> int:
@@ -43,6 +46,8 @@ class TrainWorker:
             else "cpu"
         torch.set_num_threads(max(1, int(os.environ.get("KUBERL_TORCH_THREADS", "0")) or
                                   torch.get_num_threads()))
+        self._sender: Any = None
+        self._aio: asyncio.AbstractEventLoop | None = None
 
     def address(self) -> tuple[str, int]:
         return node_ip(), free_port()
@@ -67,19 +72,38 @@ class TrainWorker:
         """Rank 0 broadcasts its weights to every engine; returns seconds spent. Every rank
         must iterate the buckets: with sharded weights (FSDP2) each full tensor is gathered
         collectively, so the other ranks take part and drop what they gathered."""
-        from kuberl_trainer.weight_sync.sender import push_weights
-
         started = time.perf_counter()
         buckets = self.backend.named_tensor_buckets(bucket_bytes)
         if self.rank != 0:
             for _ in buckets:
                 pass
             return time.perf_counter() - started
-        backend = "nccl" if self.device == "cuda" else "gloo"
-        push_weights(engine_urls, buckets,
-                     backend=backend, master_address=node_ip(), master_port=free_port(),
-                     weight_version=weight_version)
+        if self.spec.placement == "colocate" and self.device == "cuda":
+            # Trainer and engine share a GPU, and NCCL refuses two ranks on one device: pass
+            # tensors through /update_weights_from_tensor instead (serialized today; CUDA IPC
+            # handles, as SGLang takes them, are the next step).
+            asyncio.run(_send_tensors(engine_urls, buckets, weight_version))
+            return time.perf_counter() - started
+        self._weight_sender(engine_urls).run_until_complete(
+            self._sender.send(buckets, weight_version=str(weight_version)))
         return time.perf_counter() - started
+
+    def _weight_sender(self, engine_urls: list[str]) -> asyncio.AbstractEventLoop:
+        """The trainer-to-engines group is built once and kept: an NCCL communicator takes
+        seconds to set up, a broadcast over it milliseconds."""
+        from kuberl_trainer.engine_client import EngineClient
+        from kuberl_trainer.weight_sync.sender import DistributedWeightSender
+
+        if self._sender is None:
+            self._aio = asyncio.new_event_loop()
+            client = EngineClient(engine_urls, request_timeout_s=SYNC_TIMEOUT_S + 30)
+            self._sender = DistributedWeightSender(
+                client, master_address=node_ip(), master_port=free_port(),
+                backend="nccl" if self.device == "cuda" else "gloo",
+                group_name="kuberl_weight_sync", timeout_s=SYNC_TIMEOUT_S)
+            self._aio.run_until_complete(self._sender.connect())
+        assert self._aio is not None
+        return self._aio
 
     def checksums(self) -> dict[str, str]:
         """sha256 of every weight as the engines receive it (for sync checks); collective."""
@@ -93,6 +117,14 @@ class TrainWorker:
 
     def load(self, path: str) -> None:
         self.backend.load(path)
+
+
+async def _send_tensors(urls: list[str], buckets: Any, weight_version: int) -> None:
+    from kuberl_trainer.engine_client import EngineClient
+    from kuberl_trainer.weight_sync.sender import send_tensors
+
+    async with EngineClient(urls) as client:
+        await send_tensors(client, buckets, weight_version=str(weight_version))
 
 
 class EngineServer:

@@ -19,11 +19,13 @@ class Progress:
         self.bar = tqdm(total=total, initial=start, unit="step", file=sys.stderr,
                         dynamic_ncols=True, leave=False, disable=not sys.stderr.isatty())
         self.header_printed = False
+        self.rewards: list[float] = []
 
     def step(self, record: dict[str, Any]) -> None:
         if not self.header_printed:
             self.bar.write(HEADER, file=sys.stdout)
             self.header_printed = True
+        self.rewards.append(float(record.get("reward_mean", 0.0)))
         cells = [fmt.format(record.get(k, 0)) for k, fmt in COLUMNS]
         self.bar.write("  ".join(cells), file=sys.stdout)
         self.bar.set_postfix(reward=f"{record.get('reward_mean', 0):.3f}")
@@ -31,3 +33,9 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
+        if len(self.rewards) >= 2:
+            k = min(5, len(self.rewards) // 2)
+            first = sum(self.rewards[:k]) / k
+            last = sum(self.rewards[-k:]) / k
+            print(f"reward: first-{k} mean {first:.3f} -> last-{k} mean {last:.3f} "
+                  f"({last - first:+.3f}) over {len(self.rewards)} steps")

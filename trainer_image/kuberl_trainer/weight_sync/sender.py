@@ -179,12 +179,14 @@ class DistributedWeightSender:
         group, self.group = self.group, None
         if group is None:
             return
-        try:
-            await self.client.post_all("/destroy_weights_update_group",
-                                       protocol.destroy_weights_update_group(self.group_name),
-                                       timeout_s=60)
-        finally:
-            group.destroy()
+        # Both ends tear down at once: an NCCL communicator's destroy may wait for its peers,
+        # so waiting for the engines' answer before destroying ours would deadlock.
+        await first_error([
+            self.client.post_all("/destroy_weights_update_group",
+                                 protocol.destroy_weights_update_group(self.group_name),
+                                 timeout_s=60),
+            in_daemon_thread(group.destroy),
+        ])
 
 
 async def send_tensors(client: EngineClient, buckets: Iterable[NamedTensors], *,

@@ -1,0 +1,161 @@
+"""The training loop on GPUs: throughput and step-time split, plus a weight-sync check.
+
+Runs the same Session as `kuberl run` (Ray, reference engines, fsdp backend, NCCL weight sync)
+on a random-weight model of a real shape (Qwen2.5-0.5B by default) with the tiny job's
+character tokenizer and addition prompts (the reward stays ~0: this measures speed, not
+learning). After the run it compares every engine's weight checksums with the trainer's.
+
+    python bench/gpu_loop.py --placement disaggregated --steps 6     # 2 GPUs: trainer | engine
+    python bench/gpu_loop.py --placement colocate --steps 6          # 1 GPU shared
+
+Prints a table: generated tokens/s, trained tokens/s, seconds per step split into generate /
+train / sync, weight-sync GB/s. Never part of `make test`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab (the HF configs' values)
+    "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936),
+    "qwen2.5-1.5b": (1536, 28, 12, 2, 8960, 151936),
+}
+
+
+def build_tokenizer(vocab_size: int) -> Any:
+    """The tiny job's character vocabulary (pad, eos, digits, '+', '=') padded with filler
+    tokens to the model's real vocabulary size, so every id a random model samples decodes."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from kuberl_trainer.tiny.tokenizer import VOCAB
+
+    vocab = dict(VOCAB)
+    vocab.update({f"<x{i}>": i for i in range(len(VOCAB), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   padding_side="left")
+
+
+def build_model(out: Path, shape: str) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from kuberl_trainer.tiny.data import split, write_jsonl
+
+    train, _ = split(seed=0, n_eval=500)
+    write_jsonl(out / "data" / "train.jsonl", train)
+    hidden, layers, heads, kv, inter, vocab = SHAPES[shape]
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
+                      tie_word_embeddings=True, max_position_embeddings=4096,
+                      torch_dtype="bfloat16", eos_token_id=1, pad_token_id=0)
+    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(out / "model")
+    build_tokenizer(vocab).save_pretrained(str(out / "model"))
+
+
+def manifest(out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": {"path": str(out / "model")},
+        "data": {"prompts": str(out / "data" / "train.jsonl"),
+                 "rolloutBatchSize": args.prompts, "nSamplesPerPrompt": args.samples,
+                 "maxPromptLen": 8, "maxResponseLen": args.response_len},
+        "reward": {"type": "exact"},
+        "algorithm": {"lr": 1e-6},
+        "training": {"backend": "fsdp", "gpusPerNode": 1, "microBatchSize": args.micro_batch},
+        "rollout": {"engine": "reference", "gpusPerEngine": 1, "gpusPerNode": 1},
+        "placement": args.placement,
+        "schedule": {"numRollouts": args.steps},
+    }
+    if args.placement == "disaggregated":
+        spec["rollout"]["gpus"] = 1
+    return {"apiVersion": "kuberl.dev/v1alpha1", "kind": "RLJob",
+            "metadata": {"name": "gpu-loop"}, "spec": spec}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, default=Path("/tmp/kuberl-gpu-loop"))
+    p.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+    p.add_argument("--placement", default="disaggregated")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--response-len", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=32)
+    args = p.parse_args()
+
+    from kuberl_api import parse
+    from kuberl_trainer.engine_client import EngineClient
+    from kuberl_trainer.preflight import check
+    from kuberl_trainer.progress import Progress
+    from kuberl_trainer.run import Options
+    from kuberl_trainer.session import Session
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not (args.out / "model" / "config.json").exists():
+        build_model(args.out, args.shape)
+    doc = manifest(args.out, args)
+    (args.out / "job.yaml").write_text(yaml.safe_dump(doc))
+    job = parse(doc)
+    run_dir = args.out / f"run-{args.placement}-{int(time.time())}"
+    opts = Options(address=None, in_cluster=False, output_dir=run_dir,
+                   checkpoint_dir=run_dir / "ckpt", prometheus_port=0, tensorboard=None, seed=0)
+    session = Session(job, opts, check(job.spec))
+    try:
+        t0 = time.perf_counter()
+        session.start()
+        print(f"startup {time.perf_counter() - t0:.1f}s", flush=True)
+        session.train(Progress(args.steps))
+        assert session.engines is not None and session.trainers is not None
+        trainer = session.trainers.checksums()
+        urls = session.engines.urls
+
+        async def sums() -> list[Any]:
+            client = EngineClient(urls)
+            try:
+                return [await client.request(u, "GET", "/get_weights_checksum") for u in urls]
+            finally:
+                await client.close()
+
+        engines = asyncio.run(sums())
+        synced = all({k: (e.get("checksums", e))[k] for k in trainer} == trainer
+                      for e in engines)
+    finally:
+        session.close()
+    report(run_dir, args, synced)
+    return 0 if synced else 1
+
+
+def report(run_dir: Path, args: argparse.Namespace, synced: bool) -> None:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steady = rows[1:] or rows  # step 0 includes CUDA warm-up
+    mean = lambda k: statistics.fmean(r[k] for r in steady)  # noqa: E731
+    samples = args.prompts * args.samples
+    gen_tokens = mean("response_length_mean") * samples
+    train_tokens = gen_tokens + 6 * samples
+    print(f"\n{args.shape}, {args.placement}, GPU: {torch.cuda.get_device_name(0)}, "
+          f"{samples} samples/step, steps {len(rows)} (first excluded)")
+    print(f"{'gen tok/s':>10} {'train tok/s':>12} {'gen s':>7} {'train s':>8} {'sync s':>7} "
+          f"{'step s':>7} {'weights synced':>15}")
+    print(f"{gen_tokens / mean('time_generate_s'):>10.0f} "
+          f"{train_tokens / mean('time_train_s'):>12.0f} {mean('time_generate_s'):>7.2f} "
+          f"{mean('time_train_s'):>8.2f} {mean('time_sync_s'):>7.2f} "
+          f"{mean('time_step_s'):>7.2f} {str(synced):>15}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
