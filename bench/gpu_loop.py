@@ -154,7 +154,7 @@ def report(run_dir: Path, args: argparse.Namespace, synced: bool) -> None:
     print(f"{gen_tokens / mean('time_generate_s'):>10.0f} "
           f"{train_tokens / mean('time_train_s'):>12.0f} {mean('time_generate_s'):>7.2f} "
           f"{mean('time_train_s'):>8.2f} {mean('time_sync_s'):>7.2f} "
-          f"{mean('time_step_s'):>7.2f} {str(synced):>15}")
+          f"{mean('time_step_s'):>7.2f} {synced!s:>15}")
 
 
 if __name__ == "__main__":
