@@ -40,6 +40,7 @@ goldens: $(STAMP)
 # The main job: build the tiny model and data (seeded, cached in out/tiny), then GRPO on CPU.
 demo: $(STAMP)
 	$(BIN)/python -m kuberl_trainer.tiny build --out out/tiny
+	rm -rf out/tiny-grpo  # a fresh run each time (a kept checkpoint would resume, at the end)
 	$(BIN)/kuberl run examples/tiny-grpo.yaml --output-dir out/tiny-grpo
 
 clean:
