@@ -26,7 +26,7 @@ class TableEngine:
     def __init__(self, labels: dict[str, str], tokenizer: Any) -> None:
         self.labels, self.tok, self.calls = labels, tokenizer, []  # type: ignore[var-annotated]
 
-    async def generate(self, prompts: Sequence[Sequence[int]],
+    async def generate_batch(self, prompts: Sequence[Sequence[int]],
                        params: Sequence[Mapping[str, Any]]) -> list[GenerateResult]:
         self.calls.append(list(params))
         out = []

@@ -73,7 +73,7 @@ class RolloutManager:
         params = [self.sampling_params(step, sample, k) for k in range(n)]
         if greedy:
             params = [p | {"temperature": 0.0} for p in params]
-        outs = await self.client.generate([ids] * n, params)
+        outs = await self.client.generate_batch([ids] * n, params)
         return [Response(sample=sample, prompt_ids=ids, output_ids=list(o.output_ids),
                          logprobs=list(o.logprobs or []), text=o.text,
                          truncated=o.finish_reason == "length") for o in outs]
