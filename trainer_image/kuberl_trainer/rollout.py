@@ -40,7 +40,6 @@ class Response:
 class Rollout:
     batch: TrainBatch
     metrics: dict[str, Any] = field(default_factory=dict)
-    prompts: list[str] = field(default_factory=list)
 
 
 class RolloutManager:
@@ -103,7 +102,7 @@ class RolloutManager:
             batch.loss_mask *= keep[:, None].to(batch.loss_mask.dtype)
             batch.advantages *= batch.loss_mask
             metrics["kept_group_fraction"] = float(keep.float().mean())
-        return Rollout(batch=batch, metrics=metrics, prompts=[s.prompt for s in samples])
+        return Rollout(batch=batch, metrics=metrics)
 
     async def evaluate(self, step: int) -> dict[str, float]:
         """Mean reward on each eval set: `nSamplesPerPrompt` samples per problem at the job's

@@ -205,28 +205,3 @@ async def send_tensors(client: EngineClient, buckets: Iterable[NamedTensors], *,
         n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
     return SyncStats(weight_version=weight_version, buckets=n_buckets, tensors=n_tensors,
                      bytes=n_bytes, seconds=time.perf_counter() - start)
-
-
-def push_weights(engine_urls: Sequence[str], buckets: Iterable[NamedTensors], *,
-                 master_address: str, master_port: int, weight_version: int | str,
-                 backend: str = "gloo", group_name: str = "kuberl_weight_sync",
-                 timeout_s: float = 300.0, flush_cache: bool = True) -> SyncStats:
-    """Blocking one-shot sync: build the group, send every bucket, tear the group down.
-
-    For synchronous callers (a Ray actor method). Building the group per sync costs one
-    rendezvous: milliseconds with gloo, but seconds of NCCL communicator setup on GPUs, where
-    a long-lived DistributedWeightSender should be kept instead."""
-
-    async def run() -> SyncStats:
-        async with EngineClient(engine_urls, request_timeout_s=timeout_s + 30) as client:
-            sender = DistributedWeightSender(
-                client, master_address=master_address, master_port=master_port,
-                backend=backend, group_name=group_name, timeout_s=timeout_s)
-            await sender.connect()
-            try:
-                return await sender.send(buckets, weight_version=str(weight_version),
-                                         flush_cache=flush_cache)
-            finally:
-                await sender.close()
-
-    return asyncio.run(run())
