@@ -179,14 +179,20 @@ class DistributedWeightSender:
         group, self.group = self.group, None
         if group is None:
             return
-        # Both ends tear down at once: an NCCL communicator's destroy may wait for its peers,
-        # so waiting for the engines' answer before destroying ours would deadlock.
-        await first_error([
-            self.client.post_all("/destroy_weights_update_group",
-                                 protocol.destroy_weights_update_group(self.group_name),
-                                 timeout_s=60),
-            in_daemon_thread(group.destroy),
-        ])
+        leave = self.client.post_all("/destroy_weights_update_group",
+                                     protocol.destroy_weights_update_group(self.group_name),
+                                     timeout_s=60)
+        if self.backend == "nccl":
+            # An NCCL communicator's destroy may wait for its peers: both ends tear down at
+            # once, or waiting for the engines' answer first would deadlock (seen on H200).
+            await first_error([leave, in_daemon_thread(group.destroy)])
+            return
+        # Gloo closes its sockets on destroy, which a peer still in the group can take as a
+        # failure: let the engines leave first.
+        try:
+            await leave
+        finally:
+            group.destroy()
 
 
 async def send_tensors(client: EngineClient, buckets: Iterable[NamedTensors], *,
