@@ -31,6 +31,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from kuberl_trainer.backends.optim import LrMultiplier
 from kuberl_trainer.tiny.build import EVAL_FILE, MODEL_DIR, THREADS, TRAIN_FILE, BuildConfig, build
 from kuberl_trainer.tiny.data import Problem, read_jsonl
 from kuberl_trainer.tiny.evaluate import MAX_NEW_TOKENS, accuracy, prompt_ids
@@ -143,6 +144,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--warmup", type=int, default=0,
+                   help="linear LR warmup steps (the RLJob's algorithm.lrWarmupSteps)")
     p.add_argument("--eps-clip", type=float, default=0.2)
     p.add_argument("--temperature", type=float, default=1.0)
     return p.parse_args(argv)
@@ -158,8 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     stream = PromptStream(load_problems(args.out / TRAIN_FILE), args.seed)
     held_out = load_problems(args.out / EVAL_FILE)
     # The fsdp backend's optimizer (kuberl_trainer/backends/optim.py): AdamW, betas (0.9,
-    # 0.999), weight decay 0.01, no warmup, grad-norm clip 1.0; so the curves compare.
+    # 0.999), weight decay 0.01, linear warmup, grad-norm clip 1.0; so the curves compare.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, LrMultiplier(args.warmup, None, 0.0))
     generator = torch.Generator().manual_seed(args.seed)
 
     greedy_before = accuracy(model, tokenizer, held_out)
@@ -168,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stats = []
     for step in range(args.steps):
         st = grpo_step(model, tokenizer, optimizer, stream.next(args.prompts), args, generator)
+        schedule.step()
         st.step = step
         stats.append(st)
         print(f"{step:>5} {st.reward:>7.3f} {st.generate_s:>7.3f} {st.train_s:>7.3f} "

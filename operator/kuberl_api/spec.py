@@ -163,6 +163,14 @@ class AlgorithmSpec(ApiModel):
 
     advantage_estimator: AdvantageEstimator = "grpo"
     lr: float = Field(1e-6, gt=0, le=1, description="Learning rate.")
+    lr_warmup_steps: int = Field(
+        0, ge=0, le=10_000_000, description="Optimizer steps of linear LR warmup, from "
+        "lr/lrWarmupSteps up to lr.")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="LR after warmup: constant, or decayed (linear or cosine) to "
+        "lr * minLrRatio at the run's last optimizer step.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR as a fraction of lr "
+                                "when lrDecayStyle decays.")
     eps_clip: float = Field(0.2, gt=0, le=10, description="PPO clip range (lower side).")
     eps_clip_high: float | None = Field(None, gt=0, le=10,
                                         description="Upper clip range (clip-higher); = epsClip.")

@@ -181,6 +181,26 @@ def test_several_optimizer_steps_per_rollout(model_dir: str) -> None:
         backend.train_step(make_batch().slice(0, 3))
 
 
+@pytest.mark.parametrize("gbs", [B, B // 2], ids=["one-step", "two-steps"])
+def test_missing_old_logprobs_train_like_precomputed_ones(model_dir: str, gbs: int) -> None:
+    """The loop leaves old_logprobs out. With one optimizer step per rollout the training
+    forward's own log-probs stand in (no extra forward pass); with several, the backend
+    computes them before the first step. Either way the update equals the one from
+    log-probs computed up front."""
+    given = make_backend(make_spec(model_dir, gbs=gbs), rank=0, world_size=1, device="cpu")
+    left_out = make_backend(make_spec(model_dir, gbs=gbs), rank=0, world_size=1, device="cpu")
+    assert isinstance(given, FSDPBackend) and isinstance(left_out, FSDPBackend)
+    batch = make_batch()
+    m_given = given.train_step(with_old(given, batch))
+    m_left_out = left_out.train_step(dataclasses.replace(batch, old_logprobs=None))
+
+    assert m_left_out["optimizer_steps"] == B // gbs
+    assert m_left_out["pg_loss"] == pytest.approx(m_given["pg_loss"], rel=1e-5, abs=1e-7)
+    assert m_left_out["pg_clipfrac"] == m_given["pg_clipfrac"]
+    for name, value in params(given).items():
+        torch.testing.assert_close(params(left_out)[name], value, rtol=0, atol=1e-6)
+
+
 def test_save_load_resumes_exactly(model_dir: str, tmp_path: Path) -> None:
     optim = OptimConfig(warmup_steps=4)  # the lr then depends on the restored scheduler
     spec = make_spec(model_dir)

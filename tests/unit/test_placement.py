@@ -10,7 +10,7 @@ import pytest
 from kuberl_api import parse
 from kuberl_api.runtime import RESOURCE_ROLLOUT, RESOURCE_TRAIN
 from kuberl_operator.render import render_children
-from kuberl_trainer.placement import layout, local_resources
+from kuberl_trainer.placement import cpu_threads, layout, local_resources
 
 
 def job(**spec: Any) -> Any:
@@ -64,3 +64,11 @@ def test_rendered_pods_hold_every_actor(spec: dict[str, Any]) -> None:
         RESOURCE_TRAIN]
     assert offered[RESOURCE_ROLLOUT] >= lay.engines * lay.engine_actor.resources[
         RESOURCE_ROLLOUT]
+
+
+def test_cpu_actors_split_the_cores_among_their_role() -> None:
+    # sync loop: engines and trainers take turns, so each role gets every core
+    assert cpu_threads(cores=2, actors_sharing=1) == 2
+    assert cpu_threads(cores=16, actors_sharing=4) == 4
+    assert cpu_threads(cores=2, actors_sharing=2) == 1
+    assert cpu_threads(cores=2, actors_sharing=3) == 1  # never zero threads

@@ -21,7 +21,7 @@ import torch
 
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.backends.base import TrainBatch, make_backend
-from kuberl_trainer.placement import ActorShape, Layout
+from kuberl_trainer.placement import ActorShape, Layout, cpu_threads
 
 SYNC_TIMEOUT_S = 300.0
 
@@ -36,16 +36,23 @@ def node_ip() -> str:
     return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
 
 
+def torch_threads(sharing: int) -> int:
+    """Threads for a CPU actor sharing its machine with `sharing - 1` actors of its role;
+    KUBERL_TORCH_THREADS overrides (see placement.cpu_threads)."""
+    forced = int(os.environ.get("KUBERL_TORCH_THREADS", "0") or 0)
+    return forced if forced > 0 else cpu_threads(len(os.sched_getaffinity(0)), sharing)
+
+
 class TrainWorker:
     """One training process: joins the trainers' default process group, owns a Backend."""
 
-    def __init__(self, spec_json: str, rank: int, world_size: int) -> None:
+    def __init__(self, spec_json: str, rank: int, world_size: int, sharing: int = 1) -> None:
         self.spec = RLJobSpec.model_validate_json(spec_json)
         self.rank, self.world_size = rank, world_size
         self.device = "cuda" if torch.cuda.is_available() and self.spec.training.gpus_per_node \
             else "cpu"
-        torch.set_num_threads(max(1, int(os.environ.get("KUBERL_TORCH_THREADS", "0")) or
-                                  torch.get_num_threads()))
+        if self.device == "cpu":
+            torch.set_num_threads(torch_threads(sharing))
         self._sender: Any = None
         self._aio: asyncio.AbstractEventLoop | None = None
 
@@ -60,9 +67,6 @@ class TrainWorker:
                 rank=self.rank, world_size=self.world_size)
         self.backend = make_backend(self.spec, rank=self.rank, world_size=self.world_size,
                                     device=self.device)
-
-    def logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.backend.logprobs(batch), self.backend.ref_logprobs(batch)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         return self.backend.train_step(batch)
@@ -130,9 +134,9 @@ async def _send_tensors(urls: list[str], buckets: Any, weight_version: int) -> N
 class EngineServer:
     """Runs one engine HTTP server as a child process of this actor (on the actor's pod)."""
 
-    def __init__(self, spec_json: str, index: int, seed: int) -> None:
+    def __init__(self, spec_json: str, index: int, seed: int, sharing: int = 1) -> None:
         self.spec = RLJobSpec.model_validate_json(spec_json)
-        self.index, self.seed = index, seed
+        self.index, self.seed, self.sharing = index, seed, sharing
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
 
@@ -150,6 +154,8 @@ class EngineServer:
             cmd = [sys.executable, "-m", "kuberl_rollout.reference", "--model-path", model_path,
                    "--host", "0.0.0.0", "--port", str(port), "--seed", str(self.seed),
                    "--device", device]
+            if device == "cpu":
+                cmd += ["--torch-threads", str(torch_threads(self.sharing))]
         else:
             cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
                    "--host", "0.0.0.0", "--port", str(port), "--tp-size",
@@ -196,27 +202,23 @@ def placed(shape: ActorShape, count: int, what: str) -> list[dict[str, Any]]:
 
 
 class TrainGroup:
-    """The training workers, driven together: data-parallel shards of every batch."""
+    """The training workers, driven together: data-parallel shards of every batch.
+    `one_machine`: every actor shares the driver's machine (a local run), so CPU workers
+    split its cores."""
 
-    def __init__(self, spec: RLJobSpec, layout: Layout) -> None:
+    def __init__(self, spec: RLJobSpec, layout: Layout, *, one_machine: bool = False) -> None:
         cls: Any = ray.remote(TrainWorker)
         spec_json = spec.model_dump_json(by_alias=True)
         n = layout.train_workers
         opts = placed(layout.train_actor, n, "training")
-        self.workers = [cls.options(**opts[rank]).remote(spec_json, rank, n)
+        sharing = n if one_machine else 1
+        self.workers = [cls.options(**opts[rank]).remote(spec_json, rank, n, sharing)
                         for rank in range(n)]
         addr, port = ray.get(self.workers[0].address.remote())
         ray.get([w.setup.remote(addr, port) for w in self.workers])
 
     def _shards(self, batch: TrainBatch) -> list[TrainBatch]:
         return batch.split(len(self.workers))
-
-    def logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        parts = ray.get([w.logprobs.remote(s)
-                         for w, s in zip(self.workers, self._shards(batch), strict=True)])
-        old = torch.cat([p[0] for p in parts])
-        ref = None if parts[0][1] is None else torch.cat([p[1] for p in parts])
-        return old, ref
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         results: Sequence[dict[str, float]] = ray.get(
@@ -241,11 +243,13 @@ class TrainGroup:
 
 
 class EngineGroup:
-    def __init__(self, spec: RLJobSpec, layout: Layout, seed: int) -> None:
+    def __init__(self, spec: RLJobSpec, layout: Layout, seed: int, *,
+                 one_machine: bool = False) -> None:
         cls: Any = ray.remote(EngineServer)
         spec_json = spec.model_dump_json(by_alias=True)
         opts = placed(layout.engine_actor, layout.engines, "engine")
-        self.actors = [cls.options(**opts[i]).remote(spec_json, i, seed + i)
+        sharing = layout.engines if one_machine else 1
+        self.actors = [cls.options(**opts[i]).remote(spec_json, i, seed + i, sharing)
                        for i in range(layout.engines)]
         self.urls: list[str] = ray.get([a.start.remote(spec.model.path) for a in self.actors])
 

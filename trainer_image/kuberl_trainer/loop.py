@@ -41,9 +41,7 @@ def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
         t0 = time.perf_counter()
         rollout = parts.aio.run_until_complete(parts.rollout.generate(step))  # -> batch
         t1 = time.perf_counter()
-        old, ref = parts.train.logprobs(rollout.batch)                   # pi_old, pi_ref
-        rollout.batch.old_logprobs, rollout.batch.ref_logprobs = old, ref
-        stats = parts.train.train(rollout.batch)                          # optimizer step(s)
+        stats = parts.train.train(rollout.batch)   # pi_old, pi_ref, optimizer step(s)
         t2 = time.perf_counter()
         weight_version += 1
         parts.train.push_weights(parts.engines.urls, weight_version, parts.bucket_bytes)

@@ -153,5 +153,4 @@ def pack(responses: list[Response], advantages: torch.Tensor, pad_id: int) -> Tr
             rollout_lp[i, p : p + o] = torch.tensor(r.logprobs[:o])
     token_adv = advantages[:, None] * loss_mask
     return TrainBatch(input_ids=input_ids, attention_mask=attention, loss_mask=loss_mask,
-                      advantages=token_adv, old_logprobs=rollout_lp.clone(),
-                      rollout_logprobs=rollout_lp, ref_logprobs=None)
+                      advantages=token_adv, rollout_logprobs=rollout_lp)

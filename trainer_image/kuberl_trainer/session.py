@@ -53,8 +53,9 @@ class Session:
                      resources=local_resources(self.spec), log_to_driver=True,
                      runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
         lay = layout(self.spec)
-        self.engines = EngineGroup(self.spec, lay, seed=self.opts.seed)
-        self.trainers = TrainGroup(self.spec, lay)
+        local = not self.opts.address
+        self.engines = EngineGroup(self.spec, lay, seed=self.opts.seed, one_machine=local)
+        self.trainers = TrainGroup(self.spec, lay, one_machine=local)
         self.client = EngineClient(self.engines.urls)
         self.aio.run_until_complete(self.client.wait_healthy(timeout_s=ENGINE_START_TIMEOUT_S))
         self.source = PromptSource(self.spec.data.prompts, self.spec.data.input_key,

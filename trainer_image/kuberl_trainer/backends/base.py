@@ -37,10 +37,13 @@ class TrainBatch:
         attention_mask: 1 on real tokens, 0 on padding.
         loss_mask: 1 on response tokens (the ones the policy is trained on), else 0.
         advantages: float, per-token advantage (0 off the loss mask).
-        old_logprobs: float, log-probs under the policy that is being updated, taken before
-            the first optimizer step of this rollout (the PPO ratio's denominator).
         rollout_logprobs: float, log-probs the engines reported while sampling (used for
             off-policy diagnostics and importance corrections; not by the PPO ratio).
+        old_logprobs: float, log-probs under the policy that is being updated, taken before
+            the first optimizer step of this rollout (the PPO ratio's denominator). None when
+            the rollout feeds exactly one optimizer step: the policy being trained is then
+            still the one that would compute them, so the training forward's own log-probs,
+            detached, are the same numbers without a second forward pass.
         ref_logprobs: float, log-probs under the frozen reference model, or None when the
             job has no KL term (``algorithm.klCoef == 0``).
     """
@@ -49,8 +52,8 @@ class TrainBatch:
     attention_mask: Tensor
     loss_mask: Tensor
     advantages: Tensor
-    old_logprobs: Tensor
     rollout_logprobs: Tensor
+    old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
 
     def __post_init__(self) -> None:

@@ -46,6 +46,7 @@ from kuberl_trainer.backends.optim import (
     build_optimizer,
     build_scheduler,
     clip_gradients,
+    optim_config,
 )
 from kuberl_trainer.backends.rng import rng_state, set_rng_state
 from kuberl_trainer.backends.tokens import (
@@ -85,7 +86,7 @@ class FSDPBackend:
         self.model = self._wrap(self.module)
         self.ref = (build_model(spec.model.path, self.device, self.mode, trainable=False)
                     if self.algo.kl_coef > 0 else None)
-        config = optim or OptimConfig()
+        config = optim or optim_config(spec)
         self.optimizer = build_optimizer(self.module.parameters(), self.algo.lr, config)
         self.scheduler = build_scheduler(self.optimizer, config)
 
@@ -141,11 +142,19 @@ class FSDPBackend:
                 f"this rank got {len(batch)} samples, not a positive multiple of its share of "
                 f"the global batch ({self.rank_batch_size} = globalBatchSize "
                 f"{self.spec.global_batch_size} / {self.world_size} ranks)")
-        batch = self._with_reference(batch.to(self.device))
+        batch = self._with_old(self._with_reference(batch.to(self.device)))
         metrics = _Metrics()
         for step_batch in batch.chunks(self.rank_batch_size):
             self._optimizer_step(step_batch, metrics)
         return metrics.summary()
+
+    def _with_old(self, batch: TrainBatch) -> TrainBatch:
+        """Fill in old log-probs when the caller left them out but the shard feeds several
+        optimizer steps: every step after the first must see the policy from before the
+        first. With one step the training forward's own log-probs serve (see TrainBatch)."""
+        if batch.old_logprobs is not None or len(batch) <= self.rank_batch_size:
+            return batch
+        return dataclasses.replace(batch, old_logprobs=self._logprobs(self.module, batch))
 
     def _with_reference(self, batch: TrainBatch) -> TrainBatch:
         """Fill in reference log-probs when the KL term needs them and the caller did not."""
@@ -190,7 +199,8 @@ class FSDPBackend:
         logp = gather_logprobs(shifted, mb.input_ids)         # [b, t]
         mask = response_mask(mb.loss_mask)                    # [b, t]
         algo = self.algo
-        pg_loss, pg_stats = losses.ppo_clip(logp, mb.old_logprobs, mb.advantages, mask,
+        old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()  # see TrainBatch
+        pg_loss, pg_stats = losses.ppo_clip(logp, old, mb.advantages, mask,
                                             algo.eps_clip, algo.eps_clip_high,
                                             clip_c=algo.eps_clip_c)
         # Entropy is costly ([b, t-1, V] float32); keep its graph only when it is trained on.

@@ -1,18 +1,24 @@
 """Optimizer, learning-rate schedule and gradient clipping shared by the backends.
 
-The RLJob spec carries only the learning rate (``algorithm.lr``); the rest are fixed defaults
+The RLJob spec carries the learning rate and its schedule (``algorithm.lr``,
+``lrWarmupSteps``, ``lrDecayStyle``, ``minLrRatio``); the AdamW settings are fixed defaults
 here, chosen to match what the common RL post-training stacks ship (verl's FSDP actor, slime's
 Megatron defaults), so that results are comparable with theirs.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
+
+if TYPE_CHECKING:
+    from kuberl_api.spec import RLJobSpec
 
 # Clip the global gradient L2 norm to 1.0 before every optimizer step: the de-facto standard
 # of RL post-training stacks (slime --clip-grad, verl grad_clip, OpenRLHF max_norm all default
@@ -32,8 +38,9 @@ class OptimConfig:
         exclusion) because the runs are short relative to pre-training.
     warmup_steps: linear warmup from lr/warmup_steps to lr over the first optimizer steps
         (0 = none; RL starts from a converged SFT model, so the default is a constant lr).
-    decay_steps / min_lr_ratio: optional linear decay to ``lr * min_lr_ratio`` over
-        ``decay_steps`` optimizer steps after warmup (None = constant after warmup).
+    decay_steps / min_lr_ratio / decay_style: optional decay (linear or cosine) to
+        ``lr * min_lr_ratio`` over ``decay_steps`` optimizer steps after warmup (None =
+        constant after warmup).
     """
 
     betas: tuple[float, float] = (0.9, 0.999)
@@ -42,6 +49,21 @@ class OptimConfig:
     warmup_steps: int = 0
     decay_steps: int | None = None
     min_lr_ratio: float = 0.0
+    decay_style: str = "linear"
+
+
+def optim_config(spec: RLJobSpec) -> OptimConfig:
+    """The schedule the spec asks for. Decay spans the run's optimizer steps after warmup:
+    ``numRollouts`` rollouts of ``samples / globalBatchSize`` optimizer steps each."""
+    algo = spec.algorithm
+    per_rollout = (spec.data.rollout_batch_size * spec.data.n_samples_per_prompt
+                   // spec.global_batch_size)
+    total = spec.schedule.num_rollouts * per_rollout
+    decays = algo.lr_decay_style != "constant"
+    return OptimConfig(warmup_steps=algo.lr_warmup_steps,
+                       decay_steps=max(1, total - algo.lr_warmup_steps) if decays else None,
+                       min_lr_ratio=algo.min_lr_ratio,
+                       decay_style="cosine" if algo.lr_decay_style == "cosine" else "linear")
 
 
 @dataclass(frozen=True)
@@ -54,6 +76,7 @@ class LrMultiplier:
     warmup_steps: int
     decay_steps: int | None
     min_lr_ratio: float
+    decay_style: str = "linear"  # or "cosine": half a cosine period from 1 to min_lr_ratio
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
@@ -61,7 +84,9 @@ class LrMultiplier:
         if not self.decay_steps:
             return 1.0
         progress = min(1.0, (step - self.warmup_steps) / self.decay_steps)
-        return 1.0 - (1.0 - self.min_lr_ratio) * progress
+        left = 0.5 * (1.0 + math.cos(math.pi * progress)) if self.decay_style == "cosine" \
+            else 1.0 - progress
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * left
 
 
 def build_optimizer(params: Iterable[Tensor], lr: float,
@@ -75,7 +100,7 @@ def build_optimizer(params: Iterable[Tensor], lr: float,
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig) -> LambdaLR:
     return LambdaLR(optimizer, LrMultiplier(config.warmup_steps, config.decay_steps,
-                                            config.min_lr_ratio))
+                                            config.min_lr_ratio, config.decay_style))
 
 
 def clip_gradients(params: Iterable[Tensor], max_norm: float = MAX_GRAD_NORM) -> float:
