@@ -62,8 +62,11 @@ def run_kuberl(steps: int, out: Path, manifest: Path, cpus: str | None,
     if not Path(cmd[0]).exists():  # no console script (PYTHONPATH checkout): the module
         cmd = [sys.executable, "-c", "import sys; from kuberl_cli.main import main; "
                "sys.exit(main(sys.argv[1:]))", *cmd[1:]]
-    subprocess.run(pinned(cmd, cpus), check=True, capture_output=True, text=True, cwd=ROOT,
-                   env={**os.environ, "RAY_DEDUP_LOGS": "0"})
+    done = subprocess.run(pinned(cmd, cpus), capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "RAY_DEDUP_LOGS": "0"})
+    if done.returncode:
+        sys.exit(f"kuberl run failed ({done.returncode}):\n{done.stdout[-3000:]}"
+                 f"\n{done.stderr[-3000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{"reward": r["reward_mean"], "generate": r["time_generate_s"],
              "train": r["time_train_s"], "sync": r["time_sync_s"]} for r in records]

@@ -11,24 +11,35 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from kuberl_api import parse
 from kuberl_trainer.data import PromptSource, Sample
-from kuberl_trainer.engine_client import GenerateResult
+from kuberl_trainer.engine_client import EngineClient, GenerateResult
 from kuberl_trainer.rollout import Response, RolloutManager, pack, sample_seed
 from tests.integration.tiny_model import build_tokenizer
 
 
-class TableEngine:
-    """Answers "right" (the label) for seeds that are even, "wrong" otherwise."""
+class TableEngine(EngineClient):
+    """Two engines answering from a table: "right" (the label) for even seeds, "wrong"
+    otherwise. Only the HTTP round trip is replaced; load balancing is the real client's."""
 
     def __init__(self, labels: dict[str, str], tokenizer: Any) -> None:
-        self.labels, self.tok, self.calls = labels, tokenizer, []  # type: ignore[var-annotated]
+        super().__init__(["http://engine-a", "http://engine-b"])
+        self.labels, self.tok = labels, tokenizer
+        self.calls: list[list[Mapping[str, Any]]] = []
+        self.urls_used: list[str] = []
 
     async def generate_batch(self, prompts: Sequence[Sequence[int]],
-                       params: Sequence[Mapping[str, Any]]) -> list[GenerateResult]:
+                             params: Sequence[Mapping[str, Any]], *,
+                             return_logprob: bool = True) -> list[GenerateResult]:
+        url = self.pick()
+        self.outstanding[url] += len(prompts)
+        await asyncio.sleep(0)  # the next chunk is dispatched while this one is in flight
+        self.outstanding[url] -= len(prompts)
         self.calls.append(list(params))
+        self.urls_used.append(url)
         out = []
         for ids, p in zip(prompts, params, strict=True):
             prompt = self.tok.decode(list(ids))
@@ -76,6 +87,21 @@ def test_groups_seeds_and_batch(tmp_path: Path) -> None:
     assert rollout.metrics["reward_mean"] == float(rewards.mean())
     # advantages: GRPO per group, only on response tokens
     assert torch.all(batch.advantages[batch.loss_mask == 0] == 0)
+    # one request per engine, each a whole group: 2 groups of 4 over the 2 engines
+    assert [len(call) for call in engine.calls] == [4, 4]
+    assert sorted(engine.urls_used) == ["http://engine-a", "http://engine-b"]
+
+
+def test_groups_never_split_across_engines(tmp_path: Path) -> None:
+    _, engine = setup(tmp_path)
+    prompts = [engine.tok("10+10=", add_special_tokens=False)["input_ids"]] * 12
+    params = [{"sampling_seed": 0, "temperature": 1.0}] * 12
+    with pytest.raises(ValueError, match="whole groups of 5"):
+        asyncio.run(engine.generate_spread(prompts, params, group=5))
+    # 3 groups of 4 over 2 engines: one engine takes 2 groups, the other 1; never 6/6
+    results = asyncio.run(engine.generate_spread(prompts, params, group=4))
+    assert len(results) == 12 and all(r.text == "20" for r in results)
+    assert sorted(len(call) for call in engine.calls) == [4, 8]
 
 
 def test_drop_constant_groups_masks_them_out(tmp_path: Path) -> None:

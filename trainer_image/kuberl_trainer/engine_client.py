@@ -3,10 +3,11 @@
 The same client drives real SGLang servers and the reference engine (kuberl_rollout.reference);
 request bodies use SGLang's field names (tests/unit/test_engine_contract.py checks them).
 
-- Load balancing: each prompt is its own `/generate` request, sent to the engine with the fewest
-  outstanding requests (ties broken round-robin). Engines batch concurrent requests themselves,
-  so per-prompt requests lose no throughput and keep engines evenly loaded when response
-  lengths differ a lot (a chunk-per-engine split would wait on the slowest chunk).
+- Load balancing: a request goes to the engine with the fewest outstanding prompts (ties broken
+  round-robin). The rollout sends a step's prompts with `generate_spread`: whole GRPO groups,
+  one batched `/generate` per engine, so each engine sees its share at once and fills a batch
+  without waiting for stragglers, and HTTP costs one round trip per engine, not per prompt.
+  `generate` (one request per prompt) suits streams of independent prompts.
 - Failure: every call has a total timeout; a refused connection, a dropped connection (engine
   died mid-request), a timeout or a 4xx/5xx answer raises `EngineError` carrying the engine URL
   and its error text. `generate` cancels its other requests on the first failure.
@@ -254,6 +255,25 @@ class EngineClient:
             raise EngineError(url, f"/generate: expected {len(prompts)} answers, got "
                               f"{answer!r:.200}")
         return [parse_generate_response(url, a, return_logprob=return_logprob) for a in answer]
+
+    async def generate_spread(self, prompts: Sequence[Sequence[int]],
+                              sampling_params: Sequence[Mapping[str, Any]], *, group: int = 1,
+                              return_logprob: bool = True) -> list[GenerateResult]:
+        """All prompts in at most one batched request per engine, concurrently; results in
+        order. Prompts come in consecutive groups of `group` (a GRPO group), and a group is
+        never split: its samples are generated together, by one engine's weights."""
+        if group < 1 or len(prompts) % group:
+            raise ValueError(f"{len(prompts)} prompts are not whole groups of {group}")
+        groups = len(prompts) // group
+        chunks = max(1, min(len(self.urls), groups))
+        bounds = [round(i * groups / chunks) * group for i in range(chunks + 1)]
+        # Tasks start in order and each takes its engine (pick) before its first await, so
+        # the chunks land on different engines.
+        parts = await first_error(
+            self.generate_batch(prompts[a:b], sampling_params[a:b],
+                                return_logprob=return_logprob)
+            for a, b in itertools.pairwise(bounds))
+        return [result for part in parts for result in part]
 
     async def post_all(self, path: str, body: Any | Sequence[Any], *,
                        timeout_s: float | None = None, per_engine: bool = False) -> list[Any]:

@@ -8,7 +8,6 @@ equal, and pack token tensors for the trainer.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import statistics
 from collections.abc import Callable
@@ -65,24 +64,26 @@ class RolloutManager:
             "sampling_seed": sample_seed(self.seed, step, sample, k),
         }
 
-    async def _sample(self, step: int, sample: Sample, n: int, *,
+    async def _sample(self, step: int, samples: list[Sample], n: int, *,
                       greedy: bool = False) -> list[Response]:
-        ids = self.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
-        ids = ids[-self.spec.data.max_prompt_len:]
-        params = [self.sampling_params(step, sample, k) for k in range(n)]
+        """`n` responses per sample, groups consecutive, from one request per engine."""
+        encoded = self.tokenizer([s.prompt for s in samples], add_special_tokens=False)
+        cut = self.spec.data.max_prompt_len
+        prompt_ids = [list(ids[-cut:]) for ids in encoded["input_ids"]]
+        params = [self.sampling_params(step, s, k) for s in samples for k in range(n)]
         if greedy:
             params = [p | {"temperature": 0.0} for p in params]
-        outs = await self.client.generate_batch([ids] * n, params)
-        return [Response(sample=sample, prompt_ids=ids, output_ids=list(o.output_ids),
-                         logprobs=list(o.logprobs or []), text=o.text,
-                         truncated=o.finish_reason == "length") for o in outs]
+        outs = await self.client.generate_spread(
+            [ids for ids in prompt_ids for _ in range(n)], params, group=n)
+        return [Response(sample=samples[i // n], prompt_ids=prompt_ids[i // n],
+                         output_ids=list(o.output_ids), logprobs=list(o.logprobs or []),
+                         text=o.text, truncated=o.finish_reason == "length")
+                for i, o in enumerate(outs)]
 
     async def generate(self, step: int) -> Rollout:
         d = self.spec.data
         samples = self.source.next_batch(d.rollout_batch_size)
-        groups = await asyncio.gather(*(self._sample(step, s, d.n_samples_per_prompt)
-                                        for s in samples))
-        responses = [r for g in groups for r in g]
+        responses = await self._sample(step, samples, d.n_samples_per_prompt)
         for r in responses:
             r.reward = float(self.reward_fn(r.text, r.sample.label))
         rewards = torch.tensor([r.reward for r in responses], dtype=torch.float32)
@@ -109,9 +110,8 @@ class RolloutManager:
         temperature, or greedy when that is 1 (the usual "accuracy" number)."""
         out: dict[str, float] = {}
         for name, samples, n in self.eval_sets:
-            groups = await asyncio.gather(*(self._sample(step, s, n, greedy=n == 1)
-                                            for s in samples))
-            rewards = [float(self.reward_fn(r.text, r.sample.label)) for g in groups for r in g]
+            responses = await self._sample(step, samples, n, greedy=n == 1)
+            rewards = [float(self.reward_fn(r.text, r.sample.label)) for r in responses]
             out[f"eval_{name}_reward"] = statistics.fmean(rewards)
         return out
 
@@ -139,18 +139,21 @@ def pack(responses: list[Response], advantages: torch.Tensor, pad_id: int) -> Tr
     input_ids, the convention the backend's log-probs use (position t scores token t).
     """
     width = max((len(r.prompt_ids) + len(r.output_ids) for r in responses), default=1)
-    b = len(responses)
-    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((b, width), dtype=torch.long)
-    loss_mask = torch.zeros((b, width), dtype=torch.float32)
-    rollout_lp = torch.zeros((b, width), dtype=torch.float32)
-    for i, r in enumerate(responses):
+    # Rows built as Python lists, then one tensor each: per-row tensor writes cost more than
+    # the rest of a tiny step's packing.
+    ids, attention, loss, logprobs = [], [], [], []
+    for r in responses:
         p, o = len(r.prompt_ids), len(r.output_ids)
-        input_ids[i, : p + o] = torch.tensor(r.prompt_ids + r.output_ids)
-        attention[i, : p + o] = 1
-        loss_mask[i, p : p + o] = 1.0
-        if r.logprobs:
-            rollout_lp[i, p : p + o] = torch.tensor(r.logprobs[:o])
+        pad = width - p - o
+        ids.append(r.prompt_ids + r.output_ids + [pad_id] * pad)
+        attention.append([1] * (p + o) + [0] * pad)
+        loss.append([0.0] * p + [1.0] * o + [0.0] * pad)
+        lp = list(r.logprobs[:o]) if r.logprobs else []
+        logprobs.append([0.0] * p + lp + [0.0] * (o - len(lp) + pad))
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    attention_mask = torch.tensor(attention, dtype=torch.long)
+    loss_mask = torch.tensor(loss, dtype=torch.float32)
+    rollout_lp = torch.tensor(logprobs, dtype=torch.float32)
     token_adv = advantages[:, None] * loss_mask
-    return TrainBatch(input_ids=input_ids, attention_mask=attention, loss_mask=loss_mask,
+    return TrainBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask,
                       advantages=token_adv, rollout_logprobs=rollout_lp)

@@ -40,9 +40,21 @@ class Batcher:
                 await self._task
 
     async def submit(self, req: GenRequest) -> dict[str, Any]:
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        await self.queue.put((req, fut))
-        return await fut
+        return (await self.submit_many([req]))[0]
+
+    async def submit_many(self, reqs: Sequence[GenRequest]) -> list[dict[str, Any]]:
+        """Queue a batched request's prompts together (plain futures, no task per prompt:
+        a 256-prompt request would otherwise spend milliseconds creating tasks)."""
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[dict[str, Any]]] = []
+        for req in reqs:
+            futures.append(loop.create_future())
+            self.queue.put_nowait((req, futures[-1]))
+        try:
+            return list(await asyncio.gather(*futures))
+        finally:  # a client that went away: the batcher skips prompts whose future is done
+            for fut in futures:
+                fut.cancel()
 
     async def _collect(self) -> list[tuple[GenRequest, asyncio.Future[dict[str, Any]]]]:
         batch = [await self.queue.get()]

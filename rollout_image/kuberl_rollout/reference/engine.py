@@ -22,7 +22,13 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from kuberl_rollout.reference.sampling import Finish, Sampling, check_finish, choose_tokens
+from kuberl_rollout.reference.sampling import (
+    Finish,
+    Sampling,
+    UniformDraws,
+    check_finish,
+    choose_tokens,
+)
 from kuberl_trainer.weight_sync.codec import tensor_sha256
 
 LOG = logging.getLogger("kuberl.reference")
@@ -42,7 +48,7 @@ class GenRequest:
     input_ids: list[int]
     sampling: Sampling
     return_logprob: bool
-    generator: torch.Generator = field(repr=False)
+    draws: UniformDraws = field(repr=False)
 
 
 @dataclass
@@ -110,9 +116,9 @@ class ReferenceEngine:
                              f"({sampling.max_new_tokens}) exceeds the context length "
                              f"{self.context_len}")
         seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63)
-        generator = torch.Generator().manual_seed(seed)
         return GenRequest(rid=rid, seq=seq, input_ids=list(input_ids), sampling=sampling,
-                          return_logprob=return_logprob, generator=generator)
+                          return_logprob=return_logprob,
+                          draws=UniformDraws(seed, sampling.max_new_tokens))
 
     def _aborted(self, req: GenRequest) -> bool:
         return req.seq <= self.abort_all_upto or req.rid in self.aborted_rids
@@ -136,22 +142,25 @@ class ReferenceEngine:
 
     def _decode(self, rows: list[_Row]) -> None:
         width = max(len(r.req.input_ids) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            n = len(row.req.input_ids)
-            ids[i, width - n:] = torch.tensor(row.req.input_ids)
-            mask[i, width - n:] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        pads = [width - len(r.req.input_ids) for r in rows]
+        ids = torch.tensor([[self.pad_id] * p + r.req.input_ids for p, r in zip(pads, rows,
+                                                                                strict=True)],
+                           dtype=torch.long, device=self.device)
+        mask = torch.tensor([[0] * p + [1] * (width - p) for p in pads], dtype=torch.long,
+                            device=self.device)
+        # Equal-length prompts (a GRPO group, or any unpadded batch) need no mask: the model's
+        # default causal attention and positions are the same numbers, computed faster.
+        padded = any(pads)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+        out = self.model(input_ids=ids, attention_mask=mask if padded else None,
+                         position_ids=positions if padded else None,
                          past_key_values=DynamicCache(config=self.model.config), use_cache=True,
                          logits_to_keep=1)
         params = [r.req.sampling for r in rows]
-        gens = [r.req.generator for r in rows]
+        draws = [r.req.draws for r in rows]
         while True:
             logits = out.logits[:, -1, :].float()
-            tokens, logprobs = choose_tokens(logits, params, gens,
+            tokens, logprobs = choose_tokens(logits, params, draws,
                                              original_logprob=self.original_logprob)
             token_list, lp_list = tokens.tolist(), logprobs.tolist()
             for i, row in enumerate(rows):
@@ -164,7 +173,8 @@ class ReferenceEngine:
                                 device=self.device)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             positions = positions[:, -1:] + 1
-            out = self.model(input_ids=feed, attention_mask=mask, position_ids=positions,
+            out = self.model(input_ids=feed, attention_mask=mask if padded else None,
+                             position_ids=positions if padded else None,
                              past_key_values=out.past_key_values, use_cache=True)
 
     def _append(self, row: _Row, token: int, logprob: float) -> None:

@@ -121,14 +121,37 @@ def parse_sampling(raw: Mapping[str, Any] | None) -> Sampling:
                     no_stop_trim=bool(raw.get("no_stop_trim", False)))
 
 
+class UniformDraws:
+    """One request's U(0,1) draws for sampling, one per generated token, from its own seeded
+    generator. Drawn in blocks (one torch call per block, not per token: at small model sizes
+    the per-token calls cost more than the sampling). The block size depends only on the
+    request's own max_new_tokens, so its draws never depend on which requests share a batch."""
+
+    BLOCK = 64
+
+    def __init__(self, seed: int, max_new_tokens: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self.size = max(1, min(max_new_tokens, self.BLOCK))
+        self.buffer: list[float] = []
+        self.pos = 0
+
+    def next(self) -> float:
+        if self.pos == len(self.buffer):
+            self.buffer = torch.rand(self.size, generator=self.generator,
+                                     dtype=torch.float64).tolist()
+            self.pos = 0
+        self.pos += 1
+        return self.buffer[self.pos - 1]
+
+
 def choose_tokens(logits: torch.Tensor, rows: Sequence[Sampling],
-                  generators: Sequence[torch.Generator], *,
+                  draws: Sequence[UniformDraws], *,
                   original_logprob: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """logits[B, V] (float32) -> (tokens[B] int64, logprobs[B] float32).
 
-    One uniform draw per row from that row's generator (inverse CDF over the truncated,
-    sorted distribution), so a row's tokens depend only on its seed and its logits, never on
-    which other requests share the batch."""
+    One uniform draw per sampled row from that row's own stream (inverse CDF over the
+    truncated, sorted distribution), so a row's tokens depend only on its seed and its
+    logits, never on which other requests share the batch."""
     device = logits.device
     temps = torch.tensor([r.temperature for r in rows], dtype=logits.dtype, device=device)
     scaled_logp = torch.log_softmax(logits / temps[:, None], dim=-1)
@@ -146,8 +169,8 @@ def choose_tokens(logits: torch.Tensor, rows: Sequence[Sampling],
         keep = (ranks < top_k) & (mass_before <= top_p)
         kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
         cdf = kept.cumsum(dim=-1)
-        u = torch.stack([torch.rand((), generator=generators[i]) for i in sample_rows])
-        u = u.to(device=device, dtype=cdf.dtype) * cdf[:, -1]
+        u = torch.tensor([draws[i].next() for i in sample_rows], dtype=cdf.dtype,
+                         device=device) * cdf[:, -1]
         pick = torch.searchsorted(cdf, u[:, None], right=True).clamp(max=cdf.shape[-1] - 1)
         tokens[idx] = order.gather(1, pick).squeeze(1)
     source = torch.log_softmax(logits, dim=-1) if original_logprob else scaled_logp

@@ -186,7 +186,7 @@ class Server:
         rids = [r.rid for r in reqs]
         self.live.update(rids)
         try:
-            results = await asyncio.gather(*(self.batcher.submit(r) for r in reqs))
+            results = await self.batcher.submit_many(reqs)
         finally:
             self.live.difference_update(rids)
             self.engine.aborted_rids.difference_update(rids)
