@@ -44,12 +44,14 @@ def immutability_rules() -> list[dict[str, str]]:
 
 
 def root_rules() -> list[dict[str, str]]:
+    # No fieldPath: the API server accepts one only into properties the schema declares, and
+    # metadata's are not declared (it is the server's ObjectMeta). The messages name the field.
     name_rule = cel(f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
                     f"metadata.name must be at most {MAX_NAME_LENGTH} characters "
-                    "(child object names are derived from it)", ".metadata.name")
+                    "(child object names are derived from it)")
     dns_rule = cel(f"self.metadata.name.matches('{NAME_PATTERN}')",
                    "metadata.name must be a DNS-1035 label: lowercase letters, digits and '-', "
-                   "starting with a letter", ".metadata.name")
+                   "starting with a letter")
     return [name_rule, dns_rule, *immutability_rules()]
 
 

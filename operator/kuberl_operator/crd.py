@@ -74,8 +74,14 @@ def structural(node: Schema, defs: dict[str, Schema]) -> Schema:
 
 def _default_nested_objects(obj: Schema) -> None:
     """Sections, maps and lists that have defaults in pydantic (default_factory, which JSON
-    Schema omits) get `default: {}` / `[]`, so the API server materialises them and fills their
-    own defaults; CEL rules can then read `self.training.gpusPerNode` without has() guards."""
+    Schema omits) get a default, so the API server materialises them; CEL rules can then read
+    `self.training.gpusPerNode` without has() guards.
+
+    A section's default is written out in full (every field that has a default, nested
+    sections included), not as `{}`: the API server checks a default against the section's
+    own CEL rules *as written*, without defaulting inside it first, so `{}` fails any rule
+    that reads a defaulted field. Children are translated before their parent, so their
+    defaults are already in place here."""
     required = set(obj.get("required", []))
     for name, prop in obj["properties"].items():
         if name in required or "default" in prop:
@@ -83,7 +89,9 @@ def _default_nested_objects(obj: Schema) -> None:
         if prop.get("type") == "array":
             prop["default"] = []
         elif prop.get("type") == "object" and not prop.get("required"):
-            prop["default"] = {}
+            prop["default"] = {k: copy.deepcopy(child["default"])
+                               for k, child in prop.get("properties", {}).items()
+                               if "default" in child}
 
 
 def _model_schema(model: type[Any]) -> Schema:
