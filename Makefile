@@ -29,9 +29,10 @@ unit: $(STAMP)
 integration: $(STAMP)
 	$(BIN)/pytest -q -m integration tests
 
-# Regenerate crds/ from the model (a unit test fails when they drift).
+# Regenerate crds/ (and the chart's copy) from the model (unit tests fail when they drift).
 crd: $(STAMP)
 	$(BIN)/kuberl crd --output crds/rljob.yaml
+	cp crds/rljob.yaml helm/kuberl/crds/rljob.yaml
 
 # Regenerate the renderer golden files from examples/.
 goldens: $(STAMP)

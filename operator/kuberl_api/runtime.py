@@ -14,6 +14,12 @@ CONFIG_KEY: Final = "rljob.yaml"
 CONFIG_DIR: Final = "/etc/kuberl"
 CONFIG_PATH: Final = f"{CONFIG_DIR}/{CONFIG_KEY}"
 
+# The training loop's Prometheus endpoint on the head (step, reward, step-time split): the
+# RayJob entrypoint passes it to `kuberl run --metrics-port`, the head container names it, and
+# the Helm chart's PodMonitor scrapes it by that name.
+TRAINER_METRICS_PORT: Final = 9100
+TRAINER_METRICS_PORT_NAME: Final = "trainer-metrics"
+
 # Identity of the running job, for the trainer's status reporter.
 ENV_JOB_NAME: Final = "KUBERL_RLJOB_NAME"
 ENV_JOB_NAMESPACE: Final = "KUBERL_RLJOB_NAMESPACE"

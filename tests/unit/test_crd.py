@@ -19,6 +19,12 @@ def test_crds_folder_matches_the_model() -> None:
         "crds/rljob.yaml drifted from the model in operator/kuberl_api: run `make crd`")
 
 
+def test_helm_chart_ships_the_same_crd() -> None:
+    # Helm installs the chart's crds/ on first install; `make crd` refreshes both copies.
+    chart_copy = ROOT / "helm" / "kuberl" / "crds" / "rljob.yaml"
+    assert chart_copy.read_text() == (ROOT / "crds" / "rljob.yaml").read_text(), "run make crd"
+
+
 def test_kuberl_crd_prints_the_file(capsys: Any) -> None:
     assert main(["crd"]) == 0
     assert capsys.readouterr().out == CRD_FILE.read_text()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kuberl_api import runtime
 from kuberl_api.rljob import RLJob
 from kuberl_api.spec import NodePool, Storage
 from kuberl_operator.render import names, nccl
@@ -129,6 +130,9 @@ def head_template(job: RLJob, attempt: int) -> dict[str, Any]:
         "env": identity_env(job, attempt),
         "resources": quantities(HEAD_CPU, HEAD_MEMORY, {}),
         "volumeMounts": vols.mounts,
+        # The training loop's /metrics (the chart's PodMonitor scrapes it by name).
+        "ports": [{"name": runtime.TRAINER_METRICS_PORT_NAME,
+                   "containerPort": runtime.TRAINER_METRICS_PORT, "protocol": "TCP"}],
     }
     return {
         "metadata": {"labels": names.pod_labels(job.name, names.GROUP_HEAD, attempt)},

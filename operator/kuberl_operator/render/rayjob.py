@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kuberl_api import runtime
 from kuberl_api.rljob import RLJob
 from kuberl_operator.render import names
 from kuberl_operator.render.layout import WorkerGroup, worker_groups
@@ -15,7 +16,8 @@ RAYJOB_API_VERSION = "ray.io/v1"
 # must install exactly this). KubeRay uses it only as metadata in v1.5, but it must not lie.
 RAY_VERSION = "2.52.0"
 
-ENTRYPOINT = f"kuberl run {names.CONFIG_PATH} --address auto --in-cluster"
+ENTRYPOINT = (f"kuberl run {names.CONFIG_PATH} --address auto --in-cluster "
+              f"--metrics-port {runtime.TRAINER_METRICS_PORT}")
 
 
 def head_group_spec(job: RLJob, attempt: int) -> dict[str, Any]:

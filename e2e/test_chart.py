@@ -1,0 +1,154 @@
+"""The Helm chart (helm/kuberl) against the real control plane: lint, render, install, RBAC.
+
+What a user relies on: `helm lint` is clean in both RBAC modes; `helm install` creates a
+one-replica Recreate Deployment that runs non-root on a read-only root filesystem and becomes
+Available; and the operator's ServiceAccount may do exactly what the operator does (asked of the
+real API server's authorizer with `kubectl auth can-i --as`), nothing cluster-wide in namespaced
+mode, and never write an RLJob's spec.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from cluster import Cluster
+
+pytestmark = pytest.mark.e2e
+
+CHART = Path(__file__).resolve().parent.parent / "helm" / "kuberl"
+
+# (verb, resource) pairs the operator uses on the namespaces it watches.
+OPERATOR_NEEDS = [
+    ("watch", "rljobs.kuberl.dev"), ("list", "rljobs.kuberl.dev"),
+    ("patch", "rljobs.kuberl.dev/status"),
+    ("create", "rayjobs.ray.io"), ("delete", "rayjobs.ray.io"), ("watch", "rayjobs.ray.io"),
+    ("get", "rayclusters.ray.io"), ("create", "configmaps"), ("create", "serviceaccounts"),
+    ("create", "roles.rbac.authorization.k8s.io"),
+    ("create", "rolebindings.rbac.authorization.k8s.io"), ("create", "events"),
+]
+# What it must never be able to do there.
+OPERATOR_MUST_NOT = [
+    ("update", "rljobs.kuberl.dev"), ("patch", "rljobs.kuberl.dev"),  # the user's spec
+    ("create", "pods"), ("delete", "pods"), ("get", "secrets"), ("create", "deployments.apps"),
+]
+
+
+def helm(cluster: Cluster, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([str(cluster.helm_path), *args], capture_output=True, text=True,
+                          env=cluster.env, timeout=120)
+    if check and done.returncode:
+        raise AssertionError(f"helm {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
+    return done
+
+
+def can_i(cluster: Cluster, sa: str, verb: str, resource: str, ns: str) -> bool:
+    resource, _, sub = resource.partition("/")
+    extra = [f"--subresource={sub}"] if sub else []
+    done = cluster.kubectl("auth", "can-i", verb, resource, *extra, "-n", ns, f"--as={sa}",
+                           check=False)
+    return bool(done.stdout.strip() == "yes")
+
+
+@pytest.fixture
+def namespaces(k8s_cluster: Cluster) -> Iterator[list[str]]:
+    names = [f"chart-{uuid.uuid4().hex[:6]}" for _ in range(3)]
+    for ns in names:
+        k8s_cluster.kubectl("create", "namespace", ns)
+    yield names
+    for ns in names:
+        k8s_cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+@pytest.mark.parametrize("values", [
+    [],
+    ["--set", "watchNamespaces={ml,team-a}", "--set", "metrics.serviceMonitor.enabled=true",
+     "--set", "metrics.podMonitor.enabled=true"],
+], ids=["cluster-wide", "namespaced-with-monitors"])
+def test_chart_lints_clean(k8s_cluster: Cluster, values: list[str]) -> None:
+    done = helm(k8s_cluster, "lint", "--strict", str(CHART), *values)
+    assert "0 chart(s) failed" in done.stdout
+
+
+
+def rendered(cluster: Cluster, *values: str) -> list[dict[str, Any]]:
+    out = helm(cluster, "template", "kuberl", str(CHART), "-n", "kuberl-system",
+               "--kube-version", "1.37.2", *values).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_namespaced_mode_grants_nothing_cluster_wide(k8s_cluster: Cluster) -> None:
+    docs = rendered(k8s_cluster, "--set", "watchNamespaces={ml,team-a}")
+    kinds = [(d["kind"], d["metadata"].get("namespace")) for d in docs]
+    assert not any(k in ("ClusterRole", "ClusterRoleBinding") for k, _ in kinds), kinds
+    assert ("Role", "ml") in kinds and ("Role", "team-a") in kinds
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    env = {e["name"]: e.get("value") for e in
+           deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["KUBERL_NAMESPACES"] == "ml,team-a" and env["KUBERL_SCANNING"] == "false"
+
+
+def wait_available(cluster: Cluster, ns: str, name: str, timeout: float = 90) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        obj = json.loads(cluster.kubectl("get", "deployment", name, "-n", ns,
+                                         "-o", "json").stdout)
+        conditions = {c["type"]: c["status"] for c in obj.get("status", {}).get("conditions", [])}
+        if conditions.get("Available") == "True":
+            return dict(obj)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"deployment {ns}/{name} not Available: {obj.get('status')}")
+        time.sleep(0.5)
+
+
+def test_install_cluster_wide(k8s_cluster: Cluster, namespaces: list[str]) -> None:
+    release_ns, job_ns, _ = namespaces
+    release = f"kuberl-{release_ns[-6:]}"
+    # The CRD is already in the cluster (the harness applies crds/ at start): --skip-crds, as a
+    # user upgrading it with `kubectl apply --server-side -f crds/` would.
+    helm(k8s_cluster, "install", release, str(CHART), "-n", release_ns, "--skip-crds",
+         "--wait=false")
+    try:
+        deployment = wait_available(k8s_cluster, release_ns, release)
+        spec = deployment["spec"]
+        assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
+        pod = spec["template"]["spec"]
+        container = pod["containers"][0]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        assert container["resources"]["requests"] and container["resources"]["limits"]
+        service = json.loads(k8s_cluster.kubectl("get", "service", f"{release}-metrics", "-n",
+                                                 release_ns, "-o", "json").stdout)
+        assert service["spec"]["ports"][0]["targetPort"] == "metrics"
+
+        sa = f"system:serviceaccount:{release_ns}:{release}"
+        for verb, resource in OPERATOR_NEEDS:
+            assert can_i(k8s_cluster, sa, verb, resource, job_ns), (verb, resource)
+        for verb, resource in OPERATOR_MUST_NOT:
+            assert not can_i(k8s_cluster, sa, verb, resource, job_ns), (verb, resource)
+    finally:
+        helm(k8s_cluster, "uninstall", release, "-n", release_ns, check=False)
+
+
+def test_install_namespaced(k8s_cluster: Cluster, namespaces: list[str]) -> None:
+    release_ns, watched, other = namespaces
+    release = f"kuberl-{release_ns[-6:]}"
+    helm(k8s_cluster, "install", release, str(CHART), "-n", release_ns, "--skip-crds",
+         "--set", f"watchNamespaces={{{watched}}}", "--wait=false")
+    try:
+        wait_available(k8s_cluster, release_ns, release)
+        sa = f"system:serviceaccount:{release_ns}:{release}"
+        for verb, resource in OPERATOR_NEEDS:
+            assert can_i(k8s_cluster, sa, verb, resource, watched), (verb, resource)
+            assert not can_i(k8s_cluster, sa, verb, resource, other), (verb, resource, other)
+        assert not can_i(k8s_cluster, sa, "list", "namespaces", watched)
+    finally:
+        helm(k8s_cluster, "uninstall", release, "-n", release_ns, check=False)

@@ -1,0 +1,70 @@
+{{/* Chart name, possibly overridden. */}}
+{{- define "kuberl.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Release-scoped name of the operator's objects. */}}
+{{- define "kuberl.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else if contains (include "kuberl.name" .) .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name (include "kuberl.name" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "kuberl.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kuberl.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{- define "kuberl.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "kuberl.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kuberl
+{{- end }}
+
+{{- define "kuberl.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kuberl.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+The operator's permissions, shared by the cluster-wide ClusterRole and the per-namespace Roles.
+- rljobs: watch them, write their status (conditions, phase), never their spec.
+- RayJobs: create, replace (restart attempts) and delete; RayClusters: read (readiness).
+- ConfigMaps, ServiceAccounts, Roles, RoleBindings: the children it renders per RLJob. The
+  Role it creates grants get on rljobs and get/patch on rljobs/status, which the operator must
+  hold itself (RBAC refuses to grant what the granter lacks), hence those verbs below.
+- Events: explain decisions (Accepted=False, restarts) on the RLJob.
+*/}}
+{{- define "kuberl.rules" -}}
+- apiGroups: ["kuberl.dev"]
+  resources: ["rljobs"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["kuberl.dev"]
+  resources: ["rljobs/status"]
+  verbs: ["get", "patch", "update"]
+- apiGroups: ["ray.io"]
+  resources: ["rayjobs"]
+  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+- apiGroups: ["ray.io"]
+  resources: ["rayclusters"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["configmaps", "serviceaccounts"]
+  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+- apiGroups: ["", "events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end }}
