@@ -21,7 +21,9 @@ test: lint unit integration
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy operator trainer_image rollout_image
+	$(BIN)/mypy --strict e2e
 	$(BIN)/lint-imports
+	$(BIN)/hadolint Dockerfile.trainer Dockerfile.rollout Dockerfile.operator
 
 unit: $(STAMP)
 	$(BIN)/pytest -q -m "not integration and not e2e" tests
