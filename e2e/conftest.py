@@ -3,6 +3,8 @@
     pytest e2e -m e2e                                   # starts and stops its own cluster
     KUBERL_E2E_STATE_DIR=~/.cache/kuberl/e2e/run pytest e2e -m e2e
                                                         # reuses the one `cluster.py up` started
+                                                        # (test_rljob.py wants it started with
+                                                        # `up --crds crds --train-nodes 4`)
     KUBERL_E2E_KEEP=1 pytest e2e -m e2e                 # keep its state dir (logs) afterwards
 
 The binaries must be built first (`python e2e/cluster.py build`, cold: tens of minutes on two

@@ -115,6 +115,20 @@ class Volumes:
                                     "fsGroupChangePolicy": "OnRootMismatch"}}
 
 
+# KubeRay's own head ports, by its names and default numbers. KubeRay builds the head Service
+# from the head container's ports and falls back to these only when the container declares none
+# (common/service.go, getServicePorts): declaring just the trainer's metrics port would drop
+# them, and a RayJob then never submits ("dashboard port is not found"; the e2e tier caught it).
+RAY_HEAD_PORTS = (("gcs-server", 6379), ("dashboard", 8265), ("client", 10001))
+
+
+def head_ports() -> list[dict[str, Any]]:
+    """Ray's ports, then the training loop's /metrics (the chart's PodMonitor scrapes it by
+    name). KubeRay adds its `metrics` port (Ray's own) itself."""
+    ports = [*RAY_HEAD_PORTS, (runtime.TRAINER_METRICS_PORT_NAME, runtime.TRAINER_METRICS_PORT)]
+    return [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in ports]
+
+
 def head_template(job: RLJob, attempt: int) -> dict[str, Any]:
     """The head runs the training loop: it reads the config, the prompts (data PVC) and the
     tokenizer (model PVC), writes checkpoint metadata, and patches the RLJob status with its
@@ -130,9 +144,7 @@ def head_template(job: RLJob, attempt: int) -> dict[str, Any]:
         "env": identity_env(job, attempt),
         "resources": quantities(HEAD_CPU, HEAD_MEMORY, {}),
         "volumeMounts": vols.mounts,
-        # The training loop's /metrics (the chart's PodMonitor scrapes it by name).
-        "ports": [{"name": runtime.TRAINER_METRICS_PORT_NAME,
-                   "containerPort": runtime.TRAINER_METRICS_PORT, "protocol": "TCP"}],
+        "ports": head_ports(),
     }
     return {
         "metadata": {"labels": names.pod_labels(job.name, names.GROUP_HEAD, attempt)},
