@@ -925,17 +925,9 @@ def test_operator_refuses_what_the_crd_let_through(k8s_cluster: Cluster, operato
         JobWatch(c, operator, ns, job).delete_and_wait_gc()
 
 
-# ------------------------------------------------------------------------ known gaps (xfail)
-# Found by this tier; each test passes once the gap is closed (strict xfail then fails, as a
-# reminder to drop the marker).
-
-
-@pytest.mark.xfail(strict=True, reason="spec.network.env names are not validated (spec.py's "
-                   "ENV_NAME_PATTERN is unused): the model and the CRD accept 'A=B' or '', the "
-                   "API server then refuses the GPU pods KubeRay creates, and the RLJob sits in "
-                   "Provisioning with ClusterReady=False WorkersNotReady; the cause shows only "
-                   "in KubeRay's FailedToCreateWorkerPod Events on the RayCluster")
-def test_known_gap_env_names_refused_at_apply(k8s_cluster: Cluster, validation_ns: str) -> None:
+def test_env_names_refused_at_apply(k8s_cluster: Cluster, validation_ns: str) -> None:
+    """Found by this tier: the API server refuses pods with such env names, so a job that
+    got past apply would sit in Provisioning while KubeRay failed to create its GPU pods."""
     obj = base()
     obj["metadata"] = {"name": "bad-env-name", "namespace": validation_ns}
     obj["spec"]["network"] = {"env": {"NCCL_DEBUG=INFO": "1"}}
@@ -943,6 +935,11 @@ def test_known_gap_env_names_refused_at_apply(k8s_cluster: Cluster, validation_n
     k8s_cluster.kubectl("delete", "rljob", "bad-env-name", "-n", validation_ns,
                         "--ignore-not-found")
     assert proc.returncode != 0 and "spec.network.env" in proc.stderr, proc.stdout
+
+
+# ------------------------------------------------------------------------ known gaps (xfail)
+# Found by this tier; each test passes once the gap is closed (strict xfail then fails, as a
+# reminder to drop the marker).
 
 
 @pytest.mark.xfail(strict=True, reason="cross-field CEL rules divide by tp*pp*cp and by the "

@@ -6,9 +6,10 @@ span sections live on `RLJobSpec`. Every rule has a CEL twin (see `base.py`).
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from kuberl_api.base import ApiModel, cel, cel_rules, check
 
@@ -369,8 +370,24 @@ class NetworkSpec(ApiModel):
     rdma: RdmaSpec | None = None
     weight_sync_port: int = Field(29600, ge=1024, le=65535,
                                   description="Port of the trainer-to-engines NCCL group.")
-    env: dict[str, str] = Field(default_factory=dict, max_length=64,
-                                description="Extra NCCL_* (or other) variables for GPU pods.")
+    env: dict[str, str] = Field(
+        default_factory=dict, max_length=64,
+        description="Extra NCCL_* (or other) variables for GPU pods.",
+        # Kubernetes refuses a pod whose env names are not C identifiers; without this the
+        # job would sit in Provisioning while KubeRay fails to create its GPU pods.
+        json_schema_extra=cel_rules(cel(
+            f"self.all(k, k.matches('{ENV_NAME_PATTERN}'))",
+            "network.env names must be C identifiers: letters, digits and '_', not starting "
+            "with a digit (e.g. NCCL_DEBUG)")))
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for name in env:
+            check(re.fullmatch(ENV_NAME_PATTERN, name) is not None, "env", name,
+                  "network.env names must be C identifiers: letters, digits and '_', not "
+                  "starting with a digit (e.g. NCCL_DEBUG)")
+        return env
 
 
 Placement = Literal["colocate", "disaggregated"]

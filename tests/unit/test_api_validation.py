@@ -131,6 +131,10 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
      ""),
     ("gpus-per-node-too-many", set_("training.gpusPerNode", 32), "spec.training.gpusPerNode",
      ""),
+    ("env-name-with-equals", set_("network.env", {"NCCL_DEBUG=INFO": "1"}), "spec.network.env",
+     "C identifiers"),
+    ("env-name-leading-digit", set_("network.env", {"1NCCL": "1"}), "spec.network.env",
+     "C identifiers"),
 ]
 
 
