@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 EXTRAS ?= operator,trainer,rollout,dev
 
-.PHONY: test lint unit integration e2e crd goldens demo clean
+.PHONY: test lint unit integration e2e cluster-up cluster-down crd goldens demo clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,13 @@ integration: $(STAMP)
 e2e: $(STAMP)
 	$(BIN)/python e2e/cluster.py build
 	$(BIN)/pytest -q -m e2e e2e
+
+# The same control plane for manual use: prints the KUBECONFIG (and PATH) lines to export.
+cluster-up: $(STAMP)
+	$(BIN)/python e2e/cluster.py build
+	$(BIN)/python e2e/cluster.py up --crds crds
+cluster-down:
+	$(PYTHON) e2e/cluster.py down
 
 # Regenerate crds/ (and the chart's copy) from the model (unit tests fail when they drift).
 crd: $(STAMP)
