@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 import yaml
-from cluster import Api, Cluster
+from cluster import Api, Cluster, write_kubeconfig
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `tests` is a package at the repository root
@@ -394,7 +394,12 @@ def test_spec_immutable_once_started(k8s_cluster: Cluster, validation_ns: str) -
 
 
 class Operator:
-    """`python -m kuberl_operator`, exactly as a Deployment runs it, watching one namespace."""
+    """`python -m kuberl_operator`, exactly as the chart's Deployment runs it, watching one
+    namespace, *with the chart's identity*: the chart is installed (namespaced mode) and the
+    operator logs in with its ServiceAccount's token, so a permission the chart lacks fails
+    these tests. (The chart's own pod is a kwok stand-in that runs nothing.)"""
+
+    RELEASE = "kuberl"  # the chart names its ServiceAccount after the release
 
     def __init__(self, cluster: Cluster, ns: str, log: Path) -> None:
         self.cluster = cluster
@@ -404,10 +409,27 @@ class Operator:
         self.health_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
+    def chart_identity(self) -> Path:
+        path = self.log.with_suffix(".kubeconfig")
+        if path.exists():  # installed by an earlier start (a restarted operator)
+            return path
+        helm = subprocess.run(
+            [str(self.cluster.helm_path), "install", self.RELEASE, str(ROOT / "helm" / "kuberl"),
+             "-n", self.ns, "--skip-crds", "--set", f"watchNamespaces={{{self.ns}}}"],
+            capture_output=True, text=True, env=self.cluster.env, timeout=120)
+        assert helm.returncode == 0, helm.stderr
+        token = self.cluster.kubectl("create", "token", self.RELEASE, "-n", self.ns,
+                                     "--duration", "3h").stdout.strip()
+        write_kubeconfig(path, self.cluster.server, self.cluster.state_dir / "pki" / "ca.crt",
+                         f"system:serviceaccount:{self.ns}:{self.RELEASE}", token=token)
+        return path
+
     def start(self) -> None:
-        env = {**self.cluster.env, "PYTHONUNBUFFERED": "1"}
+        env = {**self.cluster.env, "PYTHONUNBUFFERED": "1",
+               "KUBECONFIG": str(self.chart_identity())}
         env.pop("KUBERNETES_SERVICE_HOST", None)  # never the in-cluster login
-        args = [sys.executable, "-m", "kuberl_operator", "-n", self.ns, "-v",
+        # --no-scanning: as the chart sets it in namespaced mode (no cluster-wide reads).
+        args = [sys.executable, "-m", "kuberl_operator", "-n", self.ns, "-v", "--no-scanning",
                 "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port),
                 "--health-port", str(self.health_port),
                 "--resync-seconds", str(RESYNC_SECONDS), "--error-backoff-seconds", "1"]
