@@ -834,6 +834,51 @@ def test_longest_name_runs_on_cpu(k8s_cluster: Cluster, operator: Operator,
         w.delete_and_wait_gc()
 
 
+def test_head_service_account_reports_only_its_own_status(
+        k8s_cluster: Cluster, operator: Operator, operator_ns: str) -> None:
+    """The trainer on the Ray head reports progress with its pod's ServiceAccount token
+    (kuberl_trainer.reporter, the real class): the Role the operator renders lets it patch its
+    own RLJob's status, and nothing else - not its spec, not another RLJob's status."""
+    from kuberl_trainer.reporter import StatusReporter
+
+    c, ns = k8s_cluster, operator_ns
+    job, other = "report-own", "report-other"
+    w = JobWatch(c, operator, ns, job)
+    kubectl_apply(c, cpu_job(job, ns), check=True)
+    kubectl_apply(c, cpu_job(other, ns), check=True)
+    try:
+        w.wait_condition("Accepted", "True", timeout=60)
+        wait_for("the head ServiceAccount", lambda: c.kubectl(
+            "get", "serviceaccount", names.service_account(job), "-n", ns, check=False
+        ).returncode == 0)
+        token = c.kubectl("create", "token", names.service_account(job), "-n", ns).stdout.strip()
+        ca = str(c.state_dir / "pki" / "ca.crt")
+
+        StatusReporter(c.server, token, ns, job, ca_file=ca).report(
+            step=3, total_steps=10, reward_mean=0.625, checkpoint=(2, "/checkpoints/step-2"))
+        progress = w.status().get("progress", {})
+        assert progress["step"] == 3 and progress["rewardMean"] == 0.625, progress
+        assert progress["lastCheckpoint"] == {"step": 2, "path": "/checkpoints/step-2"}
+        row = table_row(c.kubectl("get", "rljob", job, "-n", ns).stdout.splitlines())
+        assert row["STEP"] == "3" and row["REWARD"] == "0.625", row
+
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            StatusReporter(c.server, token, ns, other, ca_file=ca).report(
+                step=1, total_steps=10, reward_mean=0.0)
+        assert refused.value.code == 403
+        as_head = c.state_dir / f"{job}-head.kubeconfig"  # the token alone, no admin cert
+        write_kubeconfig(as_head, c.server, c.state_dir / "pki" / "ca.crt", "head", token=token)
+        spec_edit = subprocess.run(
+            [str(c.kubectl_path), f"--kubeconfig={as_head}", "patch", "rljob", job, "-n", ns,
+             "--type=merge", "-p", '{"spec":{"backoffLimit":7}}'],
+            capture_output=True, text=True, timeout=60)
+        assert spec_edit.returncode != 0 and "forbidden" in spec_edit.stderr.lower(), (
+            spec_edit.stdout, spec_edit.stderr)
+    finally:
+        c.kubectl("delete", "rljob", other, "-n", ns, "--ignore-not-found")
+        w.delete_and_wait_gc()
+
+
 def test_failed_rayjob_restarts_as_next_attempt(k8s_cluster: Cluster, operator: Operator,
                                                 operator_ns: str) -> None:
     """KubeRay marks the RayJob Failed, so the operator restarts the job as attempt 1 (within
