@@ -273,14 +273,8 @@ def _bad_manifest(case: str, edit: Callable[[dict[str, Any]], None],
     return obj
 
 
-def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
-    def edit(spec: dict[str, Any]) -> None:
-        *parents, leaf = path.split(".")
-        node = spec
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return edit
+# The unit table's own spec editor (dotted path, creating intermediate maps).
+_set: Callable[[str, Any], Callable[[dict[str, Any]], None]] = _validation.set_
 
 
 # Wrong types, which the unit table leaves out (pydantic would coerce some of them: "8" -> 8).
