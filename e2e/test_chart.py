@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 from cluster import Cluster
+from polling import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -96,16 +96,14 @@ def test_namespaced_mode_grants_nothing_cluster_wide(k8s_cluster: Cluster) -> No
 
 
 def wait_available(cluster: Cluster, ns: str, name: str, timeout: float = 90) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        obj = json.loads(cluster.kubectl("get", "deployment", name, "-n", ns,
-                                         "-o", "json").stdout)
+    def available() -> dict[str, Any] | None:
+        obj: dict[str, Any] = json.loads(cluster.kubectl("get", "deployment", name, "-n", ns,
+                                                         "-o", "json").stdout)
         conditions = {c["type"]: c["status"] for c in obj.get("status", {}).get("conditions", [])}
-        if conditions.get("Available") == "True":
-            return dict(obj)
-        if time.monotonic() > deadline:
-            raise AssertionError(f"deployment {ns}/{name} not Available: {obj.get('status')}")
-        time.sleep(0.5)
+        return obj if conditions.get("Available") == "True" else None
+
+    result: dict[str, Any] = wait_for(f"deployment {ns}/{name} Available", available, timeout)
+    return result
 
 
 def test_install_cluster_wide(k8s_cluster: Cluster, namespaces: list[str]) -> None:

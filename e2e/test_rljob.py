@@ -34,6 +34,7 @@ from typing import Any
 import pytest
 import yaml
 from cluster import Api, Cluster, write_kubeconfig
+from polling import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `tests` is a package at the repository root
@@ -74,27 +75,6 @@ RESYNC_SECONDS = 1.0
 
 
 # ------------------------------------------------------------------------------------ helpers
-
-
-def wait_for(what: str, fn: Callable[[], Any], timeout: float = 60, interval: float = 0.25,
-             detail: Callable[[], str] | None = None) -> Any:
-    """fn() until truthy (returned); AssertionError naming `what` and the last value after
-    `timeout` s. API errors while polling count as "not yet"."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        try:
-            last = fn()
-        except (OSError, urllib.error.URLError, KeyError, ValueError) as exc:
-            last = exc
-        else:
-            if last:
-                return last
-        if time.monotonic() > deadline:
-            extra = f"\n{detail()}" if detail else ""
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} "
-                                 f"(last: {last!r:.2000}){extra}")
-        time.sleep(interval)
 
 
 def unique(prefix: str) -> str:

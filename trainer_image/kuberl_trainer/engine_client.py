@@ -238,8 +238,9 @@ class EngineClient:
                              sampling_params: Sequence[Mapping[str, Any]], *,
                              return_logprob: bool = True) -> list[GenerateResult]:
         """Several prompts in ONE /generate request (SGLang's batched form: lists of
-        input_ids and sampling_params) to one engine: a GRPO group costs one round trip and
-        lands in one engine batch, instead of n requests the engine has to gather again."""
+        input_ids and sampling_params) to one engine (the least loaded): one round trip, and
+        the engine gets them all at once instead of gathering n requests again.
+        `generate_spread` sends a step's prompts as one such request per engine."""
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
         url = self.pick()
