@@ -146,14 +146,14 @@ class ReferenceEngine:
         ids = torch.tensor([[self.pad_id] * p + r.req.input_ids for p, r in zip(pads, rows,
                                                                                 strict=True)],
                            dtype=torch.long, device=self.device)
-        mask = torch.tensor([[0] * p + [1] * (width - p) for p in pads], dtype=torch.long,
-                            device=self.device)
         # Equal-length prompts (a GRPO group, or any unpadded batch) need no mask: the model's
         # default causal attention and positions are the same numbers, computed faster.
-        padded = any(pads)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask if padded else None,
-                         position_ids=positions if padded else None,
+        mask = positions = None
+        if any(pads):
+            mask = torch.tensor([[0] * p + [1] * (width - p) for p in pads], dtype=torch.long,
+                                device=self.device)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          past_key_values=DynamicCache(config=self.model.config), use_cache=True,
                          logits_to_keep=1)
         params = [r.req.sampling for r in rows]
@@ -171,10 +171,10 @@ class ReferenceEngine:
             feed = torch.tensor([[self.pad_id if r.finish else t]
                                  for r, t in zip(rows, token_list, strict=True)],
                                 device=self.device)
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            positions = positions[:, -1:] + 1
-            out = self.model(input_ids=feed, attention_mask=mask if padded else None,
-                             position_ids=positions if padded else None,
+            if mask is not None and positions is not None:
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                positions = positions[:, -1:] + 1
+            out = self.model(input_ids=feed, attention_mask=mask, position_ids=positions,
                              past_key_values=out.past_key_values, use_cache=True)
 
     def _append(self, row: _Row, token: int, logprob: float) -> None:
