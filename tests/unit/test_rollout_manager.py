@@ -102,6 +102,7 @@ def test_groups_never_split_across_engines(tmp_path: Path) -> None:
     results = asyncio.run(engine.generate_spread(prompts, params, group=4))
     assert len(results) == 12 and all(r.text == "20" for r in results)
     assert sorted(len(call) for call in engine.calls) == [4, 8]
+    assert sorted(engine.urls_used) == ["http://engine-a", "http://engine-b"]  # one each
 
 
 def test_drop_constant_groups_masks_them_out(tmp_path: Path) -> None:
