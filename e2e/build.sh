@@ -7,8 +7,8 @@
 #   e2e/build.sh --print-dir  print the cache root and exit
 #
 # Components: kubernetes (kube-apiserver, kube-controller-manager, kube-scheduler, kubectl),
-# etcd, kwok (+ its stage configs), kuberay (the ray-operator binary + its CRDs), helm.
-# Versions come from e2e/versions.env. Each component is built in a temporary Go module and a
+# etcd, kwok (+ its stage configs), kuberay (the ray-operator binary + its CRDs), helm, and
+# prometheus (Debian's package, unpacked: not built). Versions come from e2e/versions.env. Each component is built in a temporary Go module and a
 # temporary output dir that is renamed into place only on success, so an interrupted build
 # leaves nothing half-made and a rerun starts it again; a per-component lock lets two builds
 # run at once safely. Compilation runs under `nice -n 19` (KUBERL_E2E_NICE=<level> or 0).
@@ -21,7 +21,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CACHE_ROOT=${KUBERL_E2E_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kuberl/e2e}
 NICE_LEVEL=${KUBERL_E2E_NICE:-19}  # 0: don't nice
 NICE=""; [[ $NICE_LEVEL == 0 ]] || NICE="nice -n $NICE_LEVEL"
-ALL=(etcd kubernetes kwok kuberay helm)
+ALL=(etcd kubernetes kwok kuberay helm prometheus)
 
 if [[ ${1:-} == --print-dir ]]; then echo "$CACHE_ROOT"; exit 0; fi
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
@@ -46,6 +46,7 @@ component_version() {
     kwok) echo "$KWOK_VERSION" ;;
     kuberay) echo "$KUBERAY_VERSION" ;;
     helm) echo "$HELM_VERSION" ;;
+    prometheus) echo "$PROMETHEUS_DEB_VERSION" ;;
     *) echo "build.sh: unknown component '$1' (known: ${ALL[*]})" >&2; return 1 ;;
   esac
 }
@@ -128,6 +129,21 @@ build_helm() {
      -o "$2/helm" helm.sh/helm/v3/cmd/helm)
 }
 
+# Debian's prometheus package at exactly PROMETHEUS_DEB_VERSION, unpacked (no dpkg install, no
+# root needed when the apt lists are present): its binaries are static Go programs.
+build_prometheus() {
+  local v=$PROMETHEUS_DEB_VERSION
+  command -v apt-get >/dev/null || { log "prometheus: needs apt-get (a Debian-based machine)"; return 1; }
+  if ! (cd "$1" && apt-get download "prometheus=$v"); then
+    # A machine whose package lists were never fetched: fetch them (root only) and retry.
+    (( EUID == 0 )) || { log "prometheus: apt-get download failed; run 'apt-get update' as root"; return 1; }
+    apt-get update -qq && (cd "$1" && apt-get download "prometheus=$v")
+  fi
+  dpkg-deb -x "$1"/prometheus_*.deb "$1/root"
+  cp "$1/root/usr/bin/prometheus" "$1/root/usr/bin/promtool" "$2/"
+  "$2/prometheus" --version
+}
+
 build_one() {
   local c=$1 v final
   v=$(component_version "$c")
@@ -151,7 +167,7 @@ build_one() {
     return "$rc"
   fi
   local secs=$(( $(date +%s) - t0 ))
-  cp "$tmp/mod/go.mod" "$tmp/out/build.go.mod"
+  [[ ! -f $tmp/mod/go.mod ]] || cp "$tmp/mod/go.mod" "$tmp/out/build.go.mod"
   printf '{"component": "%s", "version": "%s", "seconds": %d, "go": "%s", "built": "%s"}\n' \
     "$c" "$v" "$secs" "$(go env GOVERSION)" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$tmp/out/build.json"
   mv -T "$tmp/out" "$final"

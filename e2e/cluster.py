@@ -48,7 +48,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,6 +165,7 @@ class Binaries:
             "kwok": self._dir("kwok", "KWOK_VERSION"),
             "kuberay": self._dir("kuberay", "KUBERAY_VERSION"),
             "helm": self._dir("helm", "HELM_VERSION"),
+            "prometheus": self._dir("prometheus", "PROMETHEUS_DEB_VERSION"),
         }
 
     def missing(self) -> list[str]:
@@ -181,6 +182,7 @@ class Binaries:
             "kwok": d["kwok"] / "kwok",
             "kuberay-operator": d["kuberay"] / "kuberay-operator",
             "helm": d["helm"] / "helm",
+            "prometheus": d["prometheus"] / "prometheus",
         }[name]
 
     @property
@@ -597,6 +599,23 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    @contextlib.contextmanager
+    def paused(self, name: str) -> Iterator[None]:
+        """Freeze one component (SIGSTOP) for the block, then let it go on (SIGCONT).
+
+        The e2e tests pause the KubeRay operator to play the Ray dashboard's part: fake pods run
+        no Ray, so KubeRay would overwrite any RayJob status a test writes (and fail the job 30 s
+        after its submitter finishes). Frozen, it keeps its watches' state and catches up after."""
+        if not self.running().get(name):
+            raise ClusterError(f"{name} is not running")
+        pid = self.pids[name]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
     def running(self) -> dict[str, bool]:
         bins = binaries_for(self.versions)

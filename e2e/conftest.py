@@ -25,6 +25,7 @@ if str(E2E) not in sys.path:
     sys.path.insert(0, str(E2E))
 
 from cluster import Cluster, binaries  # noqa: E402
+from rljobs import Operator, namespace  # noqa: E402
 
 CRDS = E2E.parent / "crds"
 NODES = {"train": 4, "rollout": 2, "cpu": 1}
@@ -48,3 +49,20 @@ def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield cluster
     finally:
         cluster.stop(remove_state=not os.environ.get("KUBERL_E2E_KEEP"))
+
+
+@pytest.fixture(scope="module")
+def operator_ns(k8s_cluster: Cluster) -> Iterator[str]:
+    with namespace(k8s_cluster, "e2e-op") as ns:
+        yield ns
+
+
+@pytest.fixture(scope="module")
+def operator(k8s_cluster: Cluster, operator_ns: str,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    op = Operator(k8s_cluster, operator_ns, tmp_path_factory.mktemp("operator") / "operator.log")
+    try:
+        op.start()
+        yield op
+    finally:
+        op.stop()

@@ -1,0 +1,309 @@
+"""The RLJob side of the e2e tier: the operator as the chart runs it, watching an RLJob and its
+children, and the small helpers the test modules share (test_rljob.py, test_lifecycle.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from cluster import Api, Cluster, write_kubeconfig
+from polling import wait_for
+
+from kuberl_api.rljob import API_VERSION, KIND
+from kuberl_operator.render import names
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RLJOBS = "/apis/kuberl.dev/v1alpha1/namespaces/{ns}/rljobs"
+RAYJOBS = "/apis/ray.io/v1/namespaces/{ns}/rayjobs"
+RAYCLUSTERS = "/apis/ray.io/v1/namespaces/{ns}/rayclusters"
+# The children the operator renders, by URL template and name function.
+CHILDREN: list[tuple[str, Callable[[str], str]]] = [
+    ("/api/v1/namespaces/{ns}/serviceaccounts", names.service_account),
+    ("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles", names.role),
+    ("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings", names.role_binding),
+    ("/api/v1/namespaces/{ns}/configmaps", names.configmap),
+    (RAYJOBS, lambda job: names.rayjob(job, 0)),
+]
+RESYNC_SECONDS = 1.0
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+@contextlib.contextmanager
+def namespace(cluster: Cluster, prefix: str) -> Iterator[str]:
+    """A fresh namespace, deleted afterwards (without waiting: the namespace controller
+    finishes it in the background)."""
+    ns = unique(prefix)
+    api = cluster.api()
+    api.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                      "metadata": {"name": ns}})
+    # Pods can't be admitted before the service-account controller made `default`.
+    wait_for(f"ServiceAccount {ns}/default", lambda: api.get(
+        f"/api/v1/namespaces/{ns}/serviceaccounts/default"), timeout=30)
+    try:
+        yield ns
+    finally:
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def kubectl_apply(c: Cluster, obj: Mapping[str, Any] | str, *args: str,
+                  check: bool = False) -> subprocess.CompletedProcess[str]:
+    text: str = obj if isinstance(obj, str) else json.dumps(obj)
+    proc: subprocess.CompletedProcess[str] = c.kubectl("apply", "-f", "-", *args, input=text,
+                                                       check=check)
+    return proc
+
+
+def condition(obj: Mapping[str, Any] | None, type_: str) -> dict[str, Any]:
+    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return dict(c)
+    return {}
+
+
+def events_for(api: Api, ns: str, name: str) -> list[dict[str, Any]]:
+    selector = urllib.parse.quote(f"involvedObject.name={name},involvedObject.kind={KIND}")
+    items = api.get(f"/api/v1/namespaces/{ns}/events?fieldSelector={selector}")["items"]
+    return list(items)
+
+
+def selector_query(labels: Mapping[str, str]) -> str:
+    return "labelSelector=" + urllib.parse.quote(",".join(f"{k}={v}" for k, v in labels.items()))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def http_get(url: str, timeout: float = 3) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+
+
+def table_row(lines: list[str]) -> dict[str, str]:
+    """The first row of `kubectl get` output by column (cells may be blank)."""
+    header, row = lines[0], lines[1]
+    starts = [i for i, ch in enumerate(header) if ch != " " and (i == 0 or header[i - 1] == " ")]
+    bounds = [*starts[1:], max(len(header), len(row)) + 1]
+    return {header[a:b].strip(): row[a:b].strip() for a, b in zip(starts, bounds, strict=True)}
+
+
+
+def cpu_job(name: str, ns: str, **spec: Any) -> dict[str, Any]:
+    """A CPU-only colocated job without PVCs: its pods go to the untainted cpu pool."""
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": ns},
+            "spec": {"model": {"path": "/models/tiny"}, "data": {"prompts": "/data/p.jsonl"},
+                     "training": {"backend": "fsdp", "gpusPerNode": 0},
+                     "rollout": {"engine": "reference", "gpus": 0}, **spec}}
+
+
+# ----------------------------------------------------------------------- the operator
+
+
+class Operator:
+    """`python -m kuberl_operator`, exactly as the chart's Deployment runs it, watching one
+    namespace, *with the chart's identity*: the chart is installed (namespaced mode) and the
+    operator logs in with its ServiceAccount's token, so a permission the chart lacks fails
+    these tests. (The chart's own pod is a kwok stand-in that runs nothing.)"""
+
+    RELEASE = "kuberl"  # the chart names its ServiceAccount after the release
+
+    def __init__(self, cluster: Cluster, ns: str, log: Path) -> None:
+        self.cluster = cluster
+        self.ns = ns
+        self.log = log
+        self.metrics_port = free_port()
+        self.health_port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def chart_identity(self) -> Path:
+        path = self.log.with_suffix(".kubeconfig")
+        if path.exists():  # installed by an earlier start (a restarted operator)
+            return path
+        helm = subprocess.run(
+            [str(self.cluster.helm_path), "install", self.RELEASE, str(ROOT / "helm" / "kuberl"),
+             "-n", self.ns, "--skip-crds", "--set", f"watchNamespaces={{{self.ns}}}"],
+            capture_output=True, text=True, env=self.cluster.env, timeout=120)
+        assert helm.returncode == 0, helm.stderr
+        token = self.cluster.kubectl("create", "token", self.RELEASE, "-n", self.ns,
+                                     "--duration", "3h").stdout.strip()
+        write_kubeconfig(path, self.cluster.server, self.cluster.state_dir / "pki" / "ca.crt",
+                         f"system:serviceaccount:{self.ns}:{self.RELEASE}", token=token)
+        return path
+
+    def start(self) -> None:
+        env = {**self.cluster.env, "PYTHONUNBUFFERED": "1",
+               "KUBECONFIG": str(self.chart_identity())}
+        env.pop("KUBERNETES_SERVICE_HOST", None)  # never the in-cluster login
+        # --no-scanning: as the chart sets it in namespaced mode (no cluster-wide reads).
+        args = [sys.executable, "-m", "kuberl_operator", "-n", self.ns, "-v", "--no-scanning",
+                "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port),
+                "--health-port", str(self.health_port),
+                "--resync-seconds", str(RESYNC_SECONDS), "--error-backoff-seconds", "1"]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         cwd=ROOT)
+
+        def healthy() -> bool:
+            assert self.proc is not None and self.proc.poll() is None, (
+                f"the operator exited with {self.proc and self.proc.returncode}\n{self.tail()}")
+            return http_get(f"http://127.0.0.1:{self.health_port}/healthz")[0] == 200
+
+        wait_for("the operator's /healthz", healthy, timeout=90, detail=self.tail)
+
+    def metrics(self) -> str:
+        return http_get(f"http://127.0.0.1:{self.metrics_port}/metrics")[1]
+
+    def tail(self, lines: int = 60) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "----- operator log (end) -----\n" + "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+
+
+class JobWatch:
+    """Reads of one RLJob and what it owns, with failure details for wait_for."""
+
+    def __init__(self, cluster: Cluster, operator: Operator, ns: str, job: str) -> None:
+        self.c, self.api, self.operator, self.ns, self.job = (cluster, cluster.api(), operator,
+                                                              ns, job)
+        self.url = RLJOBS.format(ns=ns) + f"/{job}"
+        self.pods_url = f"/api/v1/namespaces/{ns}/pods?" + selector_query(names.selector(job))
+
+    def get(self) -> dict[str, Any]:
+        obj: dict[str, Any] = self.api.get(self.url) or {}
+        return obj
+
+    def status(self) -> dict[str, Any]:
+        st: dict[str, Any] = self.get().get("status") or {}
+        return st
+
+    def detail(self) -> str:
+        return json.dumps(self.status(), indent=1) + "\n" + self.operator.tail()
+
+    def wait_condition(self, type_: str, status: str, timeout: float = 60) -> dict[str, Any]:
+        found: dict[str, Any] = wait_for(
+            f"{type_}={status} on RLJob {self.ns}/{self.job}",
+            lambda: condition(self.get(), type_).get("status") == status
+            and condition(self.get(), type_), timeout=timeout, detail=self.detail)
+        return found
+
+    def rayjob(self, attempt: int) -> dict[str, Any] | None:
+        obj: dict[str, Any] | None = self.api.get(
+            RAYJOBS.format(ns=self.ns) + f"/{names.rayjob(self.job, attempt)}")
+        return obj
+
+    def raycluster_url(self, attempt: int) -> str:
+        name = wait_for(f"RayJob {names.rayjob(self.job, attempt)} status.rayClusterName",
+                        lambda: (self.rayjob(attempt) or {}).get("status", {}).get(
+                            "rayClusterName"), detail=self.detail)
+        return RAYCLUSTERS.format(ns=self.ns) + f"/{name}"
+
+    def wait_raycluster_ready(self, attempt: int, timeout: float = 90) -> str:
+        url = self.raycluster_url(attempt)
+        wait_for(f"RayCluster {url.rsplit('/', 1)[1]} status.state ready", lambda: (
+            self.api.get(url) or {}).get("status", {}).get("state") == "ready",
+            timeout=timeout, detail=lambda: json.dumps((self.api.get(url) or {}).get(
+                "status"), indent=1) + "\n" + self.pod_detail())
+        return url
+
+    def wait_submitted(self, attempt: int, timeout: float = 30) -> None:
+        """KubeRay found the dashboard on the head Service and started the submitter Job
+        (jobDeploymentStatus Running): the RayJob did not stall in Initializing."""
+        name = names.rayjob(self.job, attempt)
+
+        def detail() -> str:
+            rj = self.rayjob(attempt) or {}
+            ports = (self.head_service(attempt) or {}).get("spec", {}).get("ports", [])
+            return (f"RayJob status: {json.dumps(rj.get('status'), indent=1)}\nhead Service "
+                    f"ports: {[p.get('name') for p in ports]}")
+
+        wait_for(f"RayJob {name} submitted (jobDeploymentStatus Running)", lambda: (
+            self.rayjob(attempt) or {}).get("status", {}).get("jobDeploymentStatus")
+            == "Running", timeout=timeout, detail=detail)
+        svc = self.head_service(attempt)
+        ports = {p.get("name") for p in (svc or {}).get("spec", {}).get("ports", [])}
+        assert {"gcs-server", "dashboard", "client", "trainer-metrics"} <= ports, ports
+        jobs = self.api.get(f"/apis/batch/v1/namespaces/{self.ns}/jobs/{name}")
+        assert jobs is not None, f"no submitter Job {name}"
+
+    def head_service(self, attempt: int) -> dict[str, Any] | None:
+        cluster = ((self.rayjob(attempt) or {}).get("status") or {}).get("rayClusterName")
+        if not cluster:
+            return None
+        items = self.api.get(f"/api/v1/namespaces/{self.ns}/services?" + selector_query(
+            {"ray.io/cluster": cluster, "ray.io/node-type": "head"}))["items"]
+        return dict(items[0]) if items else None
+
+    def pods_by_group(self, attempt: int | None = None) -> dict[str, list[dict[str, Any]]]:
+        out: dict[str, list[dict[str, Any]]] = {}
+        for pod in self.api.get(self.pods_url)["items"]:
+            labels = pod["metadata"]["labels"]
+            group = labels.get(names.LABEL_GROUP)
+            if group and (attempt is None or labels.get(names.LABEL_ATTEMPT) == str(attempt)):
+                out.setdefault(group, []).append(pod)  # (not KubeRay's submitter pod)
+        return out
+
+    def pod_detail(self) -> str:
+        lines = []
+        for group, ps in self.pods_by_group().items():
+            for p in ps:
+                conds = [(x["type"], x["status"], x.get("message", ""))
+                         for x in p["status"].get("conditions", [])]
+                lines.append(f"{group} {p['metadata']['name']} node={p['spec'].get('nodeName')} "
+                             f"phase={p['status'].get('phase')} {conds}")
+        return "\n".join(lines) or "no pods"
+
+    def delete_and_wait_gc(self, timeout: float = 90) -> float:
+        """Delete the RLJob; the garbage collector removes every child, the RayJobs'
+        RayClusters and their pods. Returns the seconds GC took."""
+        self.c.kubectl("delete", "rljob", self.job, "-n", self.ns, "--wait=true",
+                       "--timeout=60s")
+        t0 = time.monotonic()
+
+        def leftovers() -> list[str]:
+            api, ns, job = self.api, self.ns, self.job
+            left = [url for template, name_of in CHILDREN
+                    if api.get(url := template.format(ns=ns) + f"/{name_of(job)}") is not None]
+            sel = selector_query(names.selector(job))
+            left += [f"RayJob {o['metadata']['name']}" for o in api.get(
+                RAYJOBS.format(ns=ns) + "?" + sel)["items"]]
+            left += [f"RayCluster {o['metadata']['name']}" for o in api.get(
+                RAYCLUSTERS.format(ns=ns))["items"]
+                if o["metadata"]["name"].startswith(f"{job}-r")]
+            left += [f"pod {p['metadata']['name']}" for p in api.get(self.pods_url)["items"]]
+            return left
+
+        wait_for(f"garbage collection of everything RLJob {self.job} owned",
+                 lambda: not leftovers(), timeout=timeout, detail=lambda: f"left: {leftovers()}")
+        return time.monotonic() - t0
