@@ -29,6 +29,14 @@ MAX_ITEMS = 64
 # Mount points kuberl itself uses in every pod (config, shared memory for NCCL).
 RESERVED_PATHS = ("/etc/kuberl", "/dev/shm")
 
+# A CEL rule that divides, or takes a modulus, first passes when a divisor is below its
+# schema minimum: the API server still runs the CEL rules after such a schema error (only a
+# wrong type, a missing field, an enum or a length stops them), and an unguarded rule would add
+# "division by zero evaluating rule" to the minimum's own message. The Python twins never see
+# such values (pydantic runs a model validator only once every field is valid).
+_MP_BELOW_MINIMUM = ("self.parallelism.tp < 1 || self.parallelism.pp < 1 || "
+                     "self.parallelism.cp < 1")
+
 DEFAULT_TRAINER_IMAGE = "ghcr.io/kuberl/trainer:0.1.0"
 DEFAULT_ROLLOUT_IMAGE = "ghcr.io/kuberl/rollout:0.1.0"
 
@@ -226,7 +234,8 @@ class Parallelism(ApiModel):
 class TrainingSpec(ApiModel):
     model_config = {
         "json_schema_extra": cel_rules(
-            cel("(self.gpusPerNode == 0 ? self.nodes : self.nodes * self.gpusPerNode)"
+            cel(f"{_MP_BELOW_MINIMUM} || "
+                "(self.gpusPerNode == 0 ? self.nodes : self.nodes * self.gpusPerNode)"
                 " % (self.parallelism.tp * self.parallelism.pp * self.parallelism.cp) == 0",
                 "parallelism.tp * pp * cp must divide the training GPU count"
                 " (nodes * gpusPerNode)", ".parallelism"),
@@ -283,12 +292,13 @@ class TrainingSpec(ApiModel):
 class RolloutSpec(ApiModel):
     model_config = {
         "json_schema_extra": cel_rules(
-            cel("!has(self.gpus) || self.gpus % self.gpusPerEngine == 0",
+            cel("!has(self.gpus) || self.gpusPerEngine < 1 || "
+                "self.gpus % self.gpusPerEngine == 0",
                 "gpus must be a multiple of gpusPerEngine", ".gpus"),
             cel("!has(self.gpus) || self.gpus == 0 || self.gpusPerEngine <= self.gpusPerNode",
                 "an engine must fit on one node: gpusPerEngine must be at most gpusPerNode",
                 ".gpusPerEngine"),
-            cel("!has(self.gpus) || self.gpus <= self.gpusPerNode || "
+            cel("!has(self.gpus) || self.gpusPerNode < 1 || self.gpus <= self.gpusPerNode || "
                 "self.gpus % self.gpusPerNode == 0",
                 "gpus above one node must fill whole nodes (a multiple of gpusPerNode)",
                 ".gpus"),
@@ -396,6 +406,14 @@ Placement = Literal["colocate", "disaggregated"]
 _DP = ("((self.training.gpusPerNode == 0 ? self.training.nodes : "
        "self.training.nodes * self.training.gpusPerNode) / (self.training.parallelism.tp * "
        "self.training.parallelism.pp * self.training.parallelism.cp))")
+# The same guards, from the spec (see _MP_BELOW_MINIMUM), and those of the global-batch rule's
+# divisor (globalBatchSize, or the samples of one rollout when it is unset).
+_TRAINING_MP_BELOW_MINIMUM = ("self.training.parallelism.tp < 1 || "
+                              "self.training.parallelism.pp < 1 || "
+                              "self.training.parallelism.cp < 1")
+_BATCH_BELOW_MINIMUM = ("self.data.rolloutBatchSize < 1 || self.data.nSamplesPerPrompt < 1 || "
+                        "(has(self.training.globalBatchSize) && "
+                        "self.training.globalBatchSize < 1)")
 
 
 class RLJobSpec(ApiModel):
@@ -409,6 +427,7 @@ class RLJobSpec(ApiModel):
                 "colocated rollout uses the training GPUs: rollout.gpus must equal "
                 "training.nodes * training.gpusPerNode", ".rollout.gpus"),
             cel("self.placement != 'colocate' || self.training.gpusPerNode == 0 || "
+                "self.rollout.gpusPerEngine < 1 || "
                 "self.training.gpusPerNode % self.rollout.gpusPerEngine == 0",
                 "colocated engines must tile a training node: rollout.gpusPerEngine must "
                 "divide training.gpusPerNode", ".rollout.gpusPerEngine"),
@@ -416,14 +435,16 @@ class RLJobSpec(ApiModel):
                 " && size(self.rollout.nodePool.tolerations) == 0)",
                 "colocated rollout runs on the training pool: set training.nodePool only",
                 ".rollout.nodePool"),
-            cel("(self.data.rolloutBatchSize * self.data.nSamplesPerPrompt) % "
+            cel(f"{_BATCH_BELOW_MINIMUM} || "
+                "(self.data.rolloutBatchSize * self.data.nSamplesPerPrompt) % "
                 "(has(self.training.globalBatchSize) ? self.training.globalBatchSize : "
                 "self.data.rolloutBatchSize * self.data.nSamplesPerPrompt) == 0",
                 "training.globalBatchSize must divide rolloutBatchSize * nSamplesPerPrompt",
                 ".training.globalBatchSize"),
             # dataParallel is 0 only when tp*pp*cp exceeds the GPUs, which the training rule
-            # reports; the guard keeps this rule from failing with a modulus-by-zero error.
-            cel(f"{_DP} == 0 || (has(self.training.globalBatchSize) ? "
+            # reports; the guards keep this rule from failing with a modulus-by-zero error.
+            cel(f"{_TRAINING_MP_BELOW_MINIMUM} || self.training.microBatchSize < 1 || "
+                f"{_DP} < 1 || (has(self.training.globalBatchSize) ? "
                 "self.training.globalBatchSize : "
                 "self.data.rolloutBatchSize * self.data.nSamplesPerPrompt) % "
                 f"(self.training.microBatchSize * {_DP}) == 0",

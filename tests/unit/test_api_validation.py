@@ -137,6 +137,28 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
      "C identifiers"),
 ]
 
+# A divisor of a cross-field rule at 0, below its minimum. The API server still runs the CEL
+# rules after such a schema error, so each rule that divides by it must pass rather than fail
+# to evaluate ("division by zero evaluating rule"): only the field's own minimum is reported.
+# (id, edit of spec, the field, another field a CEL rule rightly names too, or "")
+ZERO_DIVISORS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
+    ("tp-zero", set_("training.parallelism.tp", 0), "spec.training.parallelism.tp", ""),
+    ("pp-zero", set_("training.parallelism.pp", 0), "spec.training.parallelism.pp", ""),
+    ("cp-zero", set_("training.parallelism.cp", 0), "spec.training.parallelism.cp", ""),
+    ("zero-batch", set_("data.rolloutBatchSize", 0), "spec.data.rolloutBatchSize", ""),
+    ("zero-samples", set_("data.nSamplesPerPrompt", 0), "spec.data.nSamplesPerPrompt", ""),
+    ("global-batch-zero", set_("training.globalBatchSize", 0), "spec.training.globalBatchSize",
+     ""),
+    ("micro-batch-zero", set_("training.microBatchSize", 0), "spec.training.microBatchSize",
+     ""),
+    ("engine-zero", set_("rollout.gpusPerEngine", 0), "spec.rollout.gpusPerEngine", ""),
+    ("disaggregated-engine-zero", disagg(gpus=8, gpusPerEngine=0),
+     "spec.rollout.gpusPerEngine", ""),
+    # an engine (1 GPU) no longer fits on a node of 0 GPUs: that rule holds, and says so
+    ("rollout-node-zero", disagg(gpus=16, gpusPerNode=0), "spec.rollout.gpusPerNode",
+     "spec.rollout.gpusPerEngine"),
+]
+
 
 def _manifest(edit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     obj = base()
@@ -169,6 +191,18 @@ def test_model_refuses_with_field_path(case: str, edit: Any, field: str, words: 
 def test_crd_refuses_with_field_path(case: str, edit: Any, field: str, words: str) -> None:
     problems = admit(SCHEMA, _manifest(edit))
     assert any(_names(p, field) for p in problems), problems
+
+
+@pytest.mark.parametrize(("case", "edit", "field", "also"), ZERO_DIVISORS,
+                         ids=[c[0] for c in ZERO_DIVISORS])
+def test_zero_divisor_reports_only_its_minimum(case: str, edit: Any, field: str,
+                                               also: str) -> None:
+    with pytest.raises(InvalidRLJob) as info:  # not a ZeroDivisionError from a Python twin
+        parse(_manifest(edit))
+    assert all(_names(p, field) for p in info.value.problems), info.value.problems
+    problems = admit(SCHEMA, _manifest(edit))  # raises where a CEL rule fails to evaluate
+    assert any(_names(p, field) for p in problems), problems
+    assert all(_names(p, field) or (also and _names(p, also)) for p in problems), problems
 
 
 def test_at_least_twenty_distinct_bad_manifests() -> None:
