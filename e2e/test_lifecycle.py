@@ -1,0 +1,350 @@
+"""An RLJob's life on a real control plane: Training, Stalled, restart from checkpoint,
+Succeeded, Failed, suspend and resume, an operator killed mid-reconcile - and what a user's
+Prometheus sees of it.
+
+Fake (kwok) pods run no Ray, so the test plays the two parts Ray would:
+- the Ray dashboard, whose job status KubeRay copies into the RayJob: with the KubeRay operator
+  frozen (`Cluster.paused`) after it provisioned the cluster and started the submitter, the test
+  writes the RayJob status that KubeRay would write from the dashboard's answer;
+- the trainer on the head, which reports progress and heartbeats with the head ServiceAccount's
+  token through the real `StatusReporter`.
+Everything else is real: the API server, KubeRay provisioning each attempt's RayCluster, the
+scheduler, the garbage collector, the operator with the chart's identity, and Prometheus
+scraping the operator's /metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cluster import Cluster
+from polling import wait_for
+from prometheus import Prometheus
+from rljobs import (
+    CHILDREN,
+    RAYCLUSTERS,
+    RAYJOBS,
+    JobWatch,
+    Operator,
+    condition,
+    cpu_job,
+    events_for,
+    kubectl_apply,
+    selector_query,
+    table_row,
+)
+
+from kuberl_operator.render import names
+from kuberl_operator.status import ANNOTATION_RESTARTS
+from kuberl_trainer.reporter import StatusReporter
+
+pytestmark = pytest.mark.e2e
+
+KUBERAY = "kuberay-operator"
+HEARTBEAT_TIMEOUT = 30  # the CRD's minimum heartbeatTimeoutSeconds
+
+
+@pytest.fixture(scope="module")
+def prometheus(operator: Operator,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
+    with Prometheus.start(tmp_path_factory.mktemp("prometheus"),
+                          {"kuberl-operator": [f"127.0.0.1:{operator.metrics_port}"]}) as prom:
+        prom.wait_target_up("kuberl-operator")
+        yield prom
+
+
+def iso(t: datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def dashboard_says(c: Cluster, ns: str, rayjob: str, job_status: str, **extra: Any) -> None:
+    """Write the RayJob status KubeRay writes when the Ray dashboard reports `job_status` for
+    its job (ray-operator/controllers/ray/rayjob_controller.go: jobStatus, jobDeploymentStatus
+    Complete/Failed for terminal states, rayJobInfo times, endTime)."""
+    now = datetime.now(UTC)
+    status: dict[str, Any] = {"jobStatus": job_status, "jobId": f"{rayjob}-id"}
+    info: dict[str, Any] = {"startTime": iso(extra.pop("started", now))}
+    if job_status == "RUNNING":
+        status["message"] = "Job is currently running."
+    elif job_status == "SUCCEEDED":
+        status.update(jobDeploymentStatus="Complete", endTime=iso(now),
+                      message="Job finished successfully.")
+        info["endTime"] = iso(now)
+    elif job_status in ("FAILED", "STOPPED"):
+        status.update(jobDeploymentStatus="Failed" if job_status == "FAILED" else "Complete",
+                      endTime=iso(now), message=extra.pop(
+                          "message", "Job entrypoint command failed with exit code 1"))
+        if job_status == "FAILED":
+            status["reason"] = "AppFailed"
+        info["endTime"] = iso(now)
+    status["rayJobInfo"] = info
+    status.update(extra)
+    c.kubectl("patch", "rayjob", rayjob, "-n", ns, "--subresource=status", "--type=merge",
+              "-p", json.dumps({"status": status}))
+
+
+def head_reporter(c: Cluster, ns: str, job: str) -> StatusReporter:
+    """The trainer's reporter, logged in as the head pod would be (its ServiceAccount)."""
+    wait_for("the head ServiceAccount", lambda: c.kubectl(
+        "get", "serviceaccount", names.service_account(job), "-n", ns, check=False
+    ).returncode == 0)
+    token = c.kubectl("create", "token", names.service_account(job), "-n", ns).stdout.strip()
+    return StatusReporter(c.server, token, ns, job, ca_file=str(c.state_dir / "pki" / "ca.crt"))
+
+
+def phase_in_prometheus(prom: Prometheus, ns: str, job: str) -> str | None:
+    """The phase whose kuberl_rljob_status_phase series is 1, as a dashboard would query it."""
+    found = prom.query(f'kuberl_rljob_status_phase{{namespace="{ns}",name="{job}"}} == 1')
+    phases = {r["metric"]["phase"] for r in found}
+    assert len(phases) <= 1, f"more than one phase is 1: {found}"
+    return phases.pop() if phases else None
+
+
+def wait_phase(w: JobWatch, phase: str, timeout: float = 60) -> dict[str, Any]:
+    found: dict[str, Any] = wait_for(f"RLJob {w.job} phase {phase}", lambda: (
+        st := w.status()).get("phase") == phase and st, timeout=timeout, detail=w.detail)
+    return found
+
+
+def wait_prometheus_phase(prom: Prometheus, w: JobWatch, phase: str) -> None:
+    wait_for(f"Prometheus: RLJob {w.job} phase {phase}",
+             lambda: phase_in_prometheus(prom, w.ns, w.job) == phase, timeout=30,
+             detail=prom.tail)
+
+
+def event_reasons(c: Cluster, ns: str, job: str) -> list[str]:
+    return [e["reason"] for e in events_for(c.api(), ns, job)]
+
+
+def provisioned(w: JobWatch, attempt: int) -> None:
+    """KubeRay brought attempt `attempt`'s cluster up and started its submitter."""
+    w.wait_raycluster_ready(attempt)
+    wait_for(f"ClusterReady=True for attempt {attempt}", lambda: condition(
+        w.get(), "ClusterReady").get("status") == "True" and w.status().get(
+        "rayJobName") == names.rayjob(w.job, attempt), timeout=60, detail=w.detail)
+    w.wait_submitted(attempt)
+
+
+# ------------------------------------------------------------------ training to the end
+
+
+def test_trains_stalls_restarts_from_checkpoint_and_succeeds(
+        k8s_cluster: Cluster, operator: Operator, operator_ns: str,
+        prometheus: Prometheus) -> None:
+    """Running -> Training with progress in `kubectl get rljobs` and Prometheus -> the trainer
+    falls silent -> Stalled, restarted from its last checkpoint as attempt 1 (within
+    backoffLimit) -> attempt 1 trains -> its Ray job succeeds -> Succeeded."""
+    c, ns, job = k8s_cluster, operator_ns, "lifecycle"
+    w = JobWatch(c, operator, ns, job)
+    kubectl_apply(c, cpu_job(job, ns, backoffLimit=1, heartbeatTimeoutSeconds=HEARTBEAT_TIMEOUT),
+                  check=True)
+    try:
+        provisioned(w, 0)
+        reporter = head_reporter(c, ns, job)
+        r0, r1 = names.rayjob(job, 0), names.rayjob(job, 1)
+        with c.paused(KUBERAY):
+            dashboard_says(c, ns, r0, "RUNNING")
+            training = w.wait_condition("Training", "True")
+            assert training["reason"] == "Running", training
+            assert wait_phase(w, "Running")["restarts"] == 0
+            wait_prometheus_phase(prometheus, w, "Running")
+
+            reporter.report(step=40, total_steps=100, reward_mean=0.5,
+                            checkpoint=(40, "/checkpoints/step-40"))
+            reporter.report(step=41, total_steps=100, reward_mean=0.53125)
+            row = table_row(c.kubectl("get", "rljob", job, "-n", ns).stdout.splitlines())
+            assert (row["PHASE"], row["STEP"], row["REWARD"]) == ("Running", "41", "0.53125"), row
+            wide = table_row(c.kubectl("get", "rljob", job, "-n", ns, "-o", "wide"
+                                       ).stdout.splitlines())
+            assert (wide["RESTARTS"], wide["RAYJOB"]) == ("0", r0), wide
+            wait_for("Training's message at step 41", lambda: "at step 41" in condition(
+                w.get(), "Training").get("message", ""), timeout=10, detail=w.detail)
+
+            # The trainer falls silent: heartbeatTimeoutSeconds after its last report the
+            # attempt counts as stalled and is replaced from the checkpoint it reported.
+            silent_since = time.monotonic()
+            st = wait_for("the restart as attempt 1", lambda: (s := w.status()).get(
+                "rayJobName") == r1 and s, timeout=HEARTBEAT_TIMEOUT + 30, detail=w.detail)
+            waited = time.monotonic() - silent_since
+            assert waited > HEARTBEAT_TIMEOUT - 5, f"restarted after only {waited:.0f}s"
+            assert st["restarts"] == 1 and st["phase"] == "Restarting", st
+            stalled = condition(w.get(), "Stalled")
+            assert (stalled["status"], stalled["reason"]) == ("True", "HeartbeatTimeout"), stalled
+            assert "trainer silent for" in stalled["message"], stalled
+            restarting = wait_for("a Restarting Event", lambda: [
+                e for e in events_for(c.api(), ns, job) if e["reason"] == "Restarting"])
+            message = restarting[0]["message"]
+            assert "restarting from checkpoint step 40" in message, message
+            assert f"as RayJob {r1} (restart 1 of 1)" in message, message
+            # r0 was still RUNNING, so the operator deletes it (its GPUs are freed); KubeRay's
+            # finalizer holds it until KubeRay runs again.
+            wait_for(f"RayJob {r0} deleting", lambda: (w.rayjob(0) or {}).get(
+                "metadata", {}).get("deletionTimestamp"), timeout=30, detail=w.detail)
+            rayjob1 = w.rayjob(1)
+            assert rayjob1 is not None
+            assert rayjob1["metadata"]["annotations"][ANNOTATION_RESTARTS] == "1", \
+                rayjob1["metadata"]
+            wait_prometheus_phase(prometheus, w, "Restarting")
+
+        # KubeRay goes on: it finishes deleting attempt 0 and provisions attempt 1.
+        wait_for(f"RayJob {r0} gone", lambda: w.rayjob(0) is None, timeout=60)
+        provisioned(w, 1)
+        with c.paused(KUBERAY):
+            dashboard_says(c, ns, r1, "RUNNING")
+            wait_phase(w, "Running")
+            assert condition(w.get(), "Stalled")["status"] == "False"
+            reporter.report(step=42, total_steps=100, reward_mean=0.6)
+            dashboard_says(c, ns, r1, "SUCCEEDED")
+            st = wait_phase(w, "Succeeded")
+            assert st["completionTime"] and st["restarts"] == 1, st
+            assert condition(w.get(), "Succeeded")["status"] == "True"
+            assert condition(w.get(), "Training")["reason"] == "Completed"
+            wait_prometheus_phase(prometheus, w, "Succeeded")
+            assert prometheus.query(
+                f'kuberl_rljob_condition{{namespace="{ns}",name="{job}",type="Succeeded",'
+                f'status="True"}} == 1'), "Succeeded condition not in Prometheus"
+        reasons = event_reasons(c, ns, job)
+        assert reasons.count("Running") == 2 and "Succeeded" in reasons, reasons
+        # A finished RayJob stays for inspection (its logs); nothing is restarted any more.
+        time.sleep(3)
+        assert w.rayjob(1) is not None and w.rayjob(2) is None
+        assert w.status()["phase"] == "Succeeded"
+    finally:
+        w.delete_and_wait_gc()
+    # A deleted RLJob's series go (no ghost jobs on dashboards).
+    wait_for("the deleted RLJob's series gone from /metrics",
+             lambda: f'name="{job}"' not in operator.metrics(), timeout=30)
+
+
+@pytest.mark.parametrize(("job_status", "reason"), [("FAILED", "BackoffLimitExceeded"),
+                                                    ("STOPPED", "RayJobStopped")])
+def test_ray_job_that_ends_badly_fails_the_rljob(k8s_cluster: Cluster, operator: Operator,
+                                                 operator_ns: str, prometheus: Prometheus,
+                                                 job_status: str, reason: str) -> None:
+    """A failed Ray job with no restarts left, or one stopped by `ray job stop`, is Failed:
+    the reason says which, a Warning Event carries the dashboard's message, Prometheus shows
+    the phase, and nothing is restarted."""
+    c, ns = k8s_cluster, operator_ns
+    job = f"ends-{job_status.lower()}"
+    w = JobWatch(c, operator, ns, job)
+    kubectl_apply(c, cpu_job(job, ns, backoffLimit=0), check=True)
+    try:
+        provisioned(w, 0)
+        with c.paused(KUBERAY):
+            dashboard_says(c, ns, names.rayjob(job, 0), "RUNNING")
+            wait_phase(w, "Running")
+            dashboard_says(c, ns, names.rayjob(job, 0), job_status,
+                           message="Job entrypoint command failed with exit code 3")
+            st = wait_phase(w, "Failed")
+            failed = condition(w.get(), "Failed")
+            assert (failed["status"], failed["reason"]) == ("True", reason), failed
+            assert st["restarts"] == 0 and st["completionTime"], st
+            if job_status == "FAILED":
+                assert "exit code 3" in failed["message"], failed
+                assert "backoffLimit (0) reached" in failed["message"], failed
+            warnings = wait_for(f"a {reason} Event", lambda: [
+                e for e in events_for(c.api(), ns, job) if e["reason"] == reason])
+            assert warnings[0]["type"] == "Warning", warnings
+            wait_prometheus_phase(prometheus, w, "Failed")
+            time.sleep(3)
+            assert w.rayjob(1) is None, "a job out of restarts was restarted"
+    finally:
+        w.delete_and_wait_gc()
+
+
+# ------------------------------------------------------------------------ suspend, resume
+
+
+def test_suspend_frees_the_cluster_and_resume_starts_the_next_attempt(
+        k8s_cluster: Cluster, operator: Operator, operator_ns: str) -> None:
+    """spec.suspend: true deletes the RayJob, its RayCluster and pods (the GPUs go back) and
+    holds; false starts the next attempt, which resumes from the last checkpoint."""
+    c, ns, job = k8s_cluster, operator_ns, "pausable"
+    w = JobWatch(c, operator, ns, job)
+    kubectl_apply(c, cpu_job(job, ns), check=True)
+    try:
+        provisioned(w, 0)
+        c.kubectl("patch", "rljob", job, "-n", ns, "--type=merge", "-p",
+                  '{"spec":{"suspend":true}}')
+        st = wait_phase(w, "Suspended")
+        assert condition(w.get(), "Suspended")["status"] == "True", st
+        wait_for("RayJob r0, its RayCluster and pods gone", lambda: w.rayjob(0) is None
+                 and not c.api().get(RAYCLUSTERS.format(ns=ns))["items"]
+                 and not w.pods_by_group(), timeout=60, detail=w.pod_detail)
+        time.sleep(3)  # held: nothing is recreated while suspended
+        assert w.rayjob(0) is None and w.rayjob(1) is None and w.status()["phase"] == "Suspended"
+
+        c.kubectl("patch", "rljob", job, "-n", ns, "--type=merge", "-p",
+                  '{"spec":{"suspend":false}}')
+        resumed = w.wait_condition("Suspended", "False")
+        assert resumed["reason"] == "Resumed", resumed
+        provisioned(w, 1)
+        st = w.status()
+        assert st["restarts"] == 0, "a resume is not a restart"
+        reasons = event_reasons(c, ns, job)
+        assert "Suspended" in reasons and "Resumed" in reasons, reasons
+    finally:
+        w.delete_and_wait_gc()
+
+
+# ------------------------------------------------------------- operator killed mid-reconcile
+
+
+def children_of(c: Cluster, ns: str, job: str) -> dict[str, list[str]]:
+    """Every object of each kind the operator creates for `job`, found by its labels (not by
+    name, so a duplicate under another name would show)."""
+    api, sel = c.api(), selector_query(names.selector(job))
+    out: dict[str, list[str]] = {}
+    for template, _ in CHILDREN:
+        items = api.get(template.format(ns=ns) + "?" + sel)["items"]
+        out[template.rsplit("/", 1)[1]] = sorted(o["metadata"]["name"] for o in items)
+    return out
+
+
+def test_operator_killed_mid_reconcile_converges_without_duplicates(
+        k8s_cluster: Cluster, operator: Operator, operator_ns: str, tmp_path: Path) -> None:
+    """SIGKILL the operator while it creates the children of several new RLJobs; a restarted
+    operator finishes each job with exactly one of every child and attempt 0 only."""
+    c, ns = k8s_cluster, operator_ns
+    jobs = [f"crash-{i}" for i in range(5)]
+    for job in jobs:
+        kubectl_apply(c, cpu_job(job, ns), check=True)
+    try:
+        wait_for("the operator's first child for one of the jobs", lambda: any(
+            any(children_of(c, ns, job).values()) for job in jobs), timeout=60,
+            detail=operator.tail)
+        assert operator.proc is not None
+        operator.proc.send_signal(signal.SIGKILL)
+        operator.proc.wait(timeout=10)
+        at_kill = {job: {k: len(v) for k, v in children_of(c, ns, job).items()} for job in jobs}
+        (tmp_path / "at-kill.json").write_text(json.dumps(at_kill, indent=1))
+        operator.start()
+        for job in jobs:
+            w = JobWatch(c, operator, ns, job)
+            w.wait_condition("Accepted", "True")
+            wait_for(f"RayCluster of {job}", lambda w=w: (w.rayjob(0) or {}).get(
+                "status", {}).get("rayClusterName"), timeout=90, detail=w.detail)
+            kids = children_of(c, ns, job)
+            expected = {template.rsplit("/", 1)[1]: [name_of(job)] for template, name_of
+                        in CHILDREN}
+            assert kids == expected, f"{job}: {kids} (at the kill: {at_kill[job]})"
+            st = w.status()
+            assert st["rayJobName"] == names.rayjob(job, 0) and st["restarts"] == 0, st
+            clusters = [o for o in c.api().get(RAYCLUSTERS.format(ns=ns))["items"]
+                        if o["metadata"]["name"].startswith(f"{job}-r")]
+            assert len(clusters) == 1, [o["metadata"]["name"] for o in clusters]
+            created = [r for r in event_reasons(c, ns, job) if r == "Created"]
+            assert len(created) <= 1, f"{job}: {created}"
+        rayjobs = c.api().get(RAYJOBS.format(ns=ns))["items"]
+        assert sorted(o["metadata"]["name"] for o in rayjobs if o["metadata"]["name"].startswith(
+            "crash-")) == sorted(names.rayjob(job, 0) for job in jobs)
+    finally:
+        for job in jobs:
+            JobWatch(c, operator, ns, job).delete_and_wait_gc()
