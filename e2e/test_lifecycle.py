@@ -37,7 +37,6 @@ from rljobs import (
     cpu_job,
     events_for,
     kubectl_apply,
-    selector_query,
     table_row,
 )
 
@@ -297,15 +296,23 @@ def test_suspend_frees_the_cluster_and_resume_starts_the_next_attempt(
 # ------------------------------------------------------------- operator killed mid-reconcile
 
 
-def children_of(c: Cluster, ns: str, job: str) -> dict[str, list[str]]:
-    """Every object of each kind the operator creates for `job`, found by its labels (not by
-    name, so a duplicate under another name would show)."""
-    api, sel = c.api(), selector_query(names.selector(job))
-    out: dict[str, list[str]] = {}
-    for template, _ in CHILDREN:
-        items = api.get(template.format(ns=ns) + "?" + sel)["items"]
-        out[template.rsplit("/", 1)[1]] = sorted(o["metadata"]["name"] for o in items)
+def children_by_job(c: Cluster, ns: str) -> dict[str, dict[str, list[str]]]:
+    """job -> kind -> names of every object the operator creates, found by the job label (not
+    by name, so a duplicate under another name would show); one list call per kind."""
+    out: dict[str, dict[str, list[str]]] = {}
+    kinds = [template.rsplit("/", 1)[1] for template, _ in CHILDREN]
+    for (template, _), kind in zip(CHILDREN, kinds, strict=True):
+        for o in c.api().get(template.format(ns=ns) + "?labelSelector=" + names.LABEL_JOB)[
+                "items"]:
+            job = o["metadata"]["labels"][names.LABEL_JOB]
+            out.setdefault(job, {k: [] for k in kinds})[kind].append(o["metadata"]["name"])
     return out
+
+
+def half_done(children: dict[str, dict[str, list[str]]]) -> list[str]:
+    """The jobs that have some of their children but not all."""
+    return [job for job, kids in children.items()
+            if any(kids.values()) and not all(kids.values())]
 
 
 def test_operator_killed_mid_reconcile_converges_without_duplicates(
@@ -313,25 +320,25 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(
     """SIGKILL the operator while it creates the children of several new RLJobs; a restarted
     operator finishes each job with exactly one of every child and attempt 0 only."""
     c, ns = k8s_cluster, operator_ns
-    jobs = [f"crash-{i}" for i in range(5)]
-    for job in jobs:
-        kubectl_apply(c, cpu_job(job, ns), check=True)
+    jobs = [f"crash-{i}" for i in range(8)]
+    kubectl_apply(c, "\n---\n".join(json.dumps(cpu_job(job, ns)) for job in jobs), check=True)
     try:
-        wait_for("the operator's first child for one of the jobs", lambda: any(
-            any(children_of(c, ns, job).values()) for job in jobs), timeout=60,
-            detail=operator.tail)
+        # Kill it the moment some job has part of its children: caught mid-reconcile.
+        wait_for("a job with only part of its children", lambda: half_done(
+            children_by_job(c, ns)), timeout=60, interval=0.02, detail=operator.tail)
         assert operator.proc is not None
         operator.proc.send_signal(signal.SIGKILL)
         operator.proc.wait(timeout=10)
-        at_kill = {job: {k: len(v) for k, v in children_of(c, ns, job).items()} for job in jobs}
+        at_kill = children_by_job(c, ns)
         (tmp_path / "at-kill.json").write_text(json.dumps(at_kill, indent=1))
+        assert half_done(at_kill), at_kill
         operator.start()
         for job in jobs:
             w = JobWatch(c, operator, ns, job)
             w.wait_condition("Accepted", "True")
             wait_for(f"RayCluster of {job}", lambda w=w: (w.rayjob(0) or {}).get(
                 "status", {}).get("rayClusterName"), timeout=90, detail=w.detail)
-            kids = children_of(c, ns, job)
+            kids = children_by_job(c, ns)[job]
             expected = {template.rsplit("/", 1)[1]: [name_of(job)] for template, name_of
                         in CHILDREN}
             assert kids == expected, f"{job}: {kids} (at the kill: {at_kill[job]})"
