@@ -622,23 +622,22 @@ class Cluster:
         return {name: _pid_runs(pid, str(bins.path(name))) for name, pid in self.pids.items()}
 
     def stop(self, *, remove_state: bool = True, grace: float = 10) -> None:
-        """Stop every component (SIGTERM, then SIGKILL after `grace` s); remove the state dir."""
+        """Stop every component, clients first and etcd last (SIGTERM, then SIGKILL after
+        `grace` s each); remove the state dir. In that order the whole cluster stops in about
+        a second and a half; signalled all at once, kube-apiserver outlives etcd and hangs in
+        its graceful shutdown until killed."""
         alive = {n: self.pids[n] for n, ok in self.running().items() if ok}
-        # The components share one process group; signal it only while one of ours leads or
-        # is in it (a pgid is never reused while any member lives).
-        if alive and self.pgid:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pgid, signal.SIGTERM)
         for name in reversed(COMPONENTS):
-            if name in alive:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(alive[name], signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(_pid_alive(p) for p in alive.values()):
-            for proc in self._procs.values():
-                proc.poll()
-            time.sleep(0.1)
-        for pid in alive.values():
+            pid = alive.get(name)
+            if pid is None:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while _pid_alive(pid) and time.monotonic() < deadline:
+                for proc in self._procs.values():
+                    proc.poll()  # reap our children, or they stay "alive" as zombies
+                time.sleep(0.05)
             if _pid_alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
