@@ -1,4 +1,7 @@
-"""Per-sequence advantages from scalar rewards.
+"""Per-sequence advantages from scalar rewards, relative to the other samples of a prompt.
+
+GRPO and Dr.GRPO (``grpo``) and RLOO (``rloo``). Token-level estimators (REINFORCE++, GAE) are
+in ``returns``.
 
 Shapes: B = prompts * group_size samples, laid out group by group (the group_size responses
 to prompt 0 first, then prompt 1's, ...), T = tokens per (right-padded) sequence.
@@ -34,6 +37,30 @@ def grpo(rewards: Tensor, group_size: int, *, normalize_std: bool = True,
     if normalize_std and group_size > 1:
         centred = centred / (groups.std(dim=1, keepdim=True) + eps)
     return centred.reshape(-1)
+
+
+def rloo(rewards: Tensor, group_size: int) -> Tensor:
+    """REINFORCE Leave-One-Out (Kool et al. 2019; Ahmadian et al. 2024): each sample's baseline
+    is the mean reward of the *other* samples of its prompt::
+
+        A_i = r_i - (sum(group) - r_i) / (k - 1) = k / (k - 1) * (r_i - mean(group))
+
+    Unlike GRPO's own-group mean, the baseline does not include the sample, so it is an
+    unbiased estimate. No std division.
+
+    Args:
+        rewards: ``[B]``, groups contiguous runs of ``group_size`` (see ``grpo``).
+        group_size: responses per prompt, at least 2 (with one there is no "other" sample).
+
+    Returns:
+        ``[B]`` float advantages; each group sums to 0.
+    """
+    if group_size < 2:
+        raise ValueError(f"rloo needs at least 2 samples per prompt, got group_size "
+                         f"{group_size}")
+    groups = _grouped(rewards, group_size)
+    others = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
+    return (groups - others).reshape(-1)
 
 
 def to_tokens(adv: Tensor, mask: Tensor) -> Tensor:

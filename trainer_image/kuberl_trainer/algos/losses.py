@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kuberl_trainer.algos import policy_loss
+
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Mean of ``x[B, T]`` over positions where the 0/1 ``mask[B, T]`` is 1; a scalar.
@@ -55,26 +57,14 @@ def ppo_clip(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps_clip
         ``approx_kl`` (the k1 estimate ``mean(old_logp - logp)`` of KL(old || new), what
         PPO implementations conventionally log), plus ``pg_clipfrac_lower`` with ``clip_c``.
     """
-    high = eps_clip if eps_clip_high is None else eps_clip_high
-    if eps_clip <= 0 or high <= 0:
-        raise ValueError(f"clip ranges must be positive, got {eps_clip} and {high}")
-    if clip_c is not None and clip_c <= 1:
-        raise ValueError(f"clip_c must be > 1, got {clip_c}")
-    # Masked positions get log-ratio 0: padding may hold arbitrary log-probs, and an inf
-    # ratio there would turn into NaN loss and gradients even though the mask drops it.
-    log_ratio = torch.where(mask.bool(), logp - old_logp, torch.zeros_like(logp))
-    ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - eps_clip, 1.0 + high)
-    per_token = torch.maximum(unclipped, clipped)
-    metrics = {"pg_clipfrac": _fraction(clipped > unclipped, mask)}
-    if clip_c is not None:
-        capped = torch.minimum(per_token, -adv * clip_c)
-        lower = (adv < 0) & (capped < per_token)
-        per_token = torch.where(adv < 0, capped, per_token)
-        metrics["pg_clipfrac_lower"] = _fraction(lower, mask)
+    per_token, flags = policy_loss.ppo_clip(logp, old_logp, adv, mask, eps_clip, eps_clip_high,
+                                            clip_c=clip_c)
+    metrics = {"pg_clipfrac": _fraction(flags["clipped"], mask)}
+    if "clipped_lower" in flags:
+        metrics["pg_clipfrac_lower"] = _fraction(flags["clipped_lower"], mask)
+    metrics["ratio_mean"] = masked_mean(flags["ratio"], mask).item()
     with torch.no_grad():
-        metrics["ratio_mean"] = masked_mean(ratio, mask).item()
+        log_ratio = torch.where(mask.bool(), logp - old_logp, torch.zeros_like(logp))
         metrics["approx_kl"] = masked_mean(-log_ratio, mask).item()
     return masked_mean(per_token, mask), metrics
 

@@ -1,0 +1,77 @@
+"""DAPO's overlong penalty, truncated importance sampling and RLOO, against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kuberl_trainer.algos import advantages, importance, shaping
+
+
+def test_overlong_penalty_by_hand() -> None:
+    # max_len 10, buffer 4 -> the ramp starts after 6 tokens; factor 1:
+    #   L=3 -> 0; L=6 -> 0; L=7 -> -(7-6)/4 = -0.25; L=9 -> -0.75; L=10 -> -1; L=12 -> -1.
+    lengths = torch.tensor([3, 6, 7, 9, 10, 12])
+    out = shaping.overlong_penalty(lengths, max_len=10, buffer=4, factor=1.0)
+    torch.testing.assert_close(out, torch.tensor([0.0, 0.0, -0.25, -0.75, -1.0, -1.0]))
+    # The factor scales it: L=8 with factor 0.5 -> -(2/4) * 0.5 = -0.25.
+    half = shaping.overlong_penalty(torch.tensor([8]), max_len=10, buffer=4, factor=0.5)
+    torch.testing.assert_close(half, torch.tensor([-0.25]))
+
+
+@pytest.mark.parametrize(("buffer", "factor"), [(0, 1.0), (11, 1.0), (4, -1.0)])
+def test_overlong_penalty_refuses_bad_settings(buffer: int, factor: float) -> None:
+    with pytest.raises(ValueError, match="overlong"):
+        shaping.overlong_penalty(torch.tensor([1]), max_len=10, buffer=buffer, factor=factor)
+
+
+def test_rloo_by_hand() -> None:
+    # Group [1, 0, 0, 1]: baselines are the others' means: [1/3, 2/3, 2/3, 1/3]
+    #   -> [2/3, -2/3, -2/3, 2/3]. Group [3, 1]: [3-1, 1-3] = [2, -2].
+    adv = advantages.rloo(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4)
+    torch.testing.assert_close(adv, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+    torch.testing.assert_close(advantages.rloo(torch.tensor([3, 1]), 2),
+                               torch.tensor([2.0, -2.0]))
+
+
+def test_rloo_is_scaled_grpo_centring_and_sums_to_zero() -> None:
+    gen = torch.Generator().manual_seed(1)
+    rewards = torch.rand(5 * 6, generator=gen, dtype=torch.float64)
+    adv = advantages.rloo(rewards, 6)
+    centred = advantages.grpo(rewards, 6, normalize_std=False)
+    torch.testing.assert_close(adv, centred * 6 / 5)
+    torch.testing.assert_close(adv.view(5, 6).sum(dim=1), torch.zeros(5, dtype=torch.float64))
+
+
+def test_rloo_needs_two_samples() -> None:
+    with pytest.raises(ValueError, match="at least 2"):
+        advantages.rloo(torch.tensor([1.0, 0.0]), 1)
+
+
+def test_truncated_weights_by_hand() -> None:
+    # Row: prompt, then 3 response tokens, then padding holding garbage (-inf).
+    # old - rollout = [ln 0.5, 0, ln 3] -> weights [0.5, 1, min(3, 2) = 2].
+    old = torch.tensor([[0.0, math.log(0.5), -1.0, math.log(3.0), 0.0]])
+    rollout = torch.tensor([[0.0, 0.0, -1.0, 0.0, -math.inf]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0]])
+    w, m = importance.truncated_weights(old, rollout, mask, cap=2.0)
+    torch.testing.assert_close(w, torch.tensor([[0.0, 0.5, 1.0, 2.0, 0.0]]))
+    assert m["tis_weight_mean"] == pytest.approx(3.5 / 3)
+    assert m["tis_truncated_fraction"] == pytest.approx(1 / 3)
+    assert m["rollout_logp_diff"] == pytest.approx((math.log(0.5) + math.log(3.0)) / 3)
+    assert not w.requires_grad
+
+
+def test_truncated_weights_are_one_when_engines_agree() -> None:
+    logp = torch.randn(3, 7, requires_grad=True)
+    mask = (torch.rand(3, 7) > 0.3).float()
+    w, m = importance.truncated_weights(logp, logp.detach().clone(), mask, cap=2.0)
+    torch.testing.assert_close(w, mask)
+    assert m["rollout_logp_diff"] == 0.0 and m["tis_truncated_fraction"] == 0.0
+
+
+def test_truncated_weights_refuse_bad_cap() -> None:
+    with pytest.raises(ValueError, match="cap"):
+        importance.truncated_weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), 0)

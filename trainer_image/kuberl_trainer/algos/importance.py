@@ -1,0 +1,45 @@
+"""Truncated importance sampling (TIS) for the rollout/trainer mismatch.
+
+The engines sample with their own kernels (and often lower precision), so the probability a
+response had when it was generated, ``rollout_logp``, is not exactly the trainer's ``old_logp``
+for the same weights. The policy gradient assumes samples from ``old``; reweighting each token
+by ``old / rollout`` corrects for the engine's distribution, and truncating the weight at
+``cap`` bounds the variance (Yao et al. 2025, "Your efficient RL framework secretly brings you
+off-policy RL training"; the same truncation as IMPALA's V-trace).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def truncated_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
+                      cap: float) -> tuple[Tensor, dict[str, float]]:
+    """Per-token weights ``min(exp(old_logp - rollout_logp), cap)``, detached, 0 off the mask.
+
+    Args:
+        old_logp: ``[B, T]`` trainer log-probs of the sampled tokens under the sampling policy.
+        rollout_logp: ``[B, T]`` the engines' log-probs of the same tokens.
+        mask: ``[B, T]`` 1 on response tokens.
+        cap: the truncation, > 0 (2 is the paper's choice).
+
+    Returns:
+        ``(weights, metrics)``: ``tis_weight_mean``, ``tis_truncated_fraction`` (tokens whose
+        weight hit the cap) and ``rollout_logp_diff`` (mean ``old_logp - rollout_logp``, the
+        k1 estimate of the mismatch; near 0 when engines and trainer agree).
+    """
+    if cap <= 0:
+        raise ValueError(f"the TIS cap must be positive, got {cap}")
+    if not old_logp.shape == rollout_logp.shape == mask.shape:
+        raise ValueError(f"old_logp {tuple(old_logp.shape)}, rollout_logp "
+                         f"{tuple(rollout_logp.shape)} and mask {tuple(mask.shape)} must match")
+    on = mask.bool()
+    diff = torch.where(on, (old_logp - rollout_logp).detach(), torch.zeros_like(old_logp))
+    raw = torch.exp(diff)
+    weights = torch.where(on, raw.clamp(max=cap), torch.zeros_like(raw))
+    n = max(float(on.sum()), 1.0)
+    metrics = {"tis_weight_mean": float(weights.sum()) / n,
+               "tis_truncated_fraction": float((on & (raw > cap)).sum()) / n,
+               "rollout_logp_diff": float(diff.sum()) / n}
+    return weights, metrics
