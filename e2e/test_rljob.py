@@ -695,31 +695,39 @@ def test_env_names_refused_at_apply(k8s_cluster: Cluster, validation_ns: str) ->
     assert proc.returncode != 0 and "spec.network.env" in proc.stderr, proc.stdout
 
 
-# ------------------------------------------------------- CEL rules after a violated minimum
+# ------------------------------------------------- CEL rules after a violated minimum or maximum
 # Found by this tier: the API server still runs the CEL rules after a schema error such as a
-# minimum (only a wrong type, a missing field, an enum or a length stops them), and the rules
-# that divide added "division by zero evaluating rule" to the message until they were guarded.
+# minimum or a maximum (only a wrong type, a missing field, an enum or a length stops them), and
+# the rules that divide added "division by zero evaluating rule" to the message, those that
+# multiply "integer overflow evaluating rule" (int64), until they were guarded.
 
-# The unit tier's table: (id, edit of spec, the divisor at 0, a field a CEL rule names too).
-ZERO_DIVISORS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = (
-    _validation.ZERO_DIVISORS)
+# The unit tier's tables, as (id, edit of spec, the field, a field a CEL rule names too, or "",
+# the bound the server reports: "<field> in body should be <bound>"): a divisor at 0, and an
+# operand far outside its range.
+BOUND_VIOLATIONS: list[tuple[str, Callable[[dict[str, Any]], None], str, str, str]] = [
+    *[(case, edit, field, also, "greater than or equal to 1")
+      for case, edit, field, also in _validation.ZERO_DIVISORS],
+    *_validation.OVERFLOWS,
+]
 
 
-@pytest.mark.parametrize(("case", "edit", "field", "also"), ZERO_DIVISORS,
-                         ids=[c[0] for c in ZERO_DIVISORS])
-def test_no_cel_evaluation_errors_when_a_minimum_is_violated(
+@pytest.mark.parametrize(("case", "edit", "field", "also", "bound"), BOUND_VIOLATIONS,
+                         ids=[c[0] for c in BOUND_VIOLATIONS])
+def test_no_cel_evaluation_errors_when_a_bound_is_violated(
         k8s_cluster: Cluster, validation_ns: str, case: str,
-        edit: Callable[[dict[str, Any]], None], field: str, also: str) -> None:
-    """A divisor of a cross-field rule at 0 is refused by its own minimum alone: no CEL rule
-    fails to evaluate, and the CEL messages are just those the unit tier's emulation gives."""
+        edit: Callable[[dict[str, Any]], None], field: str, also: str, bound: str) -> None:
+    """A divisor of a cross-field rule at 0, or an operand at 2**62, is refused by its own
+    minimum or maximum alone: no CEL rule fails to evaluate (division by zero, int64
+    overflow), and the CEL messages are just those the unit tier's emulation gives."""
     obj = _bad_manifest(case, edit, validation_ns)
     proc = kubectl_apply(k8s_cluster, obj)
     k8s_cluster.kubectl("delete", "rljob", obj["metadata"]["name"], "-n", validation_ns,
                         "--ignore-not-found")
     text = proc.stderr
     assert proc.returncode != 0, proc.stdout
-    assert "evaluating rule" not in text and "by zero" not in text, text
-    assert f"{field} in body should be greater than or equal to 1" in text, text
+    for noise in ("evaluating rule", "overflow", "by zero"):
+        assert noise not in text, text
+    assert f"{field} in body should be {bound}" in text, text
     assert not also or also in text, text
     expected = {p.partition(": ")[2] for p in admit(SCHEMA, obj)} & CEL_MESSAGES
     assert {m for m in CEL_MESSAGES if m in text} == expected, text

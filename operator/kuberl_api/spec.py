@@ -29,13 +29,45 @@ MAX_ITEMS = 64
 # Mount points kuberl itself uses in every pod (config, shared memory for NCCL).
 RESERVED_PATHS = ("/etc/kuberl", "/dev/shm")
 
-# A CEL rule that divides, or takes a modulus, first passes when a divisor is below its
-# schema minimum: the API server still runs the CEL rules after such a schema error (only a
-# wrong type, a missing field, an enum or a length stops them), and an unguarded rule would add
-# "division by zero evaluating rule" to the minimum's own message. The Python twins never see
-# such values (pydantic runs a model validator only once every field is valid).
-_MP_BELOW_MINIMUM = ("self.parallelism.tp < 1 || self.parallelism.pp < 1 || "
-                     "self.parallelism.cp < 1")
+# Upper bounds of the integers that CEL rules multiply, divide or take a modulus of: far above
+# any real job, and low enough that no product in a rule can overflow CEL's int64 (the largest,
+# microBatchSize * dataParallel, is at most 65536 * (4096 * 16) = 2**32).
+MAX_NODES = 4096
+MAX_GPUS_PER_NODE = 16
+MAX_PARALLEL = 1024  # tp, pp, cp (and ep)
+MAX_MICRO_BATCH = 65536
+MAX_GLOBAL_BATCH = 16777216
+MAX_ROLLOUT_BATCH = 65536
+MAX_SAMPLES_PER_PROMPT = 1024
+MAX_ROLLOUT_GPUS = 65536
+MAX_GPUS_PER_ENGINE = 64
+
+# A CEL rule that multiplies, divides or takes a modulus first passes when one of its operands
+# lies outside its schema range: the API server still runs the CEL rules after such a schema
+# error (a minimum or a maximum; only a wrong type, a missing field, an enum or a length stops
+# them), and an unguarded rule would add "division by zero" or "integer overflow evaluating
+# rule", or a cross-field message worked out from the refused value, to the field's own minimum
+# or maximum error. The Python twins never see such values (pydantic runs a model validator
+# only once every field is valid).
+
+
+def _outside(path: str, low: int, high: int, *, optional: bool = False) -> str:
+    """CEL: the integer at `path` lies outside [low, high] (an unset optional one does not)."""
+    test = f"{path} < {low} || {path} > {high}"
+    return f"(has({path}) && ({test}))" if optional else test
+
+
+def _gpus_outside(training: str) -> str:
+    """CEL: nodes or gpusPerNode of the training section at `training` is out of range."""
+    return (f"{_outside(f'{training}.nodes', 1, MAX_NODES)} || "
+            f"{_outside(f'{training}.gpusPerNode', 0, MAX_GPUS_PER_NODE)}")
+
+
+def _mp_outside(training: str) -> str:
+    """CEL: tp, pp or cp of the training section at `training` is out of range."""
+    return " || ".join(_outside(f"{training}.parallelism.{p}", 1, MAX_PARALLEL)
+                       for p in ("tp", "pp", "cp"))
+
 
 DEFAULT_TRAINER_IMAGE = "ghcr.io/kuberl/trainer:0.1.0"
 DEFAULT_ROLLOUT_IMAGE = "ghcr.io/kuberl/rollout:0.1.0"
@@ -116,8 +148,10 @@ class DataSpec(ApiModel):
                          description="Prompt file (JSONL or Parquet) as seen from the head pod.")
     input_key: str = Field("prompt", min_length=1, max_length=253)
     label_key: str = Field("label", min_length=1, max_length=253)
-    rollout_batch_size: int = Field(32, ge=1, le=65536, description="Prompts per step.")
-    n_samples_per_prompt: int = Field(8, ge=1, le=1024, description="Responses per prompt.")
+    rollout_batch_size: int = Field(32, ge=1, le=MAX_ROLLOUT_BATCH,
+                                    description="Prompts per step.")
+    n_samples_per_prompt: int = Field(8, ge=1, le=MAX_SAMPLES_PER_PROMPT,
+                                      description="Responses per prompt.")
     max_prompt_len: int = Field(1024, ge=1, le=1048576, description="Tokens.")
     max_response_len: int = Field(1024, ge=1, le=1048576, description="Tokens.")
     storage: Storage | None = Field(None, description="PVC that holds the data.")
@@ -225,16 +259,16 @@ class Resources(ApiModel):
 class Parallelism(ApiModel):
     """Model parallel sizes; data parallelism is what is left of the training GPUs."""
 
-    tp: int = Field(1, ge=1, le=1024, description="Tensor parallel size.")
-    pp: int = Field(1, ge=1, le=1024, description="Pipeline parallel size.")
-    cp: int = Field(1, ge=1, le=1024, description="Context parallel size.")
-    ep: int = Field(1, ge=1, le=1024, description="Expert parallel size.")
+    tp: int = Field(1, ge=1, le=MAX_PARALLEL, description="Tensor parallel size.")
+    pp: int = Field(1, ge=1, le=MAX_PARALLEL, description="Pipeline parallel size.")
+    cp: int = Field(1, ge=1, le=MAX_PARALLEL, description="Context parallel size.")
+    ep: int = Field(1, ge=1, le=MAX_PARALLEL, description="Expert parallel size.")
 
 
 class TrainingSpec(ApiModel):
     model_config = {
         "json_schema_extra": cel_rules(
-            cel(f"{_MP_BELOW_MINIMUM} || "
+            cel(f"{_gpus_outside('self')} || {_mp_outside('self')} || "
                 "(self.gpusPerNode == 0 ? self.nodes : self.nodes * self.gpusPerNode)"
                 " % (self.parallelism.tp * self.parallelism.pp * self.parallelism.cp) == 0",
                 "parallelism.tp * pp * cp must divide the training GPU count"
@@ -251,12 +285,14 @@ class TrainingSpec(ApiModel):
 
     backend: Literal["megatron", "fsdp"] = "megatron"
     image: str = Field(DEFAULT_TRAINER_IMAGE, min_length=1, max_length=MAX_STR)
-    nodes: int = Field(1, ge=1, le=4096, description="Training pods, one per node.")
-    gpus_per_node: int = Field(8, ge=0, le=16, description="0 trains on CPU (one worker a pod).")
+    nodes: int = Field(1, ge=1, le=MAX_NODES, description="Training pods, one per node.")
+    gpus_per_node: int = Field(8, ge=0, le=MAX_GPUS_PER_NODE,
+                               description="0 trains on CPU (one worker a pod).")
     parallelism: Parallelism = Field(default_factory=Parallelism)
-    micro_batch_size: int = Field(1, ge=1, le=65536, description="Samples per forward pass.")
+    micro_batch_size: int = Field(1, ge=1, le=MAX_MICRO_BATCH,
+                                  description="Samples per forward pass.")
     global_batch_size: int | None = Field(
-        None, ge=1, le=16777216,
+        None, ge=1, le=MAX_GLOBAL_BATCH,
         description="Samples per optimizer step; default: one step per rollout "
         "(rolloutBatchSize * nSamplesPerPrompt).")
     node_pool: NodePool = Field(default_factory=NodePool)
@@ -289,17 +325,22 @@ class TrainingSpec(ApiModel):
         return self
 
 
+_ROLLOUT_GPUS_OUTSIDE = _outside("self.gpus", 0, MAX_ROLLOUT_GPUS)
+
+
 class RolloutSpec(ApiModel):
     model_config = {
         "json_schema_extra": cel_rules(
-            cel("!has(self.gpus) || self.gpusPerEngine < 1 || "
+            cel(f"!has(self.gpus) || {_ROLLOUT_GPUS_OUTSIDE} || "
+                f"{_outside('self.gpusPerEngine', 1, MAX_GPUS_PER_ENGINE)} || "
                 "self.gpus % self.gpusPerEngine == 0",
                 "gpus must be a multiple of gpusPerEngine", ".gpus"),
             cel("!has(self.gpus) || self.gpus == 0 || self.gpusPerEngine <= self.gpusPerNode",
                 "an engine must fit on one node: gpusPerEngine must be at most gpusPerNode",
                 ".gpusPerEngine"),
-            cel("!has(self.gpus) || self.gpusPerNode < 1 || self.gpus <= self.gpusPerNode || "
-                "self.gpus % self.gpusPerNode == 0",
+            cel(f"!has(self.gpus) || {_ROLLOUT_GPUS_OUTSIDE} || "
+                f"{_outside('self.gpusPerNode', 1, MAX_GPUS_PER_NODE)} || "
+                "self.gpus <= self.gpusPerNode || self.gpus % self.gpusPerNode == 0",
                 "gpus above one node must fill whole nodes (a multiple of gpusPerNode)",
                 ".gpus"),
         )
@@ -309,11 +350,13 @@ class RolloutSpec(ApiModel):
         "sglang", description="sglang in clusters; reference is the project's HF engine.")
     image: str = Field(DEFAULT_ROLLOUT_IMAGE, min_length=1, max_length=MAX_STR)
     gpus: int | None = Field(
-        None, ge=0, le=65536,
+        None, ge=0, le=MAX_ROLLOUT_GPUS,
         description="Total rollout GPUs. Colocated: defaults to (and must equal) the training "
         "GPUs. Disaggregated: required.")
-    gpus_per_engine: int = Field(1, ge=1, le=64, description="Tensor parallel size of an engine.")
-    gpus_per_node: int = Field(8, ge=1, le=16, description="GPUs per rollout pod (disaggregated).")
+    gpus_per_engine: int = Field(1, ge=1, le=MAX_GPUS_PER_ENGINE,
+                                 description="Tensor parallel size of an engine.")
+    gpus_per_node: int = Field(8, ge=1, le=MAX_GPUS_PER_NODE,
+                               description="GPUs per rollout pod (disaggregated).")
     engines: int | None = Field(
         None, ge=1, le=4096, description="Engine count when rollout runs on CPU (gpus: 0).")
     node_pool: NodePool = Field(default_factory=NodePool)
@@ -406,14 +449,12 @@ Placement = Literal["colocate", "disaggregated"]
 _DP = ("((self.training.gpusPerNode == 0 ? self.training.nodes : "
        "self.training.nodes * self.training.gpusPerNode) / (self.training.parallelism.tp * "
        "self.training.parallelism.pp * self.training.parallelism.cp))")
-# The same guards, from the spec (see _MP_BELOW_MINIMUM), and those of the global-batch rule's
-# divisor (globalBatchSize, or the samples of one rollout when it is unset).
-_TRAINING_MP_BELOW_MINIMUM = ("self.training.parallelism.tp < 1 || "
-                              "self.training.parallelism.pp < 1 || "
-                              "self.training.parallelism.cp < 1")
-_BATCH_BELOW_MINIMUM = ("self.data.rolloutBatchSize < 1 || self.data.nSamplesPerPrompt < 1 || "
-                        "(has(self.training.globalBatchSize) && "
-                        "self.training.globalBatchSize < 1)")
+# The range guards (see _outside) of the batch sizes: the samples of one rollout, and the
+# global batch (globalBatchSize, or those samples when it is unset).
+_BATCH_OUTSIDE = (
+    f"{_outside('self.data.rolloutBatchSize', 1, MAX_ROLLOUT_BATCH)} || "
+    f"{_outside('self.data.nSamplesPerPrompt', 1, MAX_SAMPLES_PER_PROMPT)} || "
+    f"{_outside('self.training.globalBatchSize', 1, MAX_GLOBAL_BATCH, optional=True)}")
 
 
 class RLJobSpec(ApiModel):
@@ -422,12 +463,14 @@ class RLJobSpec(ApiModel):
             cel("self.placement != 'disaggregated' || has(self.rollout.gpus)",
                 "rollout.gpus is required when placement is disaggregated", ".rollout.gpus"),
             cel("self.placement != 'colocate' || !has(self.rollout.gpus) || "
+                f"{_gpus_outside('self.training')} || "
                 "self.rollout.gpus == (self.training.gpusPerNode == 0 ? 0 : "
                 "self.training.nodes * self.training.gpusPerNode)",
                 "colocated rollout uses the training GPUs: rollout.gpus must equal "
                 "training.nodes * training.gpusPerNode", ".rollout.gpus"),
             cel("self.placement != 'colocate' || self.training.gpusPerNode == 0 || "
-                "self.rollout.gpusPerEngine < 1 || "
+                f"{_outside('self.training.gpusPerNode', 0, MAX_GPUS_PER_NODE)} || "
+                f"{_outside('self.rollout.gpusPerEngine', 1, MAX_GPUS_PER_ENGINE)} || "
                 "self.training.gpusPerNode % self.rollout.gpusPerEngine == 0",
                 "colocated engines must tile a training node: rollout.gpusPerEngine must "
                 "divide training.gpusPerNode", ".rollout.gpusPerEngine"),
@@ -435,16 +478,17 @@ class RLJobSpec(ApiModel):
                 " && size(self.rollout.nodePool.tolerations) == 0)",
                 "colocated rollout runs on the training pool: set training.nodePool only",
                 ".rollout.nodePool"),
-            cel(f"{_BATCH_BELOW_MINIMUM} || "
+            cel(f"{_BATCH_OUTSIDE} || "
                 "(self.data.rolloutBatchSize * self.data.nSamplesPerPrompt) % "
                 "(has(self.training.globalBatchSize) ? self.training.globalBatchSize : "
                 "self.data.rolloutBatchSize * self.data.nSamplesPerPrompt) == 0",
                 "training.globalBatchSize must divide rolloutBatchSize * nSamplesPerPrompt",
                 ".training.globalBatchSize"),
             # dataParallel is 0 only when tp*pp*cp exceeds the GPUs, which the training rule
-            # reports; the guards keep this rule from failing with a modulus-by-zero error.
-            cel(f"{_TRAINING_MP_BELOW_MINIMUM} || self.training.microBatchSize < 1 || "
-                f"{_DP} < 1 || (has(self.training.globalBatchSize) ? "
+            # reports; that guard keeps this rule from failing with a modulus-by-zero error.
+            cel(f"{_gpus_outside('self.training')} || {_mp_outside('self.training')} || "
+                f"{_outside('self.training.microBatchSize', 1, MAX_MICRO_BATCH)} || "
+                f"{_BATCH_OUTSIDE} || {_DP} < 1 || (has(self.training.globalBatchSize) ? "
                 "self.training.globalBatchSize : "
                 "self.data.rolloutBatchSize * self.data.nSamplesPerPrompt) % "
                 f"(self.training.microBatchSize * {_DP}) == 0",

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,17 @@ import pytest
 import yaml
 
 from kuberl_api import InvalidRLJob, parse
+from kuberl_api.spec import (
+    MAX_GLOBAL_BATCH,
+    MAX_GPUS_PER_ENGINE,
+    MAX_GPUS_PER_NODE,
+    MAX_MICRO_BATCH,
+    MAX_NODES,
+    MAX_PARALLEL,
+    MAX_ROLLOUT_BATCH,
+    MAX_ROLLOUT_GPUS,
+    MAX_SAMPLES_PER_PROMPT,
+)
 from kuberl_operator.crd import openapi_schema
 from tests.crd_admission import admit
 
@@ -160,6 +172,48 @@ ZERO_DIVISORS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
 ]
 
 
+# An operand of a cross-field rule far outside its range. The server runs the CEL rules after a
+# violated maximum too, and multiplies int64s: unguarded, nodes: 2**62 added "integer overflow
+# evaluating rule" (nodes * gpusPerNode), and a value just refused could still add a rule's
+# message worked out from it. Each rule that multiplies, divides or takes a modulus passes
+# while an operand is out of range, so the field's own bound is all that is reported.
+# (id, edit of spec, the field, another field a comparison rule rightly names too, or "",
+#  the bound as the server words it: "... in body should be <bound>")
+HUGE = 2**62
+LE, GE = "less than or equal to", "greater than or equal to"
+OVERFLOWS: list[tuple[str, Callable[[dict[str, Any]], None], str, str, str]] = [
+    ("nodes-huge", set_("training.nodes", HUGE), "spec.training.nodes", "",
+     f"{LE} {MAX_NODES}"),
+    ("nodes-huge-negative", set_("training.nodes", -HUGE), "spec.training.nodes", "", f"{GE} 1"),
+    ("gpus-per-node-huge", set_("training", {"nodes": 2, "gpusPerNode": HUGE}),
+     "spec.training.gpusPerNode", "", f"{LE} {MAX_GPUS_PER_NODE}"),
+    # tp (1) no longer fits on a node of fewer than 0 GPUs: that rule compares, and says so
+    ("gpus-per-node-huge-negative", set_("training", {"nodes": 3, "gpusPerNode": -HUGE}),
+     "spec.training.gpusPerNode", "spec.training.parallelism.tp", f"{GE} 0"),
+    ("tp-huge", set_("training.parallelism", {"tp": HUGE, "cp": 2}),
+     "spec.training.parallelism.tp", "", f"{LE} {MAX_PARALLEL}"),
+    ("pp-huge", set_("training.parallelism", {"pp": HUGE, "cp": 2}),
+     "spec.training.parallelism.pp", "", f"{LE} {MAX_PARALLEL}"),
+    ("cp-huge", set_("training.parallelism", {"cp": HUGE, "pp": 2}),
+     "spec.training.parallelism.cp", "", f"{LE} {MAX_PARALLEL}"),
+    ("micro-batch-huge", set_("training.microBatchSize", HUGE), "spec.training.microBatchSize",
+     "", f"{LE} {MAX_MICRO_BATCH}"),
+    ("global-batch-huge", set_("training.globalBatchSize", HUGE),
+     "spec.training.globalBatchSize", "", f"{LE} {MAX_GLOBAL_BATCH}"),
+    ("rollout-batch-huge", set_("data.rolloutBatchSize", HUGE), "spec.data.rolloutBatchSize",
+     "", f"{LE} {MAX_ROLLOUT_BATCH}"),
+    ("samples-huge", set_("data.nSamplesPerPrompt", HUGE), "spec.data.nSamplesPerPrompt", "",
+     f"{LE} {MAX_SAMPLES_PER_PROMPT}"),
+    ("engine-huge", set_("rollout.gpusPerEngine", HUGE), "spec.rollout.gpusPerEngine", "",
+     f"{LE} {MAX_GPUS_PER_ENGINE}"),
+    ("disaggregated-gpus-huge", disagg(gpus=HUGE + 2), "spec.rollout.gpus", "",
+     f"{LE} {MAX_ROLLOUT_GPUS}"),
+    # an engine (1 GPU) no longer fits on a node of fewer than 0 GPUs: that rule says so
+    ("rollout-node-huge-negative", disagg(gpus=16, gpusPerNode=-HUGE),
+     "spec.rollout.gpusPerNode", "spec.rollout.gpusPerEngine", f"{GE} 1"),
+]
+
+
 def _manifest(edit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     obj = base()
     edit(obj["spec"])
@@ -203,6 +257,74 @@ def test_zero_divisor_reports_only_its_minimum(case: str, edit: Any, field: str,
     problems = admit(SCHEMA, _manifest(edit))  # raises where a CEL rule fails to evaluate
     assert any(_names(p, field) for p in problems), problems
     assert all(_names(p, field) or (also and _names(p, also)) for p in problems), problems
+
+
+def _arithmetic_messages(schema: dict[str, Any]) -> set[str]:
+    """The messages of the CEL rules in `schema` that multiply, divide or take a modulus."""
+    out = {r["message"] for r in schema.get("x-kubernetes-validations", [])
+           if re.search(r"[*/%]", re.sub(r"'[^']*'", "", r["rule"]))}
+    for sub in (schema.get("properties") or {}).values():
+        out |= _arithmetic_messages(sub)
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            out |= _arithmetic_messages(schema[key])
+    return out
+
+
+ARITHMETIC_MESSAGES = _arithmetic_messages(SCHEMA)
+
+
+@pytest.mark.parametrize(("case", "edit", "field", "also", "bound"), OVERFLOWS,
+                         ids=[c[0] for c in OVERFLOWS])
+def test_huge_operand_reports_only_its_bound(case: str, edit: Any, field: str, also: str,
+                                             bound: str) -> None:
+    # exactly at the field (a rule on the parent, naming the leaf in its message, won't do)
+    def at(p: str) -> bool:
+        return p.startswith(f"{field}:") or (bool(also) and p.startswith(f"{also}:"))
+
+    with pytest.raises(InvalidRLJob) as info:
+        parse(_manifest(edit))
+    assert [p for p in info.value.problems if at(p)] == info.value.problems, info.value.problems
+    upper, limit = bound.startswith(LE), bound.split()[-1]
+    words = f"must be {'<=' if upper else '>='} {limit} "  # pydantic's
+    assert any(words in p for p in info.value.problems), info.value.problems
+    problems = admit(SCHEMA, _manifest(edit))  # raises where a CEL rule fails to evaluate
+    assert problems and all(at(p) for p in problems), problems
+    assert not [p for p in problems if p.partition(": ")[2] in ARITHMETIC_MESSAGES], problems
+    words = f"{'maximum' if upper else 'minimum'} of {limit}"  # jsonschema's
+    assert any(p.startswith(f"{field}:") and words in p for p in problems), problems
+
+
+# Every operand of the arithmetic rules at its maximum (parallelism at 1, so dataParallel is the
+# whole GPU count, and at its maximum), colocated and disaggregated: the rules evaluate (no
+# int64 overflow), whatever they then say about such a spec.
+AT_MAXIMUM: dict[str, Any] = {
+    "data": {"prompts": "/data/p.jsonl", "rolloutBatchSize": MAX_ROLLOUT_BATCH,
+             "nSamplesPerPrompt": MAX_SAMPLES_PER_PROMPT},
+    "training": {"nodes": MAX_NODES, "gpusPerNode": MAX_GPUS_PER_NODE,
+                 "microBatchSize": MAX_MICRO_BATCH},
+    "rollout": {"gpusPerEngine": MAX_GPUS_PER_ENGINE},
+}
+
+
+@pytest.mark.parametrize("parallel", [1, MAX_PARALLEL])
+@pytest.mark.parametrize("global_batch", [None, MAX_GLOBAL_BATCH])
+@pytest.mark.parametrize("edit", [set_("rollout.gpus", MAX_NODES * MAX_GPUS_PER_NODE),
+                                  disagg(gpus=MAX_ROLLOUT_GPUS, gpusPerEngine=MAX_GPUS_PER_ENGINE,
+                                         gpusPerNode=MAX_GPUS_PER_NODE)],
+                         ids=["colocate", "disaggregated"])
+def test_rules_evaluate_with_every_operand_at_its_maximum(parallel: int,
+                                                          global_batch: int | None,
+                                                          edit: Any) -> None:
+    obj = base()
+    for section, values in copy.deepcopy(AT_MAXIMUM).items():
+        obj["spec"].setdefault(section, {}).update(values)
+    obj["spec"]["training"]["parallelism"] = {"tp": parallel, "pp": parallel, "cp": parallel}
+    if global_batch is not None:
+        obj["spec"]["training"]["globalBatchSize"] = global_batch
+    edit(obj["spec"])
+    problems = admit(SCHEMA, obj)  # raises where a CEL rule fails to evaluate
+    assert not [p for p in problems if "maximum" in p or "minimum" in p], problems
 
 
 def test_at_least_twenty_distinct_bad_manifests() -> None:
