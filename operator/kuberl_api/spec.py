@@ -190,21 +190,49 @@ class RewardSpec(ApiModel):
         return self
 
 
+# "ppo" (GAE with a critic) and on-policy distillation come with the value-model and teacher
+# actor groups; until then they are not offered (a job asking for them would train something
+# else).
 AdvantageEstimator = Literal[
-    "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo",
+    "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
 ]
+# Estimators whose advantages are per token (returns over the response), which is what a KL
+# penalty folded into the rewards needs.
+TOKEN_LEVEL_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 KlType = Literal["k1", "k2", "k3", "low_var_kl"]
+PolicyLoss = Literal["ppo", "gspo"]
+LossAggregation = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+]
+KlPenalty = Literal["loss", "reward"]
 
 
 class AlgorithmSpec(ApiModel):
+    """The RL algorithm; docs/algorithms.md has each option's formula and paper."""
+
     model_config = {
         "json_schema_extra": cel_rules(
             cel("!has(self.epsClipHigh) || self.epsClipHigh >= self.epsClip",
                 "epsClipHigh must be at least epsClip", ".epsClipHigh"),
+            cel("self.klPenalty != 'reward' || self.advantageEstimator in "
+                f"{list(TOKEN_LEVEL_ESTIMATORS)}",
+                "klPenalty: reward needs a token-level advantageEstimator ("
+                + " or ".join(TOKEN_LEVEL_ESTIMATORS) + ")", ".klPenalty"),
         )
     }
 
-    advantage_estimator: AdvantageEstimator = "grpo"
+    advantage_estimator: AdvantageEstimator = Field(
+        "grpo", description="grpo, dr_grpo (no std division), rloo (leave-one-out baseline), "
+        "reinforce_plus_plus (token returns, batch-whitened), reinforce_plus_plus_baseline "
+        "(group mean subtracted first).")
+    policy_loss: PolicyLoss = Field(
+        "ppo", description="ppo: the clipped per-token ratio; gspo: the clipped sequence "
+        "ratio (geometric mean of a response's token ratios; use small clip ranges, e.g. "
+        "epsClip 3e-4, epsClipHigh 4e-4).")
+    loss_aggregation: LossAggregation = Field(
+        "token-mean", description="How token losses become the loss: token-mean, "
+        "seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm (Dr.GRPO: divided "
+        "by sequences * data.maxResponseLen).")
     lr: float = Field(1e-6, gt=0, le=1, description="Learning rate.")
     lr_warmup_steps: int = Field(
         0, ge=0, le=10_000_000, description="Optimizer steps of linear LR warmup, from "
@@ -218,19 +246,42 @@ class AlgorithmSpec(ApiModel):
     eps_clip_high: float | None = Field(None, gt=0, le=10,
                                         description="Upper clip range (clip-higher); = epsClip.")
     eps_clip_c: float | None = Field(None, gt=1, le=100, description="Dual-clip constant.")
+    tis_cap: float | None = Field(
+        None, gt=0, le=100, description="Truncated importance sampling: weight each token's "
+        "policy loss by min(pi_old / pi_rollout, tisCap), correcting for the engines' own "
+        "log-probs differing from the trainer's; unset: off.")
     kl_coef: float = Field(0.0, ge=0, le=100, description="Weight of the KL term.")
     kl_loss_type: KlType = "low_var_kl"
+    kl_penalty: KlPenalty = Field(
+        "loss", description="Where klCoef applies: loss (a KL(policy || reference) term in "
+        "the loss) or reward (a per-token penalty in the rewards; token-level estimators).")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount of token-level returns "
+                         "(reinforce_plus_plus).")
     entropy_coef: float = Field(0.0, ge=0, le=100)
     temperature: float = Field(1.0, gt=0, le=100, description="Sampling temperature.")
     drop_constant_groups: bool = Field(
         False, description="Leave out of the loss the prompt groups whose rewards are all "
         "equal (they carry no GRPO signal but dilute the token mean).")
+    dynamic_sampling_rounds: int = Field(
+        0, ge=0, le=100, description="DAPO dynamic sampling: up to this many extra rounds of "
+        "prompts per step to replace groups whose rewards are all equal; groups still equal "
+        "after the last round leave the loss. 0: off.")
+    overlong_buffer: int | None = Field(
+        None, ge=1, le=1048576, description="DAPO overlong shaping: over the last this many "
+        "tokens of data.maxResponseLen the reward ramps down by up to overlongPenalty; "
+        "unset: off.")
+    overlong_penalty: float = Field(1.0, ge=0, le=100, description="The overlong shaping's "
+                                    "penalty at data.maxResponseLen.")
 
     @model_validator(mode="after")
     def _clip_order(self) -> AlgorithmSpec:
         if self.eps_clip_high is not None:
             check(self.eps_clip_high >= self.eps_clip, "epsClipHigh", self.eps_clip_high,
                   f"epsClipHigh must be at least epsClip ({self.eps_clip})")
+        check(self.kl_penalty != "reward" or self.advantage_estimator in TOKEN_LEVEL_ESTIMATORS,
+              "klPenalty", self.kl_penalty,
+              "klPenalty: reward needs a token-level advantageEstimator ("
+              + " or ".join(TOKEN_LEVEL_ESTIMATORS) + ")")
         return self
 
 
@@ -474,6 +525,13 @@ class RLJobSpec(ApiModel):
                 "self.training.gpusPerNode % self.rollout.gpusPerEngine == 0",
                 "colocated engines must tile a training node: rollout.gpusPerEngine must "
                 "divide training.gpusPerNode", ".rollout.gpusPerEngine"),
+            cel("!has(self.algorithm.overlongBuffer) || "
+                "self.algorithm.overlongBuffer <= self.data.maxResponseLen",
+                "algorithm.overlongBuffer must not exceed data.maxResponseLen",
+                ".algorithm.overlongBuffer"),
+            cel("self.algorithm.advantageEstimator != 'rloo' || self.data.nSamplesPerPrompt >= 2",
+                "advantageEstimator rloo needs data.nSamplesPerPrompt >= 2 (the baseline is "
+                "the other samples' mean)", ".data.nSamplesPerPrompt"),
             cel("self.placement != 'colocate' || (size(self.rollout.nodePool.nodeSelector) == 0"
                 " && size(self.rollout.nodePool.tolerations) == 0)",
                 "colocated rollout runs on the training pool: set training.nodePool only",
@@ -560,7 +618,18 @@ class RLJobSpec(ApiModel):
             self._check_colocated()
         self._check_batches()
         self._check_mounts()
+        self._check_algorithm()
         return self
+
+    def _check_algorithm(self) -> None:
+        buffer = self.algorithm.overlong_buffer
+        check(buffer is None or buffer <= self.data.max_response_len,
+              "algorithm.overlongBuffer", buffer,
+              "algorithm.overlongBuffer must not exceed data.maxResponseLen")
+        check(self.algorithm.advantage_estimator != "rloo" or self.data.n_samples_per_prompt >= 2,
+              "data.nSamplesPerPrompt", self.data.n_samples_per_prompt,
+              "advantageEstimator rloo needs data.nSamplesPerPrompt >= 2 (the baseline is the "
+              "other samples' mean)")
 
     def _check_mounts(self) -> None:
         """Two volumes at one mount point make the API server refuse the pod."""

@@ -131,12 +131,13 @@ def test_train_step_raises_logprobs_of_positive_advantage_tokens(model_dir: str)
     negative = batch.advantages < 0
     assert after[positive].sum() > batch.old_logprobs[positive].sum()
     assert after[negative].sum() < batch.old_logprobs[negative].sum()
-    for key in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy", "kl", "grad_norm", "lr"):
+    for key in ("pg_loss", "pg_clipfrac", "approx_kl", "entropy", "kl_ref", "grad_norm", "lr",
+                "ratio_max", "ratio_min", "loss"):
         assert np.isfinite(metrics[key]), key
     assert metrics["lr"] == pytest.approx(1e-2)
     assert metrics["optimizer_steps"] == 1
     assert metrics["pg_clipfrac"] == 0.0 and abs(metrics["approx_kl"]) < 1e-6  # on-policy
-    assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at step 0
+    assert metrics["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at step 0
     assert metrics["entropy"] > 0
 
 
@@ -153,10 +154,26 @@ def capture_grads(monkeypatch: pytest.MonkeyPatch) -> list[list[torch.Tensor]]:
     return seen
 
 
+OBJECTIVES = {
+    "token-mean": {},
+    "seq-mean-token-mean": {"lossAggregation": "seq-mean-token-mean"},
+    "seq-mean-token-sum": {"lossAggregation": "seq-mean-token-sum"},
+    "dr-grpo-norm": {"lossAggregation": "seq-mean-token-sum-norm"},
+    "gspo": {"policyLoss": "gspo", "lossAggregation": "seq-mean-token-mean", "epsClip": 3e-4,
+             "epsClipHigh": 4e-4},
+    "tis-kl-entropy": {"tisCap": 2.0, "klCoef": 0.1, "entropyCoef": 0.01},
+}
+
+
+@pytest.mark.parametrize("algorithm", OBJECTIVES.values(), ids=OBJECTIVES.keys())
 def test_micro_batches_accumulate_to_the_full_batch_update(
-        model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    full = make_backend(make_spec(model_dir, mbs=B), rank=0, world_size=1, device="cpu")
-    micro = make_backend(make_spec(model_dir, mbs=2), rank=0, world_size=1, device="cpu")
+        model_dir: str, monkeypatch: pytest.MonkeyPatch, algorithm: dict[str, Any]) -> None:
+    """Every loss aggregation, policy loss and extra term: micro-batches of 2 sequences (of
+    unequal token counts) update exactly as the whole batch at once."""
+    full = make_backend(make_spec(model_dir, mbs=B, **algorithm), rank=0, world_size=1,
+                        device="cpu")
+    micro = make_backend(make_spec(model_dir, mbs=2, **algorithm), rank=0, world_size=1,
+                         device="cpu")
     assert isinstance(full, FSDPBackend) and isinstance(micro, FSDPBackend)
     batch = with_old(full, make_batch())
     grads = capture_grads(monkeypatch)
@@ -168,6 +185,8 @@ def test_micro_batches_accumulate_to_the_full_batch_update(
         torch.testing.assert_close(g_micro, g_full, rtol=1e-4, atol=1e-7)
     assert m_micro["grad_norm"] == pytest.approx(m_full["grad_norm"], rel=1e-5)
     assert m_micro["pg_loss"] == pytest.approx(m_full["pg_loss"], rel=1e-5, abs=1e-7)
+    assert m_micro["loss"] == pytest.approx(m_full["loss"], rel=1e-5, abs=1e-7)
+    assert m_micro["ratio_max"] == pytest.approx(m_full["ratio_max"], rel=1e-5)
     for name, value in params(full).items():
         torch.testing.assert_close(params(micro)[name], value, rtol=0, atol=1e-5)
 

@@ -28,6 +28,7 @@ class TableEngine(EngineClient):
     def __init__(self, labels: dict[str, str], tokenizer: Any) -> None:
         super().__init__(["http://engine-a", "http://engine-b"])
         self.labels, self.tok = labels, tokenizer
+        self.always_right: set[str] = set()  # prompts answered right whatever the seed
         self.calls: list[list[Mapping[str, Any]]] = []
         self.urls_used: list[str] = []
 
@@ -43,8 +44,9 @@ class TableEngine(EngineClient):
         out = []
         for ids, p in zip(prompts, params, strict=True):
             prompt = self.tok.decode(list(ids))
-            text = self.labels[prompt] if p["sampling_seed"] % 2 == 0 or p["temperature"] == 0 \
-                else "0"
+            right = (p["sampling_seed"] % 2 == 0 or p["temperature"] == 0
+                     or prompt in self.always_right)
+            text = self.labels[prompt] if right else "0"
             toks = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
             out.append(GenerateResult(output_ids=toks, text=text, finish_reason="stop",
                                       prompt_tokens=len(ids), completion_tokens=len(toks),
@@ -53,7 +55,8 @@ class TableEngine(EngineClient):
         return out
 
 
-def setup(tmp_path: Path, **algorithm: Any) -> tuple[RolloutManager, TableEngine]:
+def setup(tmp_path: Path, ref_logprobs: Any = None,
+          **algorithm: Any) -> tuple[RolloutManager, TableEngine]:
     rows = [{"prompt": f"{a}+{a}=", "label": str(2 * a)} for a in range(10, 20)]
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))
@@ -69,7 +72,7 @@ def setup(tmp_path: Path, **algorithm: Any) -> tuple[RolloutManager, TableEngine
     from kuberl_trainer.rewards import load
 
     mgr = RolloutManager(spec, PromptSource(data, "prompt", "label", seed=0), engine,  # type: ignore[arg-type]
-                         tok, load(spec.reward), seed=7)
+                         tok, load(spec.reward), seed=7, ref_logprobs=ref_logprobs)
     return mgr, engine
 
 
@@ -135,3 +138,67 @@ def test_pack_aligns_tokens_with_positions() -> None:
     assert torch.allclose(b.rollout_logprobs[1], torch.tensor([0, 0, -0.3, -0.4, -0.5]))
     assert b.advantages.tolist() == [[0, 0, 0, 1, 1], [0, 0, -1, -1, -1]]
     assert sample_seed(0, 1, s, 0) != sample_seed(0, 1, s, 1) != sample_seed(0, 2, s, 1)
+
+
+def test_dynamic_sampling_replaces_groups_without_spread(tmp_path: Path) -> None:
+    """Most prompts are answered right whatever the seed (no spread, no signal); dynamic
+    sampling draws fresh prompts until the batch holds groups with spread, for at most
+    dynamicSamplingRounds rounds; what it could not replace leaves the loss."""
+    mgr, engine = setup(tmp_path, dynamicSamplingRounds=6)
+    mixed = {"13+13=", "17+17="}
+    engine.always_right = {f"{a}+{a}=" for a in range(10, 20)} - mixed
+    rollout = asyncio.run(mgr.generate(step=0))
+    b, m = rollout.batch, rollout.metrics
+    assert b.input_ids.shape[0] == 8  # still rolloutBatchSize groups
+    prompts = [engine.tok.decode(b.input_ids[i, :6].tolist()) for i in range(0, 8, 4)]
+    assert set(prompts) == mixed, prompts  # both groups with spread found (10 prompts, 6 rounds)
+    assert m["kept_group_fraction"] == 1.0 and 1 <= m["dynamic_sampling_rounds"] <= 6
+    assert b.loss_mask.sum() > 0 and m["prompts_sha"]
+    # The same draws again from scratch: a resumed run replays them.
+    mgr2, engine2 = setup(tmp_path, dynamicSamplingRounds=6)
+    engine2.always_right = engine.always_right
+    again = asyncio.run(mgr2.generate(step=0))
+    assert again.metrics["prompts_sha"] == m["prompts_sha"]
+    assert torch.equal(again.batch.input_ids, b.input_ids)
+
+
+def test_dynamic_sampling_gives_up_after_its_rounds(tmp_path: Path) -> None:
+    mgr, engine = setup(tmp_path, dynamicSamplingRounds=2)
+    engine.always_right = {f"{a}+{a}=" for a in range(10, 20)}  # no prompt has spread
+    rollout = asyncio.run(mgr.generate(step=0))
+    assert rollout.metrics["dynamic_sampling_rounds"] == 2
+    assert rollout.metrics["kept_group_fraction"] == 0.0
+    assert rollout.batch.loss_mask.sum() == 0  # nothing left to train on, nothing made up
+    # 2 prompts, then 2 rounds of 2 fresh prompts: one engine request per round
+    assert len(engine.calls) == 2 + 2 * 2
+
+
+def test_overlong_shaping_lowers_scores_not_rewards(tmp_path: Path) -> None:
+    # maxResponseLen 4, buffer 2: the ramp starts after 2 tokens; a right answer ("2x" + eos)
+    # is 3 tokens -> -(3 - 2) / 2 * 0.5 = -0.25; a wrong one ("0" + eos) is 2 tokens -> 0.
+    mgr, _ = setup(tmp_path, overlongBuffer=2, overlongPenalty=0.5)
+    rollout = asyncio.run(mgr.generate(step=3))
+    m = rollout.metrics
+    lengths = rollout.batch.loss_mask.sum(1)
+    rights = float((lengths == 3).float().mean())
+    assert m["reward_mean"] == pytest.approx(rights)
+    assert m["score_mean"] == pytest.approx(rights * (1 - 0.25))
+
+
+def test_kl_in_the_reward_uses_the_trainers_reference(tmp_path: Path) -> None:
+    asked: list[int] = []
+
+    def ref(batch: Any) -> torch.Tensor:
+        asked.append(len(batch))
+        return batch.rollout_logprobs - 1.0 * batch.loss_mask  # KL of 1 per response token
+
+    algo = {"advantageEstimator": "reinforce_plus_plus", "klPenalty": "reward", "klCoef": 0.5}
+    mgr, _ = setup(tmp_path, ref_logprobs=ref, **algo)
+    with_kl = asyncio.run(mgr.generate(step=3)).batch
+    assert asked == [8] and with_kl.ref_logprobs is not None
+    plain, _ = setup(tmp_path, advantageEstimator="reinforce_plus_plus")
+    without = asyncio.run(plain.generate(step=3)).batch
+    assert torch.equal(with_kl.input_ids, without.input_ids)
+    assert not torch.allclose(with_kl.advantages, without.advantages)
+    with pytest.raises(ValueError, match="reference log-probs"):
+        setup(tmp_path, **algo)

@@ -71,6 +71,9 @@ class TrainWorker:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         return self.backend.train_step(batch)
 
+    def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        return self.backend.ref_logprobs(batch)
+
     def push_weights(self, engine_urls: list[str], weight_version: int,
                      bucket_bytes: int) -> float:
         """Rank 0 broadcasts its weights to every engine; returns seconds spent. Every rank
@@ -224,7 +227,17 @@ class TrainGroup:
         results: Sequence[dict[str, float]] = ray.get(
             [w.train_step.remote(s) for w, s in zip(self.workers, self._shards(batch),
                                                      strict=True)])
-        return {k: sum(r[k] for r in results) / len(results) for k in results[0]}
+        return combine_rank_metrics(results)
+
+    def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B, T]`` reference log-probs of the whole batch (a collective over the ranks,
+        each on its shard)."""
+        parts: Sequence[torch.Tensor | None] = ray.get(
+            [w.ref_logprobs.remote(s) for w, s in zip(self.workers, self._shards(batch),
+                                                       strict=True)])
+        if any(p is None for p in parts):
+            raise RuntimeError("the training backend has no reference model (klCoef is 0)")
+        return torch.cat([p for p in parts if p is not None])
 
     def push_weights(self, engine_urls: list[str], version: int, bucket_bytes: int) -> float:
         seconds = ray.get([w.push_weights.remote(engine_urls, version, bucket_bytes)
@@ -240,6 +253,21 @@ class TrainGroup:
 
     def load(self, path: str) -> None:
         ray.get([w.load.remote(path) for w in self.workers])
+
+
+def combine_rank_metrics(results: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One dict from the ranks' (each a mean over its equal shard): means of means, except
+    extremes (``*_max``, ``*_min``), which stay extremes."""
+    out = {}
+    for key in results[0]:
+        values = [r[key] for r in results]
+        if key.endswith("_max"):
+            out[key] = max(values)
+        elif key.endswith("_min"):
+            out[key] = min(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out
 
 
 class EngineGroup:

@@ -1,9 +1,15 @@
 """Rollout manager: prompts -> engines -> rewards -> advantages -> a TrainBatch.
 
 One step's rollout: take `rolloutBatchSize` prompts from the data source, ask the engines for
-`nSamplesPerPrompt` responses each (concurrently, load-balanced by the engine client), grade
-them, compute GRPO advantages per prompt group, optionally drop groups whose rewards are all
-equal, and pack token tensors for the trainer.
+`nSamplesPerPrompt` responses each (one batched request per engine), grade them, and then:
+
+1. dynamic sampling (DAPO, `dynamicSamplingRounds`): replace groups whose rewards are all
+   equal by the groups of fresh prompts, for up to that many extra rounds;
+2. shape the scores (DAPO's overlong penalty, `overlongBuffer`);
+3. pack token tensors; groups with no reward spread leave the loss when asked
+   (`dropConstantGroups`, or those dynamic sampling could not replace);
+4. advantages by the job's estimator over the tokens that stay in the loss (with the KL
+   penalty in the rewards, the trainer's reference log-probs first).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Any
 import torch
 
 from kuberl_api.spec import RLJobSpec
-from kuberl_trainer.algos import advantages as adv_fn
+from kuberl_trainer.algos import estimators, shaping
 from kuberl_trainer.algos.filters import expand_to_samples, nonconstant_groups
 from kuberl_trainer.backends.base import TrainBatch
 from kuberl_trainer.data import PromptSource, Sample
@@ -32,7 +38,8 @@ class Response:
     logprobs: list[float]
     text: str
     truncated: bool
-    reward: float = 0.0
+    reward: float = 0.0  # the verifier's
+    score: float = 0.0   # what advantages are computed from: reward + shaping
 
 
 @dataclass
@@ -41,12 +48,21 @@ class Rollout:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
+RefLogprobs = Callable[[TrainBatch], torch.Tensor]
+
+
 class RolloutManager:
+    """`ref_logprobs`: the trainer's reference log-probs of a batch (`TrainGroup.
+    ref_logprobs`), needed only when the KL penalty is in the rewards."""
+
     def __init__(self, spec: RLJobSpec, source: PromptSource, client: EngineClient,
                  tokenizer: Any, reward_fn: Callable[[str, str], float], *,
-                 seed: int = 0) -> None:
+                 seed: int = 0, ref_logprobs: RefLogprobs | None = None) -> None:
         self.spec, self.source, self.client, self.seed = spec, source, client, seed
         self.tokenizer, self.reward_fn = tokenizer, reward_fn
+        if estimators.kl_in_reward(spec.algorithm) and ref_logprobs is None:
+            raise ValueError("klPenalty: reward needs the trainer's reference log-probs")
+        self.ref_logprobs = ref_logprobs
         self.eval_sets = [
             (e.name, PromptSource(e.path, spec.data.input_key, spec.data.label_key,
                                   seed=seed).samples(), e.n_samples_per_prompt)
@@ -81,29 +97,77 @@ class RolloutManager:
                 for i, o in enumerate(outs)]
 
     async def generate(self, step: int) -> Rollout:
-        d = self.spec.data
+        d, algo = self.spec.data, self.spec.algorithm
+        n = d.n_samples_per_prompt
         samples = self.source.next_batch(d.rollout_batch_size)
-        responses = await self._sample(step, samples, d.n_samples_per_prompt)
-        for r in responses:
-            r.reward = float(self.reward_fn(r.text, r.sample.label))
-        rewards = torch.tensor([r.reward for r in responses], dtype=torch.float32)
-        metrics: dict[str, Any] = dict(self._metrics(responses, rewards))
+        responses = await self._graded(step, samples, n)
+        metrics: dict[str, Any] = {}
+        if algo.dynamic_sampling_rounds:
+            responses, extra, rounds = await self._refill(step, responses)
+            samples = samples + extra
+            metrics["dynamic_sampling_rounds"] = rounds
         # Which prompts this step saw: a resumed run must see exactly the same ones.
         metrics["prompts_sha"] = hashlib.sha256(
             "\n".join(f"{s.epoch}:{s.index}" for s in samples).encode()).hexdigest()[:16]
-        # Dr.GRPO drops the std normalisation (the length normalisation lives in the loss).
-        normalize = self.spec.algorithm.advantage_estimator != "dr_grpo"
-        advantages = adv_fn.grpo(rewards, d.n_samples_per_prompt, normalize_std=normalize)
-        batch = pack(responses, advantages, self.tokenizer.pad_token_id)
-        if self.spec.algorithm.drop_constant_groups:
-            # Dropped groups stay in the batch (shapes, and so data-parallel shards, stay fixed)
-            # but leave the loss: their mask is zero, so they don't dilute the token mean.
-            keep = expand_to_samples(nonconstant_groups(rewards, d.n_samples_per_prompt),
-                                     d.n_samples_per_prompt)
+        rewards = torch.tensor([r.reward for r in responses], dtype=torch.float32)
+        scores = torch.tensor([r.score for r in responses], dtype=torch.float32)
+        batch = pack(responses, torch.zeros(len(responses)), self.tokenizer.pad_token_id)
+        if algo.drop_constant_groups or algo.dynamic_sampling_rounds:
+            # Dropped groups stay in the batch (shapes, and so data-parallel shards, stay
+            # fixed) but leave the loss: their mask is zero, so they don't dilute its mean.
+            keep = expand_to_samples(nonconstant_groups(scores, n), n)
             batch.loss_mask *= keep[:, None].to(batch.loss_mask.dtype)
-            batch.advantages *= batch.loss_mask
             metrics["kept_group_fraction"] = float(keep.float().mean())
+        kl = None
+        if self.ref_logprobs is not None and estimators.kl_in_reward(algo):
+            # The sampling policy's log-probs are the engines' (the trainer's would need one
+            # more forward pass; TIS corrects for the difference where it matters).
+            batch.ref_logprobs = self.ref_logprobs(batch)
+            kl = (batch.rollout_logprobs - batch.ref_logprobs) * batch.loss_mask
+        batch.advantages = estimators.token_advantages(algo, scores, n, batch.loss_mask, kl=kl)
+        metrics.update(self._metrics(responses, rewards, scores, batch))
         return Rollout(batch=batch, metrics=metrics)
+
+    async def _graded(self, step: int, samples: list[Sample], n: int) -> list[Response]:
+        responses = await self._sample(step, samples, n)
+        for r in responses:
+            r.reward = float(self.reward_fn(r.text, r.sample.label))
+        penalties = self._overlong(responses)
+        for r, p in zip(responses, penalties.tolist(), strict=True):
+            r.score = r.reward + p
+        return responses
+
+    async def _refill(self, step: int, responses: list[Response]
+                      ) -> tuple[list[Response], list[Sample], int]:
+        """DAPO's dynamic sampling: draw fresh prompts for the groups whose rewards are all
+        equal, up to `dynamicSamplingRounds` times, keeping the batch at `rolloutBatchSize`
+        groups. Returns (groups with spread first, then the constant ones left over; the
+        extra prompts drawn; the rounds used). Each fresh sample has its own seed (its
+        prompt differs), so a resumed run redraws the same."""
+        n = self.spec.data.n_samples_per_prompt
+        groups = [responses[i:i + n] for i in range(0, len(responses), n)]
+        rich = [g for g in groups if _has_spread(g)]
+        flat = [g for g in groups if not _has_spread(g)]
+        extra: list[Sample] = []
+        rounds = 0
+        while flat and rounds < self.spec.algorithm.dynamic_sampling_rounds:
+            rounds += 1
+            fresh = self.source.next_batch(len(flat))
+            extra += fresh
+            new = await self._graded(step, fresh, n)
+            new_groups = [new[i:i + n] for i in range(0, len(new), n)]
+            gained = [g for g in new_groups if _has_spread(g)]
+            rich += gained
+            flat = flat[len(gained):]
+        return [r for g in rich + flat for r in g], extra, rounds
+
+    def _overlong(self, responses: list[Response]) -> torch.Tensor:
+        algo = self.spec.algorithm
+        if algo.overlong_buffer is None:
+            return torch.zeros(len(responses))
+        lengths = torch.tensor([len(r.output_ids) for r in responses])
+        return shaping.overlong_penalty(lengths, self.spec.data.max_response_len,
+                                        algo.overlong_buffer, algo.overlong_penalty)
 
     async def evaluate(self, step: int) -> dict[str, float]:
         """Mean reward on each eval set: `nSamplesPerPrompt` samples per problem at the job's
@@ -116,15 +180,26 @@ class RolloutManager:
         return out
 
     @staticmethod
-    def _metrics(responses: list[Response], rewards: torch.Tensor) -> dict[str, float]:
+    def _metrics(responses: list[Response], rewards: torch.Tensor, scores: torch.Tensor,
+                 batch: TrainBatch) -> dict[str, float]:
         lengths = [len(r.output_ids) for r in responses]
+        on = batch.loss_mask.bool()
+        adv = batch.advantages[on]
         return {
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std(unbiased=False)),
+            "score_mean": float(scores.mean()),  # after shaping (= reward_mean without it)
+            "advantage_mean": float(adv.mean()) if adv.numel() else 0.0,
+            "advantage_std": float(adv.std(unbiased=False)) if adv.numel() else 0.0,
             "response_length_mean": statistics.fmean(lengths),
+            "response_length_min": float(min(lengths)),
             "response_length_max": float(max(lengths)),
             "truncated_fraction": sum(r.truncated for r in responses) / len(responses),
         }
+
+
+def _has_spread(group: list[Response]) -> bool:
+    return any(r.score != group[0].score for r in group)
 
 
 def sample_seed(seed: int, step: int, sample: Sample, k: int) -> int:

@@ -82,7 +82,8 @@ class Session:
         parts = Parts(
             aio=self.aio,
             rollout=RolloutManager(self.spec, self.source, self.client, tokenizer,
-                                   self.checked.reward_fn, seed=self.opts.seed),
+                                   self.checked.reward_fn, seed=self.opts.seed,
+                                   ref_logprobs=self.trainers.ref_logprobs),
             train=self.trainers, engines=self.engines,
             log=MetricsLog(self.opts.output_dir, prometheus_port=self.opts.prometheus_port,
                            tensorboard_dir=self.opts.tensorboard,

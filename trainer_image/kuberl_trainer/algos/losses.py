@@ -69,6 +69,22 @@ def ppo_clip(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps_clip
     return masked_mean(per_token, mask), metrics
 
 
+def token_entropy(logits: Tensor) -> Tensor:
+    """``[B, T]`` entropy of the softmax over each position's ``logits[B, T, V]``.
+
+    From ``log_softmax`` in float32 (bf16 logits lose the small probabilities of the tail, and
+    ``softmax`` then ``log`` underflows to -inf); entries masked to -inf have probability 0
+    and contribute 0, not NaN. The float32 copy costs ``B * T * V * 4`` bytes; callers with
+    large vocabularies pass micro-batches.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"expected logits [B, T, V], got {tuple(logits.shape)}")
+    logp = F.log_softmax(logits.float(), dim=-1)
+    # Clamping -inf to the lowest finite float keeps 0 * log 0 at 0 in value and gradient.
+    finite = logp.clamp(min=torch.finfo(logp.dtype).min)
+    return -(logp.exp() * finite).sum(dim=-1)
+
+
 def entropy(logits: Tensor, mask: Tensor) -> Tensor:
     """Token-mean entropy of the softmax over ``logits[B, T, V]``; a differentiable scalar.
 
@@ -81,11 +97,7 @@ def entropy(logits: Tensor, mask: Tensor) -> Tensor:
     if logits.dim() != 3 or logits.shape[:2] != mask.shape:
         raise ValueError(f"expected logits [B, T, V] and mask [B, T], got "
                          f"{tuple(logits.shape)} and {tuple(mask.shape)}")
-    logp = F.log_softmax(logits.float(), dim=-1)
-    # Clamping -inf to the lowest finite float keeps 0 * log 0 at 0 in value and gradient.
-    finite = logp.clamp(min=torch.finfo(logp.dtype).min)
-    per_token = -(logp.exp() * finite).sum(dim=-1)
-    return masked_mean(per_token, mask)
+    return masked_mean(token_entropy(logits), mask)
 
 
 def _fraction(flags: Tensor, mask: Tensor) -> float:

@@ -38,7 +38,8 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from kuberl_api.spec import RLJobSpec
-from kuberl_trainer.algos import kl as kl_estimators, losses
+from kuberl_trainer.algos import losses
+from kuberl_trainer.algos.objective import Objective
 from kuberl_trainer.backends.base import TrainBatch
 from kuberl_trainer.backends.buckets import bucketize
 from kuberl_trainer.backends.optim import (
@@ -74,6 +75,7 @@ class FSDPBackend:
     def __init__(self, spec: RLJobSpec, *, rank: int, world_size: int, device: str,
                  optim: OptimConfig | None = None) -> None:
         self.spec, self.algo = spec, spec.algorithm
+        self.objective = Objective.from_spec(spec)
         self.rank, self.world_size = rank, world_size
         self.device = _resolve_device(device)
         self.mode: Mode = parallel_mode(world_size, self.device)
@@ -165,20 +167,22 @@ class FSDPBackend:
     def _optimizer_step(self, batch: TrainBatch, metrics: _Metrics) -> None:
         """One optimizer step over ``batch`` (this rank's part of one global batch).
 
-        The loss is the token-mean over the *whole global batch*, not a mean of micro-batch
-        means: each micro-batch's token-mean is re-weighted by ``its tokens / all ranks'
-        tokens`` (times world_size, which DDP/FSDP's gradient averaging divides back out).
-        That makes the update independent of how the batch is cut into micro-batches and
-        ranks, and weighs every response token equally as the losses module intends.
+        The loss is aggregated over the *whole global batch* (``algos.objective``): each
+        micro-batch backpropagates its partial sum divided by the units (tokens or sequences)
+        of all ranks' micro-batches together, times world_size, which DDP/FSDP's gradient
+        averaging divides back out. The update is then independent of how the batch is cut
+        into micro-batches and ranks.
         """
-        total_tokens = self._global_tokens(batch)
+        units = self._global_units(batch)
         self.optimizer.zero_grad(set_to_none=True)
         micro = list(batch.chunks(self.micro_batch_size))
         for i, mb in enumerate(micro):
             with self._grad_sync(i == len(micro) - 1):
-                loss, stats, tokens = self._micro_loss(_trim(mb))
-                torch.autograd.backward(loss * (tokens * self.world_size / total_tokens))
+                partial, stats, tokens = self._micro_loss(_trim(mb))
+                loss = partial * (self.world_size / units)
+                torch.autograd.backward(loss)
             metrics.add_tokens(stats, tokens)
+            metrics.add_loss(float(loss.detach()) / self.world_size)
         grad_norm = clip_gradients(self.module.parameters())
         lr = float(self.optimizer.param_groups[0]["lr"])
         if math.isfinite(grad_norm):
@@ -190,41 +194,25 @@ class FSDPBackend:
         metrics.add_step(grad_norm, lr)
 
     def _micro_loss(self, mb: TrainBatch) -> tuple[Tensor, dict[str, float], int]:
-        """``(loss, stats, response tokens)`` for one micro-batch.
-
-        loss = ppo_clip + klCoef * KL(policy || ref) - entropyCoef * entropy, each a masked
-        token-mean over this micro-batch's response tokens (all-zero mask -> 0, not NaN).
-        """
+        """``(partial loss sum, token-mean stats, response tokens)`` for one micro-batch; the
+        objective (policy loss, TIS, KL, entropy, aggregation) is ``algos.objective``'s."""
         shifted = self._shifted_logits(self.model, mb)      # [b, t-1, V]
         logp = gather_logprobs(shifted, mb.input_ids)         # [b, t]
         mask = response_mask(mb.loss_mask)                    # [b, t]
-        algo = self.algo
         old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()  # see TrainBatch
-        pg_loss, pg_stats = losses.ppo_clip(logp, old, mb.advantages, mask,
-                                            algo.eps_clip, algo.eps_clip_high,
-                                            clip_c=algo.eps_clip_c)
         # Entropy is costly ([b, t-1, V] float32); keep its graph only when it is trained on.
-        with contextlib.nullcontext() if algo.entropy_coef > 0 else torch.no_grad():
-            entropy = losses.entropy(shifted, mask[:, 1:])
-        kl = self._kl(logp, mb.ref_logprobs, mask)
-        loss = pg_loss
-        if algo.kl_coef > 0:
-            loss = loss + algo.kl_coef * kl
-        if algo.entropy_coef > 0:
-            loss = loss - algo.entropy_coef * entropy
-        stats = {"pg_loss": pg_loss.item(), **pg_stats, "entropy": entropy.item(),
-                 "kl": kl.item(), "loss": loss.item()}
-        return loss, stats, int(mask.sum().item())
+        with contextlib.nullcontext() if self.objective.needs_entropy_grad else torch.no_grad():
+            entropy = nn.functional.pad(losses.token_entropy(shifted), (1, 0))  # [b, t]
+        partial, stats = self.objective.partial_loss(
+            logp, old, mb.advantages, mask, entropy=entropy, rollout_logp=mb.rollout_logprobs,
+            ref_logp=mb.ref_logprobs)
+        return partial, stats, int(mask.sum().item())
 
-    def _kl(self, logp: Tensor, ref_logp: Tensor | None, mask: Tensor) -> Tensor:
-        if ref_logp is None:
-            return torch.zeros((), device=logp.device)
-        return losses.masked_mean(kl_estimators.estimate(logp, ref_logp,
-                                                         self.algo.kl_loss_type), mask)
-
-    def _global_tokens(self, batch: TrainBatch) -> float:
-        """Response tokens in the global batch: this rank's part summed over ranks (>= 1)."""
-        count = response_mask(batch.loss_mask).sum()
+    def _global_units(self, batch: TrainBatch) -> float:
+        """The aggregation's denominator over the global batch: this rank's part summed over
+        ranks (>= 1)."""
+        count = torch.tensor(self.objective.units(response_mask(batch.loss_mask)),
+                             dtype=torch.float64, device=self.device)
         if self.world_size > 1:
             dist.all_reduce(count)
         return max(float(count.item()), 1.0)
@@ -486,18 +474,29 @@ def _broadcast_object(obj: Any) -> Any:
 
 
 class _Metrics:
-    """Token-weighted means of micro-batch stats; mean grad norm, last lr of the steps."""
+    """Token-weighted means of micro-batch stats (extremes, ``*_max``/``*_min``, stay
+    extremes); the mean loss, the mean grad norm and the last lr of the optimizer steps."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
+        self.extremes: dict[str, float] = {}
         self.tokens = 0
+        self.loss = 0.0
         self.grad_norms: list[float] = []
         self.lr = 0.0
 
     def add_tokens(self, stats: dict[str, float], tokens: int) -> None:
         for key, value in stats.items():
-            self.sums[key] = self.sums.get(key, 0.0) + value * tokens
+            if key.endswith("_max"):
+                self.extremes[key] = max(self.extremes.get(key, value), value)
+            elif key.endswith("_min"):
+                self.extremes[key] = min(self.extremes.get(key, value), value)
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + value * tokens
         self.tokens += tokens
+
+    def add_loss(self, part: float) -> None:
+        self.loss += part
 
     def add_step(self, grad_norm: float, lr: float) -> None:
         self.grad_norms.append(grad_norm)
@@ -505,7 +504,10 @@ class _Metrics:
 
     def summary(self) -> dict[str, float]:
         out = {k: v / max(self.tokens, 1) for k, v in self.sums.items()}
-        out["grad_norm"] = sum(self.grad_norms) / max(len(self.grad_norms), 1)
+        out.update(self.extremes)
+        steps = max(len(self.grad_norms), 1)
+        out["loss"] = self.loss / steps  # each step's loss is the sum of its micro parts
+        out["grad_norm"] = sum(self.grad_norms) / steps
         out["lr"] = self.lr
         out["optimizer_steps"] = float(len(self.grad_norms))
         out["response_tokens"] = float(self.tokens)

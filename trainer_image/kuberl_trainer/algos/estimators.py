@@ -1,0 +1,49 @@
+"""The job's advantage estimator, by name: scores (one per response) -> per-token advantages.
+
+The estimators themselves are pure functions in ``advantages`` (per sequence, relative to the
+prompt's group) and ``returns`` (per token); this module only picks one and feeds it.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from kuberl_api.spec import TOKEN_LEVEL_ESTIMATORS, AlgorithmSpec
+from kuberl_trainer.algos import advantages, returns
+
+
+def kl_in_reward(algo: AlgorithmSpec) -> bool:
+    """Whether the KL penalty goes into the rewards (so advantages need reference log-probs)."""
+    return (algo.kl_penalty == "reward" and algo.kl_coef > 0
+            and algo.advantage_estimator in TOKEN_LEVEL_ESTIMATORS)
+
+
+def token_advantages(algo: AlgorithmSpec, scores: Tensor, group_size: int, mask: Tensor, *,
+                     kl: Tensor | None = None) -> Tensor:
+    """``[B, T]`` advantages, 0 off ``mask``.
+
+    Args:
+        algo: the job's algorithm section (``advantageEstimator``, ``gamma``, ``klCoef``).
+        scores: ``[B]`` shaped rewards, prompt groups contiguous runs of ``group_size``.
+        mask: ``[B, T]`` 1 on the response tokens that are trained on (dropped groups are 0
+            here, so token-level estimators whiten over the tokens that count).
+        kl: ``[B, T]`` per-token KL estimate (sampling policy vs reference), required when
+            ``kl_in_reward(algo)``.
+    """
+    est = algo.advantage_estimator
+    if est in ("grpo", "dr_grpo"):
+        # Dr.GRPO drops the std normalisation (its length normalisation is a loss aggregation).
+        seq = advantages.grpo(scores, group_size, normalize_std=est == "grpo")
+        return advantages.to_tokens(seq, mask)
+    if est == "rloo":
+        return advantages.to_tokens(advantages.rloo(scores, group_size), mask)
+    kl_coef = algo.kl_coef if kl_in_reward(algo) else 0.0
+    if kl_coef > 0 and kl is None:
+        raise ValueError(f"klPenalty: reward with {est} needs the per-token KL")
+    if est == "reinforce_plus_plus":
+        return returns.reinforce_plus_plus(scores, mask, kl=kl if kl_coef else None,
+                                           kl_coef=kl_coef, gamma=algo.gamma)
+    if est == "reinforce_plus_plus_baseline":
+        return returns.reinforce_plus_plus_baseline(scores, group_size, mask,
+                                                    kl=kl if kl_coef else None, kl_coef=kl_coef)
+    raise ValueError(f"unknown advantageEstimator {est!r}")

@@ -1,0 +1,127 @@
+"""The training objective of one micro-batch, from per-token pieces to the number a backend
+backpropagates: policy loss (PPO clip or GSPO), optionally reweighted by truncated importance
+sampling, plus the KL and entropy terms, aggregated by the job's loss-aggregation mode.
+
+Backends compute log-probs and entropies (model forwards); everything about how they combine
+lives here, so every backend trains on the same objective::
+
+    loss = agg( w * pg + klCoef * kl - entropyCoef * H )
+
+with ``pg`` the per-token policy loss, ``w`` the TIS weights (1 without ``tisCap``), ``kl`` a
+per-token estimate of KL(policy || reference) (only when ``klPenalty: loss``; with ``reward``
+the penalty is in the advantages instead), ``H`` the per-token entropy.
+
+A batch cut into micro-batches and data-parallel ranks trains exactly as the whole: each
+micro-batch returns the aggregation's *partial sum*; the backend divides by the units of the
+whole global batch (``units``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from kuberl_api.spec import KlType, LossAggregation, RLJobSpec
+from kuberl_trainer.algos import aggregation, importance, kl as kl_estimators, policy_loss
+
+
+@dataclass(frozen=True)
+class Objective:
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None
+    clip_c: float | None = None
+    kl_coef: float = 0.0          # the loss term's weight (0 when the KL is in the reward)
+    kl_type: KlType = "low_var_kl"
+    entropy_coef: float = 0.0
+    tis_cap: float | None = None
+    aggregation: LossAggregation = "token-mean"
+    horizon: int | None = None    # the generation budget, for seq-mean-token-sum-norm
+
+    @classmethod
+    def from_spec(cls, spec: RLJobSpec) -> Objective:
+        a = spec.algorithm
+        return cls(policy_loss=a.policy_loss, eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high,
+                   clip_c=a.eps_clip_c,
+                   kl_coef=a.kl_coef if a.kl_penalty == "loss" else 0.0,
+                   kl_type=a.kl_loss_type, entropy_coef=a.entropy_coef, tis_cap=a.tis_cap,
+                   aggregation=a.loss_aggregation, horizon=spec.data.max_response_len)
+
+    @property
+    def needs_entropy_grad(self) -> bool:
+        return self.entropy_coef > 0
+
+    def units(self, mask: Tensor) -> float:
+        """This batch's share of the aggregation's denominator (sum it over micro-batches and
+        ranks to normalise the partial sums)."""
+        return aggregation.units(mask, self.aggregation, self.horizon)
+
+    def partial_loss(self, logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *,
+                     entropy: Tensor, rollout_logp: Tensor | None = None,
+                     ref_logp: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+        """The aggregation's numerator over these rows, and token-mean metrics.
+
+        Args (all ``[B, T]``, aligned to input_ids positions, ``mask`` 1 on response tokens):
+            logp: the policy's log-probs (with gradient).
+            old_logp: the sampling policy's, as the trainer computes them (no gradient).
+            adv: per-token advantages.
+            entropy: per-token entropy of the policy (with gradient if entropyCoef > 0).
+            rollout_logp: the engines' log-probs, for TIS (needed when tisCap is set).
+            ref_logp: the reference's log-probs (needed when the KL term is on).
+
+        Returns:
+            ``(partial_sum, metrics)``; metrics are token-means over this micro-batch:
+            ``pg_loss``, ``pg_clipfrac`` (and ``pg_clipfrac_lower`` with dual clip),
+            ``ratio_mean``/``ratio_max``/``ratio_min``, ``approx_kl`` (k1 of KL(old || policy)),
+            ``entropy``, ``kl_ref`` (when a reference is given), TIS metrics with tisCap.
+        """
+        if self.policy_loss == "gspo":
+            pg, flags = policy_loss.gspo(logp, old_logp, adv, mask, self.eps_clip,
+                                         self.eps_clip_high)
+        else:
+            pg, flags = policy_loss.ppo_clip(logp, old_logp, adv, mask, self.eps_clip,
+                                             self.eps_clip_high, clip_c=self.clip_c)
+        metrics: dict[str, float] = {}
+        if self.tis_cap is not None:
+            if rollout_logp is None:
+                raise ValueError("tisCap needs the engines' log-probs (rollout_logp)")
+            weights, tis_metrics = importance.truncated_weights(old_logp, rollout_logp, mask,
+                                                                self.tis_cap)
+            pg = pg * weights
+            metrics.update(tis_metrics)
+        total = pg - self.entropy_coef * entropy if self.entropy_coef > 0 else pg
+        kl_ref = None
+        if ref_logp is not None:
+            kl_ref = kl_estimators.estimate(logp, ref_logp, self.kl_type)
+            if self.kl_coef > 0:
+                total = total + self.kl_coef * kl_ref
+        elif self.kl_coef > 0:
+            raise ValueError("klCoef > 0 with klPenalty: loss needs the reference log-probs")
+        partial = aggregation.partial_sum(total, mask, self.aggregation)
+
+        on = mask.bool()
+        n = max(float(on.sum()), 1.0)
+        with torch.no_grad():
+            ratio = flags["ratio"]
+            log_ratio = torch.where(on, logp - old_logp, torch.zeros_like(logp))
+            metrics.update({
+                "pg_loss": _mean(pg, on, n),
+                "pg_clipfrac": float((flags["clipped"] & on).sum()) / n,
+                "ratio_mean": _mean(ratio, on, n),
+                "ratio_max": float(ratio[on].max()) if on.any() else 1.0,
+                "ratio_min": float(ratio[on].min()) if on.any() else 1.0,
+                "approx_kl": _mean(-log_ratio, on, n),
+                "entropy": _mean(entropy, on, n),
+            })
+            if "clipped_lower" in flags:
+                metrics["pg_clipfrac_lower"] = float((flags["clipped_lower"] & on).sum()) / n
+            if kl_ref is not None:
+                metrics["kl_ref"] = _mean(kl_ref, on, n)
+        return partial, metrics
+
+
+def _mean(x: Tensor, on: Tensor, n: float) -> float:
+    return float(torch.where(on, x.detach(), torch.zeros_like(x)).sum()) / n
