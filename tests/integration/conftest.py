@@ -47,3 +47,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 def pytest_configure(config: pytest.Config) -> None:
     # kmock 0.8 reads its bundled resources with a deprecated importlib call.
     config.addinivalue_line("filterwarnings", "ignore:read_binary:DeprecationWarning")
+
+
+@pytest.fixture(scope="session")
+def tiny() -> Path:
+    """The tiny job's model and data (tests.integration.local_run.tiny_job)."""
+    from tests.integration.local_run import tiny_job
+
+    return tiny_job()

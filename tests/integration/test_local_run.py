@@ -3,71 +3,18 @@ real weight sync over gloo, checkpoints that resume exactly, and bad input that 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+
+from tests.integration.local_run import ENV, KUBERL, LEARNABLE, kuberl_run, manifest, metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
-
-ROOT = Path(__file__).resolve().parents[2]
-KUBERL = [sys.executable, "-m", "kuberl_cli.main"]
-SFT_STEPS = 300  # a partly trained policy: room for RL to improve it within a few steps
-
-
-@pytest.fixture(scope="module")
-def tiny() -> Path:
-    """The tiny job's model and data, built once per machine (the build is seeded and cached
-    under the user's cache directory, so later runs and clean clones reuse it)."""
-    from kuberl_trainer.tiny.build import BuildConfig, build
-
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    out = cache / "kuberl" / f"test-tiny-sft{SFT_STEPS}"
-    build(out, BuildConfig(sft_steps=SFT_STEPS))
-    return out
-
-
-def manifest(tiny: Path, tmp: Path, name: str, **spec: Any) -> Path:
-    body: dict[str, Any] = {
-        "model": {"path": str(tiny / "model")},
-        "data": {"prompts": str(tiny / "data" / "train.jsonl"), "rolloutBatchSize": 16,
-                 "nSamplesPerPrompt": 8, "maxPromptLen": 8, "maxResponseLen": 4},
-        "reward": {"type": "exact"},
-        "algorithm": {"lr": 5e-4, "temperature": 1.0},
-        "training": {"backend": "fsdp", "gpusPerNode": 0, "microBatchSize": 64},
-        "rollout": {"engine": "reference"},
-        "schedule": {"numRollouts": 4},
-    }
-    for key, value in spec.items():
-        body[key] = {**body.get(key, {}), **value} if isinstance(value, dict) else value
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({"apiVersion": "kuberl.dev/v1alpha1", "kind": "RLJob",
-                                    "metadata": {"name": name}, "spec": body}))
-    return path
-
-
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # so `tests.integration.toy_rewards` imports
-
-
-def kuberl_run(job: Path, out: Path, *extra: str,
-               timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*KUBERL, "run", str(job), "--output-dir", str(out), *extra],
-                          capture_output=True, text=True, timeout=timeout, cwd=job.parent,
-                          env=ENV)
-
-
-def metrics(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-LEARNABLE = {"type": "custom", "function": "tests.integration.toy_rewards:leading_one"}
 
 
 def test_colocated_run_learns_and_writes_metrics(tiny: Path, tmp_path: Path) -> None:
