@@ -190,15 +190,12 @@ class RewardSpec(ApiModel):
         return self
 
 
-# "ppo" (GAE with a critic) and on-policy distillation come with the value-model and teacher
-# actor groups; until then they are not offered (a job asking for them would train something
-# else).
 AdvantageEstimator = Literal[
-    "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+    "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo",
 ]
 # Estimators whose advantages are per token (returns over the response), which is what a KL
 # penalty folded into the rewards needs.
-TOKEN_LEVEL_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+TOKEN_LEVEL_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 KlType = Literal["k1", "k2", "k3", "low_var_kl"]
 PolicyLoss = Literal["ppo", "gspo"]
 LossAggregation = Literal[
@@ -224,7 +221,7 @@ class AlgorithmSpec(ApiModel):
     advantage_estimator: AdvantageEstimator = Field(
         "grpo", description="grpo, dr_grpo (no std division), rloo (leave-one-out baseline), "
         "reinforce_plus_plus (token returns, batch-whitened), reinforce_plus_plus_baseline "
-        "(group mean subtracted first).")
+        "(group mean subtracted first), ppo (GAE with the value model of the critic section).")
     policy_loss: PolicyLoss = Field(
         "ppo", description="ppo: the clipped per-token ratio; gspo: the clipped sequence "
         "ratio (geometric mean of a response's token ratios; use small clip ranges, e.g. "
@@ -256,7 +253,9 @@ class AlgorithmSpec(ApiModel):
         "loss", description="Where klCoef applies: loss (a KL(policy || reference) term in "
         "the loss) or reward (a per-token penalty in the rewards; token-level estimators).")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount of token-level returns "
-                         "(reinforce_plus_plus).")
+                         "(reinforce_plus_plus, ppo).")
+    gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE's lambda (ppo): 1 is the "
+                              "Monte-Carlo return, 0 the one-step TD error.")
     entropy_coef: float = Field(0.0, ge=0, le=100)
     temperature: float = Field(1.0, gt=0, le=100, description="Sampling temperature.")
     drop_constant_groups: bool = Field(
@@ -500,12 +499,57 @@ Placement = Literal["colocate", "disaggregated"]
 _DP = ("((self.training.gpusPerNode == 0 ? self.training.nodes : "
        "self.training.nodes * self.training.gpusPerNode) / (self.training.parallelism.tp * "
        "self.training.parallelism.pp * self.training.parallelism.cp))")
+_GBS = ("(has(self.training.globalBatchSize) ? self.training.globalBatchSize : "
+        "self.data.rolloutBatchSize * self.data.nSamplesPerPrompt)")
+_CRITIC_WORLD = ("(self.critic.gpusPerNode == 0 ? self.critic.nodes : "
+                 "self.critic.nodes * self.critic.gpusPerNode)")
 # The range guards (see _outside) of the batch sizes: the samples of one rollout, and the
 # global batch (globalBatchSize, or those samples when it is unset).
 _BATCH_OUTSIDE = (
     f"{_outside('self.data.rolloutBatchSize', 1, MAX_ROLLOUT_BATCH)} || "
     f"{_outside('self.data.nSamplesPerPrompt', 1, MAX_SAMPLES_PER_PROMPT)} || "
     f"{_outside('self.training.globalBatchSize', 1, MAX_GLOBAL_BATCH, optional=True)}")
+
+
+class CriticSpec(ApiModel):
+    """The value model PPO trains alongside the policy (advantageEstimator: ppo)."""
+
+    model_config = {
+        "json_schema_extra": cel_rules(
+            cel("self.placement == 'dedicated' || (self.nodes == 1 && "
+                "size(self.nodePool.nodeSelector) == 0 && size(self.nodePool.tolerations) == 0)",
+                "critic.nodes and critic.nodePool apply to placement: dedicated only (shared "
+                "critics run on the training pods)", ".placement"),
+        )
+    }
+
+    model_path: str | None = Field(
+        None, min_length=1, max_length=MAX_STR, description="Weights to start the value model "
+        "from (an HF causal LM directory; a fresh scalar value head is added); default: "
+        "model.path.")
+    lr: float = Field(1e-5, gt=0, le=1, description="The value model's learning rate.")
+    value_clip: float | None = Field(
+        0.2, gt=0, le=1000, description="PPO value clipping: a value moves at most this far "
+        "from its rollout-time estimate per update; unset: off.")
+    placement: Literal["shared", "dedicated"] = Field(
+        "shared", description="shared: one critic worker beside each training worker, on the "
+        "training pods (sharing their GPUs); dedicated: pods of their own (nodes, "
+        "gpusPerNode, nodePool).")
+    image: str = Field(DEFAULT_TRAINER_IMAGE, min_length=1, max_length=MAX_STR)
+    nodes: int = Field(1, ge=1, le=MAX_NODES, description="Dedicated critic pods.")
+    gpus_per_node: int = Field(8, ge=0, le=MAX_GPUS_PER_NODE,
+                               description="GPUs per dedicated critic pod; 0: CPU.")
+    node_pool: NodePool = Field(default_factory=NodePool)
+    resources: Resources = Field(default_factory=Resources)
+
+    @model_validator(mode="after")
+    def _shared_has_no_pods(self) -> CriticSpec:
+        check(self.placement == "dedicated" or (self.nodes == 1 and not self.node_pool.node_selector
+                                                 and not self.node_pool.tolerations),
+              "placement", self.placement,
+              "critic.nodes and critic.nodePool apply to placement: dedicated only (shared "
+              "critics run on the training pods)")
+        return self
 
 
 class RLJobSpec(ApiModel):
@@ -542,6 +586,16 @@ class RLJobSpec(ApiModel):
                 "self.data.rolloutBatchSize * self.data.nSamplesPerPrompt) == 0",
                 "training.globalBatchSize must divide rolloutBatchSize * nSamplesPerPrompt",
                 ".training.globalBatchSize"),
+            cel("self.algorithm.advantageEstimator != 'ppo' || self.critic.placement != "
+                f"'dedicated' || {_outside('self.critic.nodes', 1, MAX_NODES)} || "
+                f"{_outside('self.critic.gpusPerNode', 0, MAX_GPUS_PER_NODE)} || "
+                f"{_outside('self.training.microBatchSize', 1, MAX_MICRO_BATCH)} || "
+                f"{_BATCH_OUTSIDE} || "
+                f"(self.data.rolloutBatchSize * self.data.nSamplesPerPrompt) % {_GBS} != 0 || "
+                f"{_GBS} % (self.training.microBatchSize * {_CRITIC_WORLD}) == 0",
+                "the global batch must split evenly into micro-batches across the dedicated "
+                "critic workers: training.microBatchSize * critic workers must divide it",
+                ".critic.nodes"),
             # dataParallel is 0 only when tp*pp*cp exceeds the GPUs, which the training rule
             # reports; that guard keeps this rule from failing with a modulus-by-zero error.
             cel(f"{_gpus_outside('self.training')} || {_mp_outside('self.training')} || "
@@ -571,6 +625,7 @@ class RLJobSpec(ApiModel):
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    critic: CriticSpec = Field(default_factory=CriticSpec)
     placement: Placement = "colocate"
     mode: Literal["sync", "async"] = "sync"
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
@@ -592,6 +647,19 @@ class RLJobSpec(ApiModel):
     def global_batch_size(self) -> int:
         samples = self.data.rollout_batch_size * self.data.n_samples_per_prompt
         return self.training.global_batch_size or samples
+
+    @property
+    def has_critic(self) -> bool:
+        return self.algorithm.advantage_estimator == "ppo"
+
+    @property
+    def critic_world_size(self) -> int:
+        """Critic workers: one beside each training worker (shared), or one per dedicated
+        GPU (one per dedicated pod on CPU)."""
+        c = self.critic
+        if c.placement == "shared":
+            return self.training.world_size
+        return c.nodes * c.gpus_per_node if c.gpus_per_node else c.nodes
 
     @property
     def training_gpus(self) -> int:
@@ -662,6 +730,12 @@ class RLJobSpec(ApiModel):
     def _check_batches(self) -> None:
         samples = self.data.rollout_batch_size * self.data.n_samples_per_prompt
         gbs = self.global_batch_size
+        if self.has_critic and self.critic.placement == "dedicated" and samples % gbs == 0:
+            per_step = self.training.micro_batch_size * self.critic_world_size
+            check(gbs % per_step == 0, "critic.nodes", self.critic.nodes,
+                  f"the global batch ({gbs}) must split evenly into micro-batches across the "
+                  f"dedicated critic workers: training.microBatchSize * critic workers "
+                  f"({self.training.micro_batch_size} * {self.critic_world_size}) must divide it")
         check(samples % gbs == 0, "training.globalBatchSize", gbs,
               f"globalBatchSize must divide rolloutBatchSize * nSamplesPerPrompt = {samples}")
         per_step = self.training.micro_batch_size * self.training.data_parallel
