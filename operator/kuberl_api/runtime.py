@@ -27,6 +27,8 @@ ENV_ATTEMPT: Final = "KUBERL_ATTEMPT"
 
 # Ray custom resources: a train actor asks for 1 unit of RESOURCE_TRAIN per GPU, an engine for
 # gpusPerEngine units of RESOURCE_ROLLOUT (1 unit per actor on CPU). Colocated train pods carry
-# both.
+# both. A critic actor (PPO) asks for 1 unit of RESOURCE_CRITIC: dedicated critic pods carry one
+# per GPU, and with a shared critic the train pods carry as many as RESOURCE_TRAIN.
 RESOURCE_TRAIN: Final = "kuberl_train"
 RESOURCE_ROLLOUT: Final = "kuberl_rollout"
+RESOURCE_CRITIC: Final = "kuberl_critic"

@@ -29,6 +29,11 @@ ALGORITHMS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
                                      ()),
     "gspo": ({"policyLoss": "gspo", "lossAggregation": "seq-mean-token-mean",
               "epsClip": 3e-4, "epsClipHigh": 4e-4}, ()),
+    "ppo-shared-critic": ({"advantageEstimator": "ppo", "gamma": 1.0, "gaeLambda": 0.95},
+                          ("value_loss", "vf_clipfrac", "critic_grad_norm")),
+    "ppo-dedicated-critic": (
+        {"advantageEstimator": "ppo", "klPenalty": "reward", "klCoef": 0.01},
+        ("value_loss", "critic_lr", "kl_ref")),
     "dapo": ({"epsClipHigh": 0.28, "dynamicSamplingRounds": 3, "overlongBuffer": 2,
               "overlongPenalty": 0.5, "tisCap": 2.0, "klCoef": 0.01, "klLossType": "k3"},
              ("dynamic_sampling_rounds", "kept_group_fraction", "score_mean",
@@ -42,8 +47,13 @@ COMMON = ("reward_mean", "advantage_mean", "advantage_std", "pg_loss", "pg_clipf
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_algorithm_trains_and_raises_reward(tiny: Path, tmp_path: Path, name: str) -> None:
     algorithm, extra_keys = ALGORITHMS[name]
+    extra: dict[str, Any] = {}
+    if name == "ppo-dedicated-critic":  # its own CPU "node", started from the policy's weights
+        extra["critic"] = {"placement": "dedicated", "gpusPerNode": 0, "lr": 1e-3}
+    elif name.startswith("ppo"):
+        extra["critic"] = {"lr": 1e-3}
     job = manifest(tiny, tmp_path, name.replace("_", "-"), reward=LEARNABLE,
-                   algorithm=algorithm, schedule={"numRollouts": STEPS})
+                   algorithm=algorithm, schedule={"numRollouts": STEPS}, **extra)
     res = kuberl_run(job, tmp_path / "out")
     assert res.returncode == 0, res.stderr[-3000:]
     rows = metrics(tmp_path / "out")

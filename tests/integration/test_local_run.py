@@ -76,19 +76,32 @@ def test_disaggregated_engines_hold_the_trainers_weights(tiny: Path, tmp_path: P
         session.close()
 
 
-def test_resume_replays_the_uninterrupted_run(tiny: Path, tmp_path: Path) -> None:
-    whole = manifest(tiny, tmp_path, "whole", schedule={"numRollouts": 6, "saveInterval": 3})
+RESUMABLE = {
+    "grpo": ({}, ("reward_mean", "response_length_mean", "pg_loss", "entropy")),
+    # PPO: the critic's weights, optimizer and RNG resume too, or values and advantages drift
+    "ppo": ({"algorithm": {"advantageEstimator": "ppo"}, "critic": {"lr": 1e-3}},
+            ("reward_mean", "pg_loss", "value_loss", "explained_variance", "advantage_mean")),
+}
+
+
+@pytest.mark.parametrize("name", RESUMABLE)
+def test_resume_replays_the_uninterrupted_run(tiny: Path, tmp_path: Path, name: str) -> None:
+    extra, keys = RESUMABLE[name]
+    whole = manifest(tiny, tmp_path, "whole", schedule={"numRollouts": 6, "saveInterval": 3},
+                     **extra)
     assert kuberl_run(whole, tmp_path / "a").returncode == 0
-    first = manifest(tiny, tmp_path, "part", schedule={"numRollouts": 3, "saveInterval": 3})
+    first = manifest(tiny, tmp_path, "part", schedule={"numRollouts": 3, "saveInterval": 3},
+                     **extra)
     assert kuberl_run(first, tmp_path / "b").returncode == 0
-    rest = manifest(tiny, tmp_path, "part", schedule={"numRollouts": 6, "saveInterval": 3})
+    rest = manifest(tiny, tmp_path, "part", schedule={"numRollouts": 6, "saveInterval": 3},
+                    **extra)
     res = kuberl_run(rest, tmp_path / "b")
     assert res.returncode == 0, res.stderr[-3000:]
     a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
     assert [r["step"] for r in b] == list(range(6))
     for ra, rb in zip(a[3:], b[3:], strict=True):
         assert ra["prompts_sha"] == rb["prompts_sha"]
-        for key in ("reward_mean", "response_length_mean", "pg_loss", "entropy"):
+        for key in keys:
             assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-5), key
 
 

@@ -520,3 +520,34 @@ def test_pods_writing_to_a_claim_get_the_image_group(make_rljob: MakeJob) -> Non
     assert "securityContext" not in p["rollout"]  # reads the model only
     for pod in pods(make_rljob(spec=DISAGG)).values():  # emptyDir checkpoints: nothing to fix
         assert "securityContext" not in pod
+
+
+def test_dedicated_critic_gets_its_own_pods(make_rljob: MakeJob) -> None:
+    critic_pool = {"nodeSelector": {"pool": "a100"}}
+    job = make_rljob(spec={**DISAGG, "algorithm": {"advantageEstimator": "ppo"},
+                           "critic": {"placement": "dedicated", "nodes": 2, "gpusPerNode": 4,
+                                      "nodePool": critic_pool,
+                                      "resources": {"memory": "64Gi"}}})
+    g = groups(job)
+    assert sorted(g) == ["critic", "rollout", "train"]
+    critic = g["critic"]
+    assert critic["replicas"] == critic["minReplicas"] == critic["maxReplicas"] == 2
+    assert critic["resources"] == {names.RESOURCE_CRITIC: "4"}
+    spec, train = critic["template"]["spec"], g["train"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"pool": "a100"}
+    assert gpus(spec) == ("4", "4")
+    assert env(spec) == env(train)  # the same NCCL settings as the trainers it all-reduces like
+    # critic rank 0 writes the value model's checkpoint, on the same volume as the trainers
+    assert job.spec.checkpoint.path in {m["mountPath"] for m in container(spec)["volumeMounts"]}
+    assert names.RESOURCE_CRITIC not in g["train"]["resources"]
+
+
+def test_shared_critic_rides_the_training_pods(make_rljob: MakeJob) -> None:
+    g = groups(make_rljob(spec={**DISAGG, "algorithm": {"advantageEstimator": "ppo"}}))
+    assert sorted(g) == ["rollout", "train"]
+    assert g["train"]["resources"][names.RESOURCE_CRITIC] == \
+        g["train"]["resources"][names.RESOURCE_TRAIN] == "8"
+    # without ppo the critic section is inert: no critic resources, no critic pods
+    plain = groups(make_rljob(spec={**DISAGG, "critic": {"placement": "dedicated"}}))
+    assert sorted(plain) == ["rollout", "train"]
+    assert names.RESOURCE_CRITIC not in plain["train"]["resources"]

@@ -20,7 +20,7 @@ import ray
 import torch
 
 from kuberl_api.spec import RLJobSpec
-from kuberl_trainer.backends.base import TrainBatch, make_backend
+from kuberl_trainer.backends.base import Backend, TrainBatch, make_backend
 from kuberl_trainer.placement import ActorShape, Layout, cpu_threads
 
 SYNC_TIMEOUT_S = 300.0
@@ -49,12 +49,18 @@ class TrainWorker:
     def __init__(self, spec_json: str, rank: int, world_size: int, sharing: int = 1) -> None:
         self.spec = RLJobSpec.model_validate_json(spec_json)
         self.rank, self.world_size = rank, world_size
-        self.device = "cuda" if torch.cuda.is_available() and self.spec.training.gpus_per_node \
-            else "cpu"
+        self.device = "cuda" if torch.cuda.is_available() and self.on_gpu() else "cpu"
         if self.device == "cpu":
             torch.set_num_threads(torch_threads(sharing))
         self._sender: Any = None
         self._aio: asyncio.AbstractEventLoop | None = None
+
+    def on_gpu(self) -> bool:
+        return self.spec.training.gpus_per_node > 0
+
+    def build_backend(self) -> Backend:
+        return make_backend(self.spec, rank=self.rank, world_size=self.world_size,
+                            device=self.device)
 
     def address(self) -> tuple[str, int]:
         return node_ip(), free_port()
@@ -65,8 +71,7 @@ class TrainWorker:
             torch.distributed.init_process_group(
                 backend, init_method=f"tcp://{master_addr}:{master_port}",
                 rank=self.rank, world_size=self.world_size)
-        self.backend = make_backend(self.spec, rank=self.rank, world_size=self.world_size,
-                                    device=self.device)
+        self.backend = self.build_backend()
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         return self.backend.train_step(batch)
@@ -183,25 +188,37 @@ class EngineServer:
 PLACEMENT_TIMEOUT_S = 600.0
 
 
-def placed(shape: ActorShape, count: int, what: str) -> list[dict[str, Any]]:
-    """Reserve `count` bundles at once (a gang: all or nothing) and return per-actor options.
+def reserve(bundles: list[dict[str, float]], what: str) -> Any:
+    """Reserve `bundles` at once (a gang: all or nothing) as one placement group.
 
     PACK keeps consecutive ranks on the same node where they fit, so data-parallel neighbours
     talk over NVLink and an engine's GPUs never straddle nodes (a bundle is one node).
     """
     from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    pg = placement_group([shape.bundle() for _ in range(count)], strategy="PACK")
+    pg = placement_group(bundles, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
         raise RuntimeError(
-            f"could not place {count} {what} actor(s) of {shape.bundle()} within "
+            f"could not place {len(bundles)} {what} actor(s) of {bundles[0]} within "
             f"{PLACEMENT_TIMEOUT_S:.0f}s; the Ray cluster offers {ray.cluster_resources()}"
         ) from None
-    return [{**shape.options(), "scheduling_strategy": PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=i)} for i in range(count)]
+    return pg
+
+
+def in_bundle(shape: ActorShape, pg: Any, index: int) -> dict[str, Any]:
+    """Actor options: `shape`'s resources, taken from bundle `index` of `pg`."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {**shape.options(), "scheduling_strategy": PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=index)}
+
+
+def placed(shape: ActorShape, count: int, what: str) -> list[dict[str, Any]]:
+    """Per-actor options for `count` actors of `shape`, each in a bundle of its own."""
+    pg = reserve([shape.bundle() for _ in range(count)], what)
+    return [in_bundle(shape, pg, i) for i in range(count)]
 
 
 class TrainGroup:
@@ -210,18 +227,21 @@ class TrainGroup:
     split its cores."""
 
     def __init__(self, spec: RLJobSpec, layout: Layout, *, one_machine: bool = False) -> None:
-        cls: Any = ray.remote(TrainWorker)
-        spec_json = spec.model_dump_json(by_alias=True)
         n = layout.train_workers
-        opts = placed(layout.train_actor, n, "training")
-        sharing = n if one_machine else 1
-        self.workers = [cls.options(**opts[rank]).remote(spec_json, rank, n, sharing)
-                        for rank in range(n)]
-        addr, port = ray.get(self.workers[0].address.remote())
-        ray.get([w.setup.remote(addr, port) for w in self.workers])
+        # A shared critic's share of each bundle is reserved here with its training worker's.
+        self.pg = reserve([layout.train_bundle() for _ in range(n)], "training")
+        self.workers = start_workers(TrainWorker, spec, [
+            in_bundle(layout.train_actor, self.pg, rank) for rank in range(n)],
+            sharing=n if one_machine else 1)
 
     def _shards(self, batch: TrainBatch) -> list[TrainBatch]:
         return batch.split(len(self.workers))
+
+    def save(self, path: str) -> None:
+        ray.get([w.save.remote(path) for w in self.workers])
+
+    def load(self, path: str) -> None:
+        ray.get([w.load.remote(path) for w in self.workers])
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         results: Sequence[dict[str, float]] = ray.get(
@@ -248,11 +268,19 @@ class TrainGroup:
         sums: list[dict[str, str]] = ray.get([w.checksums.remote() for w in self.workers])
         return sums[0]
 
-    def save(self, path: str) -> None:
-        ray.get([w.save.remote(path) for w in self.workers])
 
-    def load(self, path: str) -> None:
-        ray.get([w.load.remote(path) for w in self.workers])
+def start_workers(worker: type, spec: RLJobSpec, options: list[dict[str, Any]], *,
+                  sharing: int) -> list[Any]:
+    """One `worker` actor per entry of `options` (ranks in order), joined into one
+    torch.distributed group (rank 0's address) with their backends built."""
+    cls: Any = ray.remote(worker)
+    spec_json = spec.model_dump_json(by_alias=True)
+    n = len(options)
+    workers = [cls.options(**opts).remote(spec_json, rank, n, sharing)
+               for rank, opts in enumerate(options)]
+    addr, port = ray.get(workers[0].address.remote())
+    ray.get([w.setup.remote(addr, port) for w in workers])
+    return workers
 
 
 def combine_rank_metrics(results: Sequence[dict[str, float]]) -> dict[str, float]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kuberl_trainer.actors import EngineGroup, TrainGroup
+from kuberl_trainer.backends.base import TrainBatch
 from kuberl_trainer.metrics_log import MetricsLog
 from kuberl_trainer.rollout import RolloutManager
 
@@ -15,6 +16,10 @@ from kuberl_trainer.rollout import RolloutManager
 class Checkpointer(Protocol):
     def due(self, step: int) -> bool: ...
     def save(self, step: int, weight_version: int) -> str: ...
+
+
+class Critic(Protocol):
+    def train(self, batch: TrainBatch) -> dict[str, float]: ...
 
 
 class Reporter(Protocol):
@@ -33,6 +38,7 @@ class Parts:
     reporter: Reporter
     bucket_bytes: int
     eval_interval: int | None = None
+    critic: Critic | None = None  # PPO's value model
 
 
 def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
@@ -42,6 +48,8 @@ def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
         rollout = parts.aio.run_until_complete(parts.rollout.generate(step))  # -> batch
         t1 = time.perf_counter()
         stats = parts.train.train(rollout.batch)   # pi_old, pi_ref, optimizer step(s)
+        if parts.critic is not None:
+            stats |= parts.critic.train(rollout.batch)  # towards GAE's returns
         t2 = time.perf_counter()
         weight_version += 1
         parts.train.push_weights(parts.engines.urls, weight_version, parts.bucket_bytes)

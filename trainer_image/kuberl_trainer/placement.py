@@ -8,9 +8,10 @@ machine locally (where `local_resources` advertises the same units to a local Ra
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from kuberl_api.runtime import RESOURCE_ROLLOUT, RESOURCE_TRAIN
+from kuberl_api.runtime import RESOURCE_CRITIC, RESOURCE_ROLLOUT, RESOURCE_TRAIN
 from kuberl_api.spec import RLJobSpec
 
 
@@ -42,10 +43,23 @@ class Layout:
     engines: int
     engine_actor: ActorShape
     gpus_per_engine: int
+    # PPO's value model: `critic_workers` actors of `critic_actor`; shared ones sit in the same
+    # placement-group bundle as the training worker of their rank (see `train_bundle`).
+    critic_workers: int = 0
+    critic_actor: ActorShape | None = None
+    critic_shared: bool = False
 
     @property
     def on_gpu(self) -> bool:
         return self.train_actor.num_gpus > 0
+
+    def train_bundle(self) -> dict[str, float]:
+        """One training rank's bundle: the train actor's, plus its critic's when shared."""
+        bundle = self.train_actor.bundle()
+        if self.critic_shared and self.critic_actor is not None:
+            for key, value in self.critic_actor.bundle().items():
+                bundle[key] = bundle.get(key, 0.0) + value
+        return bundle
 
 
 # CPU actors ask for a sliver of CPU so that on a laptop or CI box (2 cores) trainers and
@@ -68,8 +82,25 @@ def layout(spec: RLJobSpec) -> Layout:
     engine_gpus = per_engine if (rollout_gpu and spec.placement == "disaggregated") else 0
     engine = ActorShape(num_cpus=1 if rollout_gpu else _CPU_SLIVER, num_gpus=engine_gpus,
                         resources={RESOURCE_ROLLOUT: per_engine or 1})
-    return Layout(placement=spec.placement, train_workers=t.world_size, train_actor=train,
-                  engines=spec.num_engines, engine_actor=engine, gpus_per_engine=per_engine)
+    lay = Layout(placement=spec.placement, train_workers=t.world_size, train_actor=train,
+                 engines=spec.num_engines, engine_actor=engine, gpus_per_engine=per_engine)
+    return _with_critic(spec, lay) if spec.has_critic else lay
+
+
+def _with_critic(spec: RLJobSpec, lay: Layout) -> Layout:
+    """A shared critic splits each training GPU with its training worker (half each, in one
+    bundle, so Ray hands both the same device); a dedicated one has GPUs of its own."""
+    c = spec.critic
+    if c.placement == "shared":
+        gpu_share = 0.5 if lay.on_gpu else 0
+        train = ActorShape(lay.train_actor.num_cpus, gpu_share, dict(lay.train_actor.resources))
+        critic = ActorShape(lay.train_actor.num_cpus, gpu_share, {RESOURCE_CRITIC: 1})
+        return dataclasses.replace(lay, train_actor=train, critic_workers=lay.train_workers,
+                                   critic_actor=critic, critic_shared=True)
+    gpu = c.gpus_per_node > 0
+    critic = ActorShape(num_cpus=1 if gpu else _CPU_SLIVER, num_gpus=1 if gpu else 0,
+                        resources={RESOURCE_CRITIC: 1})
+    return dataclasses.replace(lay, critic_workers=spec.critic_world_size, critic_actor=critic)
 
 
 def cpu_threads(cores: int, actors_sharing: int) -> int:
@@ -89,4 +120,7 @@ def local_resources(spec: RLJobSpec) -> dict[str, float]:
     lay = layout(spec)
     train_units = lay.train_workers * lay.train_actor.resources[RESOURCE_TRAIN]
     rollout_units = lay.engines * lay.engine_actor.resources[RESOURCE_ROLLOUT]
-    return {RESOURCE_TRAIN: train_units, RESOURCE_ROLLOUT: rollout_units}
+    out = {RESOURCE_TRAIN: train_units, RESOURCE_ROLLOUT: rollout_units}
+    if lay.critic_actor is not None:
+        out[RESOURCE_CRITIC] = lay.critic_workers * lay.critic_actor.resources[RESOURCE_CRITIC]
+    return out

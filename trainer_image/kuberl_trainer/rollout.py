@@ -15,6 +15,7 @@ One step's rollout: take `rolloutBatchSize` prompts from the data source, ask th
 from __future__ import annotations
 
 import hashlib
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from kuberl_api.spec import RLJobSpec
-from kuberl_trainer.algos import estimators, shaping
+from kuberl_trainer.algos import estimators, shaping, value_loss
 from kuberl_trainer.algos.filters import expand_to_samples, nonconstant_groups
 from kuberl_trainer.backends.base import TrainBatch
 from kuberl_trainer.data import PromptSource, Sample
@@ -48,21 +49,25 @@ class Rollout:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
-RefLogprobs = Callable[[TrainBatch], torch.Tensor]
+TokenFn = Callable[[TrainBatch], torch.Tensor]
 
 
 class RolloutManager:
     """`ref_logprobs`: the trainer's reference log-probs of a batch (`TrainGroup.
-    ref_logprobs`), needed only when the KL penalty is in the rewards."""
+    ref_logprobs`), needed only when the KL penalty is in the rewards; `values`: the critic's
+    value estimates (`CriticGroup.values`), needed for ppo."""
 
     def __init__(self, spec: RLJobSpec, source: PromptSource, client: EngineClient,
                  tokenizer: Any, reward_fn: Callable[[str, str], float], *,
-                 seed: int = 0, ref_logprobs: RefLogprobs | None = None) -> None:
+                 seed: int = 0, ref_logprobs: TokenFn | None = None,
+                 values: TokenFn | None = None) -> None:
         self.spec, self.source, self.client, self.seed = spec, source, client, seed
         self.tokenizer, self.reward_fn = tokenizer, reward_fn
         if estimators.kl_in_reward(spec.algorithm) and ref_logprobs is None:
             raise ValueError("klPenalty: reward needs the trainer's reference log-probs")
-        self.ref_logprobs = ref_logprobs
+        if spec.has_critic and values is None:
+            raise ValueError("advantageEstimator ppo needs the critic's values")
+        self.ref_logprobs, self.values = ref_logprobs, values
         self.eval_sets = [
             (e.name, PromptSource(e.path, spec.data.input_key, spec.data.label_key,
                                   seed=seed).samples(), e.n_samples_per_prompt)
@@ -124,7 +129,17 @@ class RolloutManager:
             # more forward pass; TIS corrects for the difference where it matters).
             batch.ref_logprobs = self.ref_logprobs(batch)
             kl = (batch.rollout_logprobs - batch.ref_logprobs) * batch.loss_mask
-        batch.advantages = estimators.token_advantages(algo, scores, n, batch.loss_mask, kl=kl)
+        if self.values is not None and algo.advantage_estimator == "ppo":
+            batch.values = self.values(batch)
+            batch.advantages, batch.returns = estimators.ppo_targets(
+                algo, scores, batch.loss_mask, batch.values, kl=kl)
+            explained = value_loss.explained_variance(batch.values, batch.returns,
+                                                      batch.loss_mask)
+            if math.isfinite(explained):  # NaN when every return is equal: nothing to explain
+                metrics["explained_variance"] = explained
+        else:
+            batch.advantages = estimators.token_advantages(algo, scores, n, batch.loss_mask,
+                                                           kl=kl)
         metrics.update(self._metrics(responses, rewards, scores, batch))
         return Rollout(batch=batch, metrics=metrics)
 

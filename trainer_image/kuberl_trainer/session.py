@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from kuberl_api import RLJob
 from kuberl_trainer import checkpoint as ckpt
 from kuberl_trainer.actors import EngineGroup, TrainGroup
+from kuberl_trainer.critic import CriticGroup
 from kuberl_trainer.data import PromptSource
 from kuberl_trainer.engine_client import EngineClient, EngineError
 from kuberl_trainer.loop import Parts, train
@@ -38,6 +39,7 @@ class Session:
         self.job, self.spec, self.opts, self.checked = job, job.spec, opts, checked
         self.engines: EngineGroup | None = None
         self.trainers: TrainGroup | None = None
+        self.critic: CriticGroup | None = None
         self.step = 0
         self.weight_version = 0
         self.aio = asyncio.new_event_loop()  # one loop for the run: the HTTP session lives on it
@@ -56,6 +58,8 @@ class Session:
         local = not self.opts.address
         self.engines = EngineGroup(self.spec, lay, seed=self.opts.seed, one_machine=local)
         self.trainers = TrainGroup(self.spec, lay, one_machine=local)
+        self.critic = (CriticGroup(self.spec, lay, self.trainers, one_machine=local)
+                       if self.spec.has_critic else None)
         self.client = EngineClient(self.engines.urls)
         self.aio.run_until_complete(self.client.wait_healthy(timeout_s=ENGINE_START_TIMEOUT_S))
         self.source = PromptSource(self.spec.data.prompts, self.spec.data.input_key,
@@ -69,6 +73,8 @@ class Session:
         step, path = found
         assert self.trainers is not None and self.engines is not None
         self.trainers.load(str(path))
+        if self.critic is not None:
+            self.critic.load(str(path))
         state = ckpt.TrainerState.read(path)
         self.source.load_state_dict(state.data)
         self.step, self.weight_version = state.step, state.weight_version
@@ -83,8 +89,9 @@ class Session:
             aio=self.aio,
             rollout=RolloutManager(self.spec, self.source, self.client, tokenizer,
                                    self.checked.reward_fn, seed=self.opts.seed,
-                                   ref_logprobs=self.trainers.ref_logprobs),
-            train=self.trainers, engines=self.engines,
+                                   ref_logprobs=self.trainers.ref_logprobs,
+                                   values=self.critic.values if self.critic else None),
+            train=self.trainers, engines=self.engines, critic=self.critic,
             log=MetricsLog(self.opts.output_dir, prometheus_port=self.opts.prometheus_port,
                            tensorboard_dir=self.opts.tensorboard,
                            wandb_project=self.opts.wandb_project, run_name=self.job.name),
@@ -111,9 +118,15 @@ class Session:
         self.weight_version = weight_version
         state = ckpt.TrainerState(step=step, data=self.source.state_dict(),
                                   weight_version=weight_version)
-        path = ckpt.save(self.opts.checkpoint_dir, step, state, self.trainers.save,
+        path = ckpt.save(self.opts.checkpoint_dir, step, state, self._write_models,
                          keep=self.spec.checkpoint.keep)
         return str(path)
+
+    def _write_models(self, path: str) -> None:
+        assert self.trainers is not None
+        self.trainers.save(path)
+        if self.critic is not None:
+            self.critic.save(path)  # into path/critic/
 
     def save_now(self) -> None:
         if self.trainers is not None and self.step > 0:

@@ -41,6 +41,8 @@ def train_group(spec: RLJobSpec) -> WorkerGroup:
         # train pods also carry the rollout resource and there is no rollout group at all.
         per_node = t.gpus_per_node or math.ceil(spec.num_engines / t.nodes)
         ray_resources[names.RESOURCE_ROLLOUT] = per_node
+    if spec.has_critic and spec.critic.placement == "shared":
+        ray_resources[names.RESOURCE_CRITIC] = units  # a critic beside each train worker
     return WorkerGroup(
         name=names.GROUP_TRAIN, image=t.image, replicas=t.nodes, gpus_per_pod=t.gpus_per_node,
         node_pool=t.node_pool, resources=t.resources, ray_resources=ray_resources,
@@ -66,7 +68,21 @@ def rollout_group(spec: RLJobSpec) -> WorkerGroup:
     )
 
 
+def critic_group(spec: RLJobSpec) -> WorkerGroup:
+    """Dedicated critic pods (PPO's value model): one unit of the critic resource per GPU, or
+    one per pod on CPU. Critic rank 0 writes the value model's checkpoint."""
+    c = spec.critic
+    return WorkerGroup(
+        name=names.GROUP_CRITIC, image=c.image, replicas=c.nodes, gpus_per_pod=c.gpus_per_node,
+        node_pool=c.node_pool, resources=c.resources,
+        ray_resources={names.RESOURCE_CRITIC: c.gpus_per_node or 1}, mounts_checkpoints=True,
+    )
+
+
 def worker_groups(spec: RLJobSpec) -> list[WorkerGroup]:
+    groups = [train_group(spec)]
     if spec.placement == "disaggregated":
-        return [train_group(spec), rollout_group(spec)]
-    return [train_group(spec)]
+        groups.append(rollout_group(spec))
+    if spec.has_critic and spec.critic.placement == "dedicated":
+        groups.append(critic_group(spec))
+    return groups

@@ -21,6 +21,7 @@ from kuberl_api.runtime import (
     ENV_ATTEMPT as ENV_ATTEMPT,
     ENV_JOB_NAME as ENV_JOB_NAME,
     ENV_JOB_NAMESPACE as ENV_JOB_NAMESPACE,
+    RESOURCE_CRITIC as RESOURCE_CRITIC,
     RESOURCE_ROLLOUT as RESOURCE_ROLLOUT,
     RESOURCE_TRAIN as RESOURCE_TRAIN,
 )
@@ -53,6 +54,7 @@ COMPONENT_WORKER: Final = "ray-worker"
 GROUP_HEAD: Final = "head"
 GROUP_TRAIN: Final = "train"
 GROUP_ROLLOUT: Final = "rollout"
+GROUP_CRITIC: Final = "critic"
 
 # Named container port of the trainer-to-engines weight-update group (IANA_SVC_NAME, <= 15).
 PORT_WEIGHT_SYNC: Final = "weight-sync"

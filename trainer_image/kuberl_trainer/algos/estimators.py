@@ -46,4 +46,21 @@ def token_advantages(algo: AlgorithmSpec, scores: Tensor, group_size: int, mask:
     if est == "reinforce_plus_plus_baseline":
         return returns.reinforce_plus_plus_baseline(scores, group_size, mask,
                                                     kl=kl if kl_coef else None, kl_coef=kl_coef)
+    if est == "ppo":
+        raise ValueError("ppo's advantages need the critic's values: use ppo_targets")
     raise ValueError(f"unknown advantageEstimator {est!r}")
+
+
+def ppo_targets(algo: AlgorithmSpec, scores: Tensor, mask: Tensor, values: Tensor, *,
+                kl: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """PPO's ``(advantages, returns)``, both ``[B, T]``: GAE over the token rewards (the
+    score on the last response token, the KL penalty on every token when it is in the
+    reward) with the critic's rollout-time ``values``; the advantages whitened over the
+    batch (the returns, the value model's targets, are not)."""
+    kl_coef = algo.kl_coef if kl_in_reward(algo) else 0.0
+    if kl_coef > 0 and kl is None:
+        raise ValueError("klPenalty: reward with ppo needs the per-token KL")
+    token_rewards = returns.kl_penalised_rewards(
+        scores, kl if kl is not None else mask.new_zeros(mask.shape), mask, kl_coef)
+    adv, ret = returns.gae(token_rewards, values, mask, algo.gamma, algo.gae_lambda)
+    return returns.whiten(adv, mask), ret

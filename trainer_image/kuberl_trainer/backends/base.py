@@ -46,6 +46,9 @@ class TrainBatch:
             detached, are the same numbers without a second forward pass.
         ref_logprobs: float, log-probs under the frozen reference model, or None when the
             job has no KL term (``algorithm.klCoef == 0``).
+        values: float, the value model's estimates at rollout time (PPO; the value loss
+            clips around them), else None.
+        returns: float, GAE's return targets for the value model (PPO), else None.
     """
 
     input_ids: Tensor
@@ -55,6 +58,8 @@ class TrainBatch:
     rollout_logprobs: Tensor
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
+    values: Tensor | None = None
+    returns: Tensor | None = None
 
     def __post_init__(self) -> None:
         shape = tuple(self.input_ids.shape)

@@ -75,7 +75,7 @@ class FSDPBackend:
     def __init__(self, spec: RLJobSpec, *, rank: int, world_size: int, device: str,
                  optim: OptimConfig | None = None) -> None:
         self.spec, self.algo = spec, spec.algorithm
-        self.objective = Objective.from_spec(spec)
+        self.objective = self._make_objective()
         self.rank, self.world_size = rank, world_size
         self.device = _resolve_device(device)
         self.mode: Mode = parallel_mode(world_size, self.device)
@@ -84,13 +84,28 @@ class FSDPBackend:
                                                self.micro_batch_size)
         # `module` is the HF model itself (HF state_dict names, save_pretrained); `model` is
         # what the training forward runs through (the DDP wrapper, when there is one).
-        self.module = build_model(spec.model.path, self.device, self.mode, trainable=True)
+        self.module = self._build_trainable()
         self.model = self._wrap(self.module)
-        self.ref = (build_model(spec.model.path, self.device, self.mode, trainable=False)
-                    if self.algo.kl_coef > 0 else None)
+        self.ref = self._build_reference()
         config = optim or optim_config(spec)
-        self.optimizer = build_optimizer(self.module.parameters(), self.algo.lr, config)
+        self.optimizer = build_optimizer(self.module.parameters(), self._lr(), config)
         self.scheduler = build_scheduler(self.optimizer, config)
+
+    # What a subclass (the PPO value model, backends/value.py) builds differently.
+
+    def _build_trainable(self) -> PreTrainedModel:
+        return build_model(self.spec.model.path, self.device, self.mode, trainable=True)
+
+    def _build_reference(self) -> PreTrainedModel | None:
+        if self.algo.kl_coef <= 0:
+            return None
+        return build_model(self.spec.model.path, self.device, self.mode, trainable=False)
+
+    def _lr(self) -> float:
+        return self.algo.lr
+
+    def _make_objective(self) -> Objective:
+        return Objective.from_spec(self.spec)
 
     # -- log-probs ---------------------------------------------------------------------------
 
@@ -108,7 +123,7 @@ class FSDPBackend:
         width = batch.input_ids.shape[1]
         parts = []
         for mb in batch.to(self.device).chunks(self.micro_batch_size):
-            mb = _trim(mb)
+            mb = trim_padding(mb)
             logp = gather_logprobs(self._shifted_logits(model, mb), mb.input_ids)
             logp = logp * response_mask(mb.loss_mask)
             parts.append(nn.functional.pad(logp, (0, width - logp.shape[1])))
@@ -144,11 +159,15 @@ class FSDPBackend:
                 f"this rank got {len(batch)} samples, not a positive multiple of its share of "
                 f"the global batch ({self.rank_batch_size} = globalBatchSize "
                 f"{self.spec.global_batch_size} / {self.world_size} ranks)")
-        batch = self._with_old(self._with_reference(batch.to(self.device)))
+        batch = self._prepare(batch.to(self.device))
         metrics = _Metrics()
         for step_batch in batch.chunks(self.rank_batch_size):
             self._optimizer_step(step_batch, metrics)
         return metrics.summary()
+
+    def _prepare(self, batch: TrainBatch) -> TrainBatch:
+        """The tensors the loss needs that the caller may leave out."""
+        return self._with_old(self._with_reference(batch))
 
     def _with_old(self, batch: TrainBatch) -> TrainBatch:
         """Fill in old log-probs when the caller left them out but the shard feeds several
@@ -178,7 +197,7 @@ class FSDPBackend:
         micro = list(batch.chunks(self.micro_batch_size))
         for i, mb in enumerate(micro):
             with self._grad_sync(i == len(micro) - 1):
-                partial, stats, tokens = self._micro_loss(_trim(mb))
+                partial, stats, tokens = self._micro_loss(trim_padding(mb))
                 loss = partial * (self.world_size / units)
                 torch.autograd.backward(loss)
             metrics.add_tokens(stats, tokens)
@@ -373,11 +392,12 @@ def rank_batch_size(global_batch: int, world_size: int, micro_batch: int) -> int
     return global_batch // world_size
 
 
-def build_model(path: str, device: torch.device, mode: Mode, *,
-                trainable: bool) -> PreTrainedModel:
-    """Load the HF causal LM in float32 (the master weights) and place it for ``mode``."""
-    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, dtype=torch.float32)
+def build_model(path: str, device: torch.device, mode: Mode, *, trainable: bool,
+                auto_class: Any = AutoModelForCausalLM, **kwargs: Any) -> PreTrainedModel:
+    """Load the HF model (a causal LM unless ``auto_class`` says otherwise) in float32 (the
+    master weights) and place it for ``mode``."""
+    model: PreTrainedModel = auto_class.from_pretrained(
+        path, local_files_only=True, dtype=torch.float32, **kwargs)
     model.train(False)  # eval mode, no dropout ever: see the module docstring
     if not trainable:
         model.requires_grad_(False)
@@ -448,7 +468,7 @@ def _full_tensor(value: Tensor, dtype: torch.dtype | None) -> Tensor:
     return tensor if dtype is None else tensor.to(dtype)
 
 
-def _trim(mb: TrainBatch) -> TrainBatch:
+def trim_padding(mb: TrainBatch) -> TrainBatch:
     """Drop trailing all-padding columns (see ``tokens.used_width``)."""
     width = used_width(mb.attention_mask)
     return mb if width == mb.input_ids.shape[1] else mb.map(lambda t: t[:, :width])
