@@ -129,3 +129,20 @@ def test_kl_in_reward_reaches_reinforce_plus_plus() -> None:
         SCORES, 2, TOKENS))
     with pytest.raises(ValueError, match="per-token KL"):
         estimators.token_advantages(algo, SCORES, 2, TOKENS)
+
+
+def test_ppo_targets_are_whitened_gae_and_raw_returns() -> None:
+    # Row 0: one response token (position 1), score 1, V = 0.5 -> delta = 1 - 0.5 = 0.5,
+    #   A = 0.5, R = A + V = 1. Row 1: two tokens, score 0, V = [0.2, 0.4], gamma = lam = 1:
+    #   delta_2 = 0 - 0.4 = -0.4, delta_1 = 0 + 0.4 - 0.2 = 0.2, A = [0.2 - 0.4, -0.4]
+    #   = [-0.2, -0.4], R = [0, 0]. The advantages are then whitened over the 3 tokens.
+    algo = AlgorithmSpec.model_validate({"advantageEstimator": "ppo", "gamma": 1.0,
+                                         "gaeLambda": 1.0})
+    mask = torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 1.0]])
+    values = torch.tensor([[0.0, 0.5, 0.0], [0.0, 0.2, 0.4]])
+    adv, ret = estimators.ppo_targets(algo, torch.tensor([1.0, 0.0]), mask, values)
+    torch.testing.assert_close(ret, torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]))
+    raw = torch.tensor([0.5, -0.2, -0.4])
+    torch.testing.assert_close(adv[mask.bool()], (raw - raw.mean()) / raw.std())
+    with pytest.raises(ValueError, match="ppo_targets"):
+        estimators.token_advantages(algo, torch.zeros(2), 1, mask)

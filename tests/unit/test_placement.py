@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kuberl_api import parse
-from kuberl_api.runtime import RESOURCE_ROLLOUT, RESOURCE_TRAIN
+from kuberl_api.runtime import RESOURCE_CRITIC, RESOURCE_ROLLOUT, RESOURCE_TRAIN
 from kuberl_operator.render import render_children
 from kuberl_trainer.placement import cpu_threads, layout, local_resources
 
@@ -50,13 +50,20 @@ def test_cpu_job_fits_a_two_core_box() -> None:
      "rollout": {"gpus": 16, "gpusPerEngine": 4}},
     {"placement": "disaggregated", "training": {"gpusPerNode": 0, "backend": "fsdp"},
      "rollout": {"gpus": 0, "engines": 3}},
+    {"training": {"nodes": 2, "gpusPerNode": 8}, "algorithm": {"advantageEstimator": "ppo"}},
+    {"placement": "disaggregated", "training": {"gpusPerNode": 8},
+     "rollout": {"gpus": 8, "gpusPerEngine": 4}, "algorithm": {"advantageEstimator": "ppo"},
+     "critic": {"placement": "dedicated", "nodes": 2, "gpusPerNode": 4}},
+    {"training": {"gpusPerNode": 0, "backend": "fsdp"}, "rollout": {"gpus": 0},
+     "algorithm": {"advantageEstimator": "ppo"},
+     "critic": {"placement": "dedicated", "gpusPerNode": 0}},
 ])
 def test_rendered_pods_hold_every_actor(spec: dict[str, Any]) -> None:
     """The operator's pods advertise at least the units the trainer's actors ask for."""
     rlj = job(**spec)
     lay = layout(rlj.spec)
     rayjob = render_children(rlj)[-1]
-    offered = {RESOURCE_TRAIN: 0, RESOURCE_ROLLOUT: 0}
+    offered = {RESOURCE_TRAIN: 0, RESOURCE_ROLLOUT: 0, RESOURCE_CRITIC: 0}
     for group in rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]:
         for key, units in group.get("resources", {}).items():
             offered[key] += int(units) * group["replicas"]
@@ -64,6 +71,37 @@ def test_rendered_pods_hold_every_actor(spec: dict[str, Any]) -> None:
         RESOURCE_TRAIN]
     assert offered[RESOURCE_ROLLOUT] >= lay.engines * lay.engine_actor.resources[
         RESOURCE_ROLLOUT]
+    critic = lay.critic_actor.resources[RESOURCE_CRITIC] if lay.critic_actor else 0
+    assert offered[RESOURCE_CRITIC] >= lay.critic_workers * critic
+
+
+def test_shared_critic_halves_each_training_gpu_in_one_bundle() -> None:
+    spec = job(training={"nodes": 2, "gpusPerNode": 8},
+               algorithm={"advantageEstimator": "ppo"}).spec
+    lay = layout(spec)
+    assert lay.critic_shared and lay.critic_workers == lay.train_workers == 16
+    assert lay.critic_actor is not None
+    assert lay.train_actor.num_gpus == lay.critic_actor.num_gpus == 0.5
+    # one bundle per rank holds both: Ray hands the pair the same GPU
+    assert lay.train_bundle() == {"CPU": 2, "GPU": 1.0, RESOURCE_TRAIN: 1, RESOURCE_CRITIC: 1}
+
+
+def test_dedicated_critic_has_gpus_of_its_own() -> None:
+    spec = job(training={"gpusPerNode": 8}, algorithm={"advantageEstimator": "ppo"},
+               critic={"placement": "dedicated", "nodes": 2, "gpusPerNode": 4}).spec
+    lay = layout(spec)
+    assert not lay.critic_shared and lay.critic_workers == 8
+    assert lay.critic_actor is not None and lay.critic_actor.num_gpus == 1
+    assert lay.train_actor.num_gpus == 1
+    assert lay.train_bundle() == lay.train_actor.bundle()
+
+
+def test_local_run_advertises_the_critic() -> None:
+    spec = job(training={"gpusPerNode": 0, "backend": "fsdp"}, rollout={"gpus": 0},
+               algorithm={"advantageEstimator": "ppo"}).spec
+    assert local_resources(spec) == {RESOURCE_TRAIN: 1, RESOURCE_ROLLOUT: 1, RESOURCE_CRITIC: 1}
+    plain = job(training={"gpusPerNode": 0, "backend": "fsdp"}, rollout={"gpus": 0}).spec
+    assert RESOURCE_CRITIC not in local_resources(plain)
 
 
 def test_cpu_actors_split_the_cores_among_their_role() -> None:

@@ -55,7 +55,7 @@ class TableEngine(EngineClient):
         return out
 
 
-def setup(tmp_path: Path, ref_logprobs: Any = None,
+def setup(tmp_path: Path, ref_logprobs: Any = None, values: Any = None,
           **algorithm: Any) -> tuple[RolloutManager, TableEngine]:
     rows = [{"prompt": f"{a}+{a}=", "label": str(2 * a)} for a in range(10, 20)]
     data = tmp_path / "d.jsonl"
@@ -72,7 +72,8 @@ def setup(tmp_path: Path, ref_logprobs: Any = None,
     from kuberl_trainer.rewards import load
 
     mgr = RolloutManager(spec, PromptSource(data, "prompt", "label", seed=0), engine,  # type: ignore[arg-type]
-                         tok, load(spec.reward), seed=7, ref_logprobs=ref_logprobs)
+                         tok, load(spec.reward), seed=7, ref_logprobs=ref_logprobs,
+                         values=values)
     return mgr, engine
 
 
@@ -202,3 +203,22 @@ def test_kl_in_the_reward_uses_the_trainers_reference(tmp_path: Path) -> None:
     assert not torch.allclose(with_kl.advantages, without.advantages)
     with pytest.raises(ValueError, match="reference log-probs"):
         setup(tmp_path, **algo)
+
+
+def test_ppo_asks_the_critic_and_sets_targets(tmp_path: Path) -> None:
+    def values(batch: Any) -> torch.Tensor:
+        return 0.25 * batch.loss_mask  # a critic that predicts 0.25 everywhere
+
+    mgr, _ = setup(tmp_path, values=values, advantageEstimator="ppo", gaeLambda=1.0)
+    rollout = asyncio.run(mgr.generate(step=3))
+    b = rollout.batch
+    assert b.values is not None and b.returns is not None
+    on = b.loss_mask.bool()
+    # gamma = lambda = 1: every token's return is its response's score (the reward here)
+    rewards = torch.tensor([1.0 if float(b.returns[i][on[i]][0]) == 1.0 else 0.0
+                            for i in range(len(b))])
+    assert torch.all(b.returns[on] == rewards[:, None].expand_as(on)[on])
+    assert abs(float(b.advantages[on].mean())) < 1e-5  # whitened
+    assert "explained_variance" in rollout.metrics
+    with pytest.raises(ValueError, match="critic"):
+        setup(tmp_path, advantageEstimator="ppo")
