@@ -192,6 +192,7 @@ class RewardSpec(ApiModel):
 
 AdvantageEstimator = Literal[
     "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo",
+    "on_policy_distillation",
 ]
 # Estimators whose advantages are per token (returns over the response), which is what a KL
 # penalty folded into the rewards needs.
@@ -215,13 +216,21 @@ class AlgorithmSpec(ApiModel):
                 f"{list(TOKEN_LEVEL_ESTIMATORS)}",
                 "klPenalty: reward needs a token-level advantageEstimator ("
                 + " or ".join(TOKEN_LEVEL_ESTIMATORS) + ")", ".klPenalty"),
+            cel("(self.advantageEstimator == 'on_policy_distillation') == has(self.teacherPath)",
+                "teacherPath is required by advantageEstimator on_policy_distillation, and "
+                "only used by it", ".teacherPath"),
         )
     }
 
     advantage_estimator: AdvantageEstimator = Field(
         "grpo", description="grpo, dr_grpo (no std division), rloo (leave-one-out baseline), "
         "reinforce_plus_plus (token returns, batch-whitened), reinforce_plus_plus_baseline "
-        "(group mean subtracted first), ppo (GAE with the value model of the critic section).")
+        "(group mean subtracted first), ppo (GAE with the value model of the critic section), "
+        "on_policy_distillation (per token: the teacher's log-prob minus the student's).")
+    teacher_path: str | None = Field(
+        None, min_length=1, max_length=MAX_STR, description="on_policy_distillation: the "
+        "teacher, an HF causal LM directory sharing the model's tokenizer (on the model's "
+        "storage); its log-probs of the student's samples are the training signal.")
     policy_loss: PolicyLoss = Field(
         "ppo", description="ppo: the clipped per-token ratio; gspo: the clipped sequence "
         "ratio (geometric mean of a response's token ratios; use small clip ranges, e.g. "
@@ -277,6 +286,10 @@ class AlgorithmSpec(ApiModel):
         if self.eps_clip_high is not None:
             check(self.eps_clip_high >= self.eps_clip, "epsClipHigh", self.eps_clip_high,
                   f"epsClipHigh must be at least epsClip ({self.eps_clip})")
+        distill = self.advantage_estimator == "on_policy_distillation"
+        check(distill == (self.teacher_path is not None), "teacherPath", self.teacher_path,
+              "teacherPath is required by advantageEstimator on_policy_distillation, and only "
+              "used by it")
         check(self.kl_penalty != "reward" or self.advantage_estimator in TOKEN_LEVEL_ESTIMATORS,
               "klPenalty", self.kl_penalty,
               "klPenalty: reward needs a token-level advantageEstimator ("

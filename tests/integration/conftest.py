@@ -55,3 +55,11 @@ def tiny() -> Path:
     from tests.integration.local_run import tiny_job
 
     return tiny_job()
+
+
+@pytest.fixture(scope="session")
+def teacher() -> Path:
+    """The tiny job's model trained longer (its data is the same): a distillation teacher."""
+    from tests.integration.local_run import TEACHER_SFT_STEPS, tiny_job
+
+    return tiny_job(TEACHER_SFT_STEPS)

@@ -15,16 +15,17 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 KUBERL = [sys.executable, "-m", "kuberl_cli.main"]
 SFT_STEPS = 300  # a partly trained policy: room for RL to improve it within a few steps
+TEACHER_SFT_STEPS = 800  # the same model trained longer: a teacher for on-policy distillation
 
 
-def tiny_job() -> Path:
+def tiny_job(sft_steps: int = SFT_STEPS) -> Path:
     """The tiny job's model and data, built once per machine (the build is seeded and cached
     under the user's cache directory, so later runs and clean clones reuse it)."""
     from kuberl_trainer.tiny.build import BuildConfig, build
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    out = cache / "kuberl" / f"test-tiny-sft{SFT_STEPS}"
-    build(out, BuildConfig(sft_steps=SFT_STEPS))
+    out = cache / "kuberl" / f"test-tiny-sft{sft_steps}"
+    build(out, BuildConfig(sft_steps=sft_steps))
     return out
 
 

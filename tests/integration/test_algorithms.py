@@ -63,3 +63,29 @@ def test_algorithm_trains_and_raises_reward(tiny: Path, tmp_path: Path, name: st
     first = sum(r["reward_mean"] for r in rows[:2]) / 2
     last = sum(r["reward_mean"] for r in rows[-3:]) / 3
     assert last > first + 0.2, (name, [round(r["reward_mean"], 3) for r in rows])
+
+
+def test_on_policy_distillation_moves_the_student_to_the_teacher(
+        tiny: Path, tmp_path: Path) -> None:
+    """A teacher that answers with a leading "1" far more often than the student (the student
+    after a short GRPO run on that reward) grades every token the student samples: the reverse
+    KL between them falls and the student's leading-"1" reward - which the distillation loss
+    never sees - rises towards the teacher's."""
+    grpo = manifest(tiny, tmp_path, "teacher", reward=LEARNABLE,
+                    schedule={"numRollouts": 12, "saveInterval": 12})
+    res = kuberl_run(grpo, tmp_path / "teacher")
+    assert res.returncode == 0, res.stderr[-3000:]
+    teacher_reward = metrics(tmp_path / "teacher")[-1]["reward_mean"]
+    job = manifest(tiny, tmp_path, "distill", reward=LEARNABLE,
+                   algorithm={"advantageEstimator": "on_policy_distillation", "lr": 2e-4,
+                              "teacherPath": str(tmp_path / "teacher" / "checkpoints" /
+                                                 "step_12" / "model")},
+                   schedule={"numRollouts": STEPS * 2})
+    res = kuberl_run(job, tmp_path / "out")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = metrics(tmp_path / "out")
+    kl = [round(r["teacher_kl"], 3) for r in rows]
+    reward = [round(r["reward_mean"], 3) for r in rows]
+    assert sum(kl[-4:]) / 4 < 0.7 * sum(kl[:2]) / 2, kl
+    first, last = sum(reward[:2]) / 2, sum(reward[-4:]) / 4
+    assert last > first + 0.5 * (teacher_reward - first), (reward, teacher_reward)

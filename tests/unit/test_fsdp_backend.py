@@ -318,3 +318,20 @@ def test_ddp_two_ranks_over_gloo_match_single_process(model_dir: str, tmp_path: 
     assert rank0["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
     for name, value in params(single).items():
         torch.testing.assert_close(rank0["params"][name], value, rtol=0, atol=1e-5)
+
+
+def test_distillation_loads_the_teacher_as_the_frozen_model(model_dir: str,
+                                                            tmp_path: Path) -> None:
+    torch.manual_seed(1)  # a different model of the same shape and vocabulary
+    teacher = tmp_path / "teacher"
+    Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=4,
+                                 vocab_size=VOCAB, max_position_embeddings=64,
+                                 tie_word_embeddings=True)).save_pretrained(teacher)
+    backend = make_backend(make_spec(model_dir, advantageEstimator="on_policy_distillation",
+                                     teacherPath=str(teacher)), rank=0, world_size=1,
+                           device="cpu")
+    batch = make_batch()
+    ref = backend.ref_logprobs(batch)  # with klCoef 0: the teacher is there for the signal
+    assert ref is not None
+    assert not torch.allclose(ref, backend.logprobs(batch))

@@ -57,6 +57,10 @@ def check(spec: RLJobSpec) -> Checked:
     from kuberl_trainer import rewards
 
     check_model(spec.model.path)
+    if spec.algorithm.teacher_path:
+        check_model(spec.algorithm.teacher_path, "spec.algorithm.teacherPath")
+    if spec.has_critic and spec.critic.model_path:
+        check_model(spec.critic.model_path, "spec.critic.modelPath")
     tokenizer = spec.model.tokenizer or spec.model.path
     check_tokenizer(tokenizer, "spec.model.tokenizer" if spec.model.tokenizer
                     else "spec.model.path")

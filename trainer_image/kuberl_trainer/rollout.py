@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kuberl_api.spec import RLJobSpec
-from kuberl_trainer.algos import estimators, shaping, value_loss
+from kuberl_trainer.algos import distillation, estimators, shaping, value_loss
 from kuberl_trainer.algos.filters import expand_to_samples, nonconstant_groups
 from kuberl_trainer.backends.base import TrainBatch
 from kuberl_trainer.data import PromptSource, Sample
@@ -63,8 +63,9 @@ class RolloutManager:
                  values: TokenFn | None = None) -> None:
         self.spec, self.source, self.client, self.seed = spec, source, client, seed
         self.tokenizer, self.reward_fn = tokenizer, reward_fn
-        if estimators.kl_in_reward(spec.algorithm) and ref_logprobs is None:
-            raise ValueError("klPenalty: reward needs the trainer's reference log-probs")
+        if estimators.needs_reference(spec.algorithm) and ref_logprobs is None:
+            raise ValueError("klPenalty: reward and on_policy_distillation need the trainer's "
+                             "reference (teacher) log-probs")
         if spec.has_critic and values is None:
             raise ValueError("advantageEstimator ppo needs the critic's values")
         self.ref_logprobs, self.values = ref_logprobs, values
@@ -124,12 +125,16 @@ class RolloutManager:
             batch.loss_mask *= keep[:, None].to(batch.loss_mask.dtype)
             metrics["kept_group_fraction"] = float(keep.float().mean())
         kl = None
-        if self.ref_logprobs is not None and estimators.kl_in_reward(algo):
+        if self.ref_logprobs is not None and estimators.needs_reference(algo):
             # The sampling policy's log-probs are the engines' (the trainer's would need one
             # more forward pass; TIS corrects for the difference where it matters).
             batch.ref_logprobs = self.ref_logprobs(batch)
             kl = (batch.rollout_logprobs - batch.ref_logprobs) * batch.loss_mask
-        if self.values is not None and algo.advantage_estimator == "ppo":
+        if algo.advantage_estimator == "on_policy_distillation":
+            assert batch.ref_logprobs is not None  # the teacher's
+            batch.advantages, metrics["teacher_kl"] = distillation.reverse_kl_advantages(
+                batch.ref_logprobs, batch.rollout_logprobs, batch.loss_mask)
+        elif self.values is not None and algo.advantage_estimator == "ppo":
             batch.values = self.values(batch)
             batch.advantages, batch.returns = estimators.ppo_targets(
                 algo, scores, batch.loss_mask, batch.values, kl=kl)

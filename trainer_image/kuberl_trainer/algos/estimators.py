@@ -12,6 +12,12 @@ from kuberl_api.spec import TOKEN_LEVEL_ESTIMATORS, AlgorithmSpec
 from kuberl_trainer.algos import advantages, returns
 
 
+def needs_reference(algo: AlgorithmSpec) -> bool:
+    """Whether advantages need the trainer's frozen model's log-probs: the reference's for a
+    KL penalty in the rewards, the teacher's for on-policy distillation."""
+    return kl_in_reward(algo) or algo.advantage_estimator == "on_policy_distillation"
+
+
 def kl_in_reward(algo: AlgorithmSpec) -> bool:
     """Whether the KL penalty goes into the rewards (so advantages need reference log-probs)."""
     return (algo.kl_penalty == "reward" and algo.kl_coef > 0
@@ -48,6 +54,9 @@ def token_advantages(algo: AlgorithmSpec, scores: Tensor, group_size: int, mask:
                                                     kl=kl if kl_coef else None, kl_coef=kl_coef)
     if est == "ppo":
         raise ValueError("ppo's advantages need the critic's values: use ppo_targets")
+    if est == "on_policy_distillation":
+        raise ValueError("distillation's advantages come from the teacher: use "
+                         "distillation.reverse_kl_advantages")
     raise ValueError(f"unknown advantageEstimator {est!r}")
 
 

@@ -97,6 +97,10 @@ class FSDPBackend:
         return build_model(self.spec.model.path, self.device, self.mode, trainable=True)
 
     def _build_reference(self) -> PreTrainedModel | None:
+        """The frozen model: the teacher in on-policy distillation, else the policy's starting
+        point, when a KL term needs it."""
+        if self.algo.teacher_path is not None:
+            return build_model(self.algo.teacher_path, self.device, self.mode, trainable=False)
         if self.algo.kl_coef <= 0:
             return None
         return build_model(self.spec.model.path, self.device, self.mode, trainable=False)
