@@ -72,6 +72,11 @@ class TrainWorker:
                 backend, init_method=f"tcp://{master_addr}:{master_port}",
                 rank=self.rank, world_size=self.world_size)
         self.backend = self.build_backend()
+        # Which device each rank got (Ray sets CUDA_VISIBLE_DEVICES per actor): the first
+        # thing to look at when two actors should, or should not, share a GPU.
+        print(f"{type(self).__name__} rank {self.rank}/{self.world_size} on {self.device} "
+              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})",
+              flush=True)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         return self.backend.train_step(batch)
@@ -150,8 +155,12 @@ class EngineServer:
 
     def start(self, model_path: str) -> str:
         port = free_port()
-        self.proc = subprocess.Popen(self._command(model_path, port), stdout=sys.stdout,
-                                     stderr=sys.stderr)
+        cmd = self._command(model_path, port)
+        device = cmd[cmd.index("--device") + 1] if "--device" in cmd else "its GPUs"
+        print(f"engine {self.index} ({self.spec.rollout.engine}) on {device} "
+              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})",
+              flush=True)
+        self.proc = subprocess.Popen(cmd, stdout=sys.stdout, stderr=sys.stderr)
         self.url = f"http://{node_ip()}:{port}"
         return self.url
 
