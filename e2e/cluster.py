@@ -297,6 +297,18 @@ def write_kubeconfig(path: Path, server: str, ca: Path, user: str, *,
 # Processes
 
 
+def terminate(proc: subprocess.Popen[bytes], grace: float = 10) -> None:
+    """SIGTERM a child we started, SIGKILL it after `grace` s; wait for it either way."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
 def free_ports(n: int) -> list[int]:
     """n distinct free TCP ports on 127.0.0.1 (held together while picked, so no duplicates)."""
     socks = []

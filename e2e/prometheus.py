@@ -14,7 +14,6 @@ instead of a Prometheus that never becomes ready.
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import subprocess
 import urllib.parse
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from cluster import binaries
+from cluster import binaries, terminate
 from polling import wait_for
 
 SCRAPE_INTERVAL = "1s"
@@ -123,10 +122,4 @@ class Prometheus:
             detail=lambda: json.dumps(self.targets(job), indent=1) + "\n" + self.tail())
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+        terminate(self.proc)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from cluster import Api, Cluster, write_kubeconfig
+from cluster import Api, Cluster, terminate, write_kubeconfig
 from polling import wait_for
 
 from kuberl_api.rljob import API_VERSION, KIND
@@ -180,14 +179,8 @@ class Operator:
         return "----- operator log (end) -----\n" + "\n".join(text.splitlines()[-lines:])
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
+        if self.proc is not None:
+            terminate(self.proc, grace=15)
 
 
 

@@ -26,20 +26,14 @@ from kuberl_trainer.backends import fsdp
 from kuberl_trainer.backends.base import Backend, TrainBatch, make_backend
 from kuberl_trainer.backends.fsdp import FSDPBackend
 from kuberl_trainer.backends.optim import OptimConfig, clip_gradients
+from tests.unit.tiny_lm import VOCAB, save_tiny_qwen2
 
-VOCAB = 32
 B, T = 8, 12
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB,
-                         max_position_embeddings=64, tie_word_embeddings=True)
-    path = tmp_path_factory.mktemp("tiny_qwen2")
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    return str(path)
+    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))
 
 
 def make_spec(model_dir: str, *, mbs: int = 2, gbs: int = B, lr: float = 1e-2,
@@ -322,14 +316,9 @@ def test_ddp_two_ranks_over_gloo_match_single_process(model_dir: str, tmp_path: 
 
 def test_distillation_loads_the_teacher_as_the_frozen_model(model_dir: str,
                                                             tmp_path: Path) -> None:
-    torch.manual_seed(1)  # a different model of the same shape and vocabulary
-    teacher = tmp_path / "teacher"
-    Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=4,
-                                 vocab_size=VOCAB, max_position_embeddings=64,
-                                 tie_word_embeddings=True)).save_pretrained(teacher)
+    teacher = save_tiny_qwen2(tmp_path / "teacher", seed=1)  # same shape, other weights
     backend = make_backend(make_spec(model_dir, advantageEstimator="on_policy_distillation",
-                                     teacherPath=str(teacher)), rank=0, world_size=1,
+                                     teacherPath=teacher), rank=0, world_size=1,
                            device="cpu")
     batch = make_batch()
     ref = backend.ref_logprobs(batch)  # with klCoef 0: the teacher is there for the signal

@@ -10,24 +10,18 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.backends.base import TrainBatch
 from kuberl_trainer.backends.value import ValueBackend
+from tests.unit.tiny_lm import VOCAB, save_tiny_qwen2
 
-VOCAB, B, T = 32, 8, 10
+B, T = 8, 10
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB,
-                         max_position_embeddings=64, tie_word_embeddings=True)
-    path = tmp_path_factory.mktemp("tiny_lm")
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    return str(path)
+    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny_lm"))
 
 
 def spec(model_dir: str, *, mbs: int = 2, **critic: Any) -> RLJobSpec:

@@ -45,7 +45,7 @@ def whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-
         measure: the deviation from the mean is 0, so the output is 0 on the mask (or the
         entry itself with ``shift_mean=False``), never NaN. An empty mask gives all zeros.
     """
-    _check_tokens(mask, x=x)
+    check_token_shapes(mask, x=x)
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     on = mask.bool()
@@ -81,7 +81,7 @@ def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Ten
     Returns:
         ``[B, T]`` float returns, 0 off the mask.
     """
-    _check_tokens(mask, token_rewards=token_rewards)
+    check_token_shapes(mask, token_rewards=token_rewards)
     _check_unit("gamma", gamma)
     on = mask.bool()
     rewards = torch.where(on, _float(token_rewards), 0.0)
@@ -115,7 +115,7 @@ def kl_penalised_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: floa
         and is dropped, as it would contribute no gradient anyway.
     """
     _check_scores(scores, mask)
-    _check_tokens(mask, kl=kl)
+    check_token_shapes(mask, kl=kl)
     if kl_coef < 0:
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
     on = mask.bool()
@@ -218,7 +218,7 @@ def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
         ``(advantages, returns)``, both ``[B, T]`` float and 0 off the mask, with
         ``returns = advantages + values`` (the value-loss target).
     """
-    _check_tokens(mask, token_rewards=token_rewards, values=values)
+    check_token_shapes(mask, token_rewards=token_rewards, values=values)
     _check_unit("gamma", gamma)
     _check_unit("lam", lam)
     on = mask.bool()
@@ -270,7 +270,7 @@ def _check_scores(scores: Tensor, mask: Tensor) -> None:
                          f"{tuple(mask.shape)}), got shape {tuple(scores.shape)}")
 
 
-def _check_tokens(mask: Tensor, **tensors: Tensor) -> None:
+def check_token_shapes(mask: Tensor, **tensors: Tensor) -> None:
     """``mask`` is ``[B, T]`` and every named tensor has its shape."""
     if mask.dim() != 2:
         raise ValueError(f"mask must be 2-D [B, T], got shape {tuple(mask.shape)}")

@@ -14,6 +14,8 @@ import math
 import torch
 from torch import Tensor
 
+from kuberl_trainer.algos.returns import check_token_shapes
+
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
                clip: float | None) -> tuple[Tensor, dict[str, float]]:
@@ -43,7 +45,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
         ``vf_clipfrac``, the fraction of response tokens where the clipped error was strictly
         the larger (0.0 without ``clip`` or with an empty mask).
     """
-    _check_tokens(mask, values=values, old_values=old_values, returns=returns)
+    check_token_shapes(mask, values=values, old_values=old_values, returns=returns)
     if clip is not None and clip <= 0:
         raise ValueError(f"clip must be > 0 or None, got {clip}")
     on = mask.bool()
@@ -82,7 +84,7 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
         returns: ``[B, T]`` targets.
         mask: ``[B, T]`` 1 on response tokens.
     """
-    _check_tokens(mask, values=values, returns=returns)
+    check_token_shapes(mask, values=values, returns=returns)
     on = mask.bool()
     with torch.no_grad():
         target = returns.detach()[on].double()
@@ -97,11 +99,3 @@ def _float(x: Tensor) -> Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
-def _check_tokens(mask: Tensor, **tensors: Tensor) -> None:
-    """``mask`` is ``[B, T]`` and every named tensor has its shape."""
-    if mask.dim() != 2:
-        raise ValueError(f"mask must be 2-D [B, T], got shape {tuple(mask.shape)}")
-    for name, x in tensors.items():
-        if x.shape != mask.shape:
-            raise ValueError(f"{name} has shape {tuple(x.shape)}, expected mask's "
-                             f"{tuple(mask.shape)}")
