@@ -133,6 +133,17 @@ class EvalSet(ApiModel):
     n_samples_per_prompt: int = Field(1, ge=1, le=1024)
 
 
+class SftData(ApiModel):
+    """Demonstrations for the SFT (NLL) term (algorithm.sftCoef): prompt and target response,
+    under the data section's inputKey and labelKey."""
+
+    path: str = Field(min_length=1, max_length=MAX_STR,
+                      description="JSONL or Parquet file, as seen from the head pod.")
+    batch_size: int = Field(16, ge=1, le=MAX_ROLLOUT_BATCH,
+                            description="Demonstrations per step, split evenly over the step's "
+                            "optimizer steps and data-parallel ranks.")
+
+
 class DataSpec(ApiModel):
     """Where prompts come from and how many are generated per step."""
 
@@ -156,6 +167,8 @@ class DataSpec(ApiModel):
     max_response_len: int = Field(1024, ge=1, le=1048576, description="Tokens.")
     storage: Storage | None = Field(None, description="PVC that holds the data.")
     eval_sets: list[EvalSet] = Field(default_factory=list, max_length=16)
+    sft: SftData | None = Field(None, description="Demonstrations for algorithm.sftCoef's "
+                                "NLL term, trained on beside every RL step.")
 
     @model_validator(mode="after")
     def _under_mount(self) -> DataSpec:
@@ -266,6 +279,9 @@ class AlgorithmSpec(ApiModel):
     gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE's lambda (ppo): 1 is the "
                               "Monte-Carlo return, 0 the one-step TD error.")
     entropy_coef: float = Field(0.0, ge=0, le=100)
+    sft_coef: float = Field(0.0, ge=0, le=100, description="Weight of an SFT (NLL) term on "
+                            "data.sft's demonstrations, added to every optimizer step (mixed "
+                            "RL + SFT training); 0: off.")
     temperature: float = Field(1.0, gt=0, le=100, description="Sampling temperature.")
     drop_constant_groups: bool = Field(
         False, description="Leave out of the loss the prompt groups whose rewards are all "
@@ -586,6 +602,19 @@ class RLJobSpec(ApiModel):
                 "self.algorithm.overlongBuffer <= self.data.maxResponseLen",
                 "algorithm.overlongBuffer must not exceed data.maxResponseLen",
                 ".algorithm.overlongBuffer"),
+            cel("(self.algorithm.sftCoef > 0.0) == has(self.data.sft)",
+                "algorithm.sftCoef > 0 needs data.sft, and data.sft is used only with it",
+                ".data.sft"),
+            cel(f"!has(self.data.sft) || {_gpus_outside('self.training')} || "
+                f"{_mp_outside('self.training')} || {_BATCH_OUTSIDE} || {_DP} < 1 || "
+                f"{_outside('self.data.sft.batchSize', 1, MAX_ROLLOUT_BATCH)} || "
+                f"(self.data.rolloutBatchSize * self.data.nSamplesPerPrompt) % {_GBS} != 0 || "
+                "self.data.sft.batchSize % "
+                f"({_DP} * ((self.data.rolloutBatchSize * self.data.nSamplesPerPrompt) / {_GBS}))"
+                " == 0",
+                "data.sft.batchSize must split evenly over the step's optimizer steps and "
+                "data-parallel ranks: a multiple of dataParallel * (rolloutBatchSize * "
+                "nSamplesPerPrompt / globalBatchSize)", ".data.sft.batchSize"),
             cel("self.algorithm.advantageEstimator != 'rloo' || self.data.nSamplesPerPrompt >= 2",
                 "advantageEstimator rloo needs data.nSamplesPerPrompt >= 2 (the baseline is "
                 "the other samples' mean)", ".data.nSamplesPerPrompt"),
@@ -700,7 +729,22 @@ class RLJobSpec(ApiModel):
         self._check_batches()
         self._check_mounts()
         self._check_algorithm()
+        self._check_sft()
         return self
+
+    def _check_sft(self) -> None:
+        sft = self.data.sft
+        check((self.algorithm.sft_coef > 0) == (sft is not None), "data.sft",
+              sft.model_dump(by_alias=True) if sft else None,
+              "algorithm.sftCoef > 0 needs data.sft, and data.sft is used only with it")
+        samples = self.data.rollout_batch_size * self.data.n_samples_per_prompt
+        if sft is None or samples % self.global_batch_size:
+            return
+        parts = self.training.data_parallel * (samples // self.global_batch_size)
+        check(parts > 0 and sft.batch_size % parts == 0, "data.sft.batchSize", sft.batch_size,
+              f"data.sft.batchSize must split evenly over the step's optimizer steps and "
+              f"data-parallel ranks: a multiple of dataParallel * (rolloutBatchSize * "
+              f"nSamplesPerPrompt / globalBatchSize) = {parts}")
 
     def _check_algorithm(self) -> None:
         buffer = self.algorithm.overlong_buffer

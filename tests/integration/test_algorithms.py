@@ -7,6 +7,7 @@ option adds must be in metrics.jsonl.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +90,22 @@ def test_on_policy_distillation_moves_the_student_to_the_teacher(
     assert sum(kl[-4:]) / 4 < 0.7 * sum(kl[:2]) / 2, kl
     first, last = sum(reward[:2]) / 2, sum(reward[-4:]) / 4
     assert last > first + 0.5 * (teacher_reward - first), (reward, teacher_reward)
+
+
+def test_mixed_rl_and_sft_trains_on_the_demonstrations(tiny: Path, tmp_path: Path) -> None:
+    """GRPO on the exact reward plus an SFT term on demonstrations of something the reward
+    never asks for (every problem answered "7"): the demonstrations' NLL falls steeply while
+    the RL term trains on, and the policy starts answering "7"."""
+    problems = [json.loads(line) for line in
+                (tiny / "data" / "train.jsonl").read_text().splitlines()[:256]]
+    demos = tmp_path / "sevens.jsonl"
+    demos.write_text("".join(json.dumps({"prompt": p["prompt"], "label": "7"}) + "\n"
+                             for p in problems))
+    job = manifest(tiny, tmp_path, "mixed", data={"sft": {"path": str(demos), "batchSize": 32}},
+                   algorithm={"sftCoef": 1.0}, schedule={"numRollouts": STEPS})
+    res = kuberl_run(job, tmp_path / "out")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = metrics(tmp_path / "out")
+    nll = [round(r["sft_nll"], 3) for r in rows]
+    assert sum(nll[-2:]) / 2 < 0.5 * nll[0], nll
+    assert all(k in rows[-1] for k in ("pg_loss", "reward_mean", "loss")), rows[-1]

@@ -37,11 +37,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def make_spec(model_dir: str, *, mbs: int = 2, gbs: int = B, lr: float = 1e-2,
-              **algorithm: Any) -> RLJobSpec:
+              sft: dict[str, Any] | None = None, **algorithm: Any) -> RLJobSpec:
     return RLJobSpec.model_validate({
         "model": {"path": model_dir},
         "data": {"prompts": "/data/prompts.jsonl", "rolloutBatchSize": B // 2,
-                 "nSamplesPerPrompt": 2},
+                 "nSamplesPerPrompt": 2, **({"sft": sft} if sft else {})},
         "training": {"backend": "fsdp", "gpusPerNode": 0, "microBatchSize": mbs,
                      "globalBatchSize": gbs},
         "algorithm": {"lr": lr, **algorithm},
@@ -324,3 +324,48 @@ def test_distillation_loads_the_teacher_as_the_frozen_model(model_dir: str,
     ref = backend.ref_logprobs(batch)  # with klCoef 0: the teacher is there for the signal
     assert ref is not None
     assert not torch.allclose(ref, backend.logprobs(batch))
+
+
+def demonstrations(seed: int = 5) -> TrainBatch:
+    """make_batch's layout, as demonstrations: the loss mask marks the targets."""
+    return dataclasses.replace(make_batch(seed), advantages=torch.zeros(B, T))
+
+
+def test_sft_term_lowers_the_demonstrations_nll(model_dir: str) -> None:
+    spec = make_spec(model_dir, lr=1e-2, sftCoef=1.0, sft={"path": "/d.jsonl", "batchSize": B})
+    backend = make_backend(spec, rank=0, world_size=1, device="cpu")
+    assert isinstance(backend, FSDPBackend)
+    rl = dataclasses.replace(with_old(backend, make_batch()), advantages=torch.zeros(B, T))
+    sft = demonstrations()
+    mask = sft.loss_mask.bool()
+    before = -backend.logprobs(sft)[mask].mean()
+    first = backend.train_step(rl, sft)["sft_nll"]
+    assert first == pytest.approx(float(before), rel=1e-4)  # the metric is the token-mean NLL
+    for _ in range(5):
+        backend.train_step(rl, sft)
+    after = -backend.logprobs(sft)[mask].mean()
+    assert after < before - 0.1, (float(before), float(after))
+
+
+def test_sft_term_is_micro_batch_invariant(model_dir: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    sft_spec = {"path": "/d.jsonl", "batchSize": B}
+    full = make_backend(make_spec(model_dir, mbs=B, sftCoef=0.5, sft=sft_spec), rank=0,
+                        world_size=1, device="cpu")
+    micro = make_backend(make_spec(model_dir, mbs=2, sftCoef=0.5, sft=sft_spec), rank=0,
+                         world_size=1, device="cpu")
+    assert isinstance(full, FSDPBackend) and isinstance(micro, FSDPBackend)
+    batch, sft = with_old(full, make_batch()), demonstrations()
+    grads = capture_grads(monkeypatch)
+    m_full, m_micro = full.train_step(batch, sft), micro.train_step(batch, sft)
+    for g_full, g_micro in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(g_micro, g_full, rtol=1e-4, atol=1e-7)
+    assert m_micro["sft_nll"] == pytest.approx(m_full["sft_nll"], rel=1e-5)
+    assert m_micro["loss"] == pytest.approx(m_full["loss"], rel=1e-5)
+
+
+def test_sft_must_split_into_the_optimizer_steps(model_dir: str) -> None:
+    spec = make_spec(model_dir, gbs=B // 2, sftCoef=1.0, sft={"path": "/d.jsonl", "batchSize": 2})
+    backend = make_backend(spec, rank=0, world_size=1, device="cpu")
+    with pytest.raises(ValueError, match="optimizer steps"):
+        backend.train_step(with_old(backend, make_batch()), demonstrations().slice(0, 3))

@@ -55,7 +55,7 @@ class TableEngine(EngineClient):
         return out
 
 
-def setup(tmp_path: Path, ref_logprobs: Any = None, values: Any = None,
+def setup(tmp_path: Path, ref_logprobs: Any = None, values: Any = None, sft: bool = False,
           **algorithm: Any) -> tuple[RolloutManager, TableEngine]:
     rows = [{"prompt": f"{a}+{a}=", "label": str(2 * a)} for a in range(10, 20)]
     data = tmp_path / "d.jsonl"
@@ -64,7 +64,9 @@ def setup(tmp_path: Path, ref_logprobs: Any = None, values: Any = None,
                   "spec": {"model": {"path": "/m"},
                            "data": {"prompts": str(data), "rolloutBatchSize": 2,
                                     "nSamplesPerPrompt": 4, "maxResponseLen": 4,
-                                    "evalSets": [{"name": "add", "path": str(data)}]},
+                                    "evalSets": [{"name": "add", "path": str(data)}],
+                                    **({"sft": {"path": str(data), "batchSize": 4}} if sft
+                                       else {})},
                            "reward": {"type": "exact"}, "algorithm": algorithm,
                            "training": {"backend": "fsdp", "gpusPerNode": 0}}}).spec
     tok = build_tokenizer()
@@ -73,7 +75,8 @@ def setup(tmp_path: Path, ref_logprobs: Any = None, values: Any = None,
 
     mgr = RolloutManager(spec, PromptSource(data, "prompt", "label", seed=0), engine,  # type: ignore[arg-type]
                          tok, load(spec.reward), seed=7, ref_logprobs=ref_logprobs,
-                         values=values)
+                         values=values,
+                         sft_source=PromptSource(data, "prompt", "label", seed=1) if sft else None)
     return mgr, engine
 
 
@@ -222,3 +225,21 @@ def test_ppo_asks_the_critic_and_sets_targets(tmp_path: Path) -> None:
     assert "explained_variance" in rollout.metrics
     with pytest.raises(ValueError, match="critic"):
         setup(tmp_path, advantageEstimator="ppo")
+
+
+def test_demonstrations_come_with_each_rollout(tmp_path: Path) -> None:
+    mgr, engine = setup(tmp_path, sft=True, sftCoef=0.5)
+    rollout = asyncio.run(mgr.generate(step=0))
+    sft = rollout.sft
+    assert sft is not None and len(sft) == 4
+    for i in range(4):
+        ids = sft.input_ids[i][sft.attention_mask[i].bool()].tolist()
+        target = sft.input_ids[i][sft.loss_mask[i].bool()].tolist()
+        prompt = engine.tok.decode(ids[:len(ids) - len(target)])
+        # the target is the label then EOS, cut to maxResponseLen (4); nothing else trains
+        want = engine.tok(engine.labels[prompt], add_special_tokens=False)["input_ids"]
+        assert target == [*want, engine.tok.eos_token_id][:4]
+    again = asyncio.run(mgr.generate(step=1)).sft
+    assert again is not None and not torch.equal(again.input_ids, sft.input_ids)  # moves on
+    plain, _ = setup(tmp_path)
+    assert asyncio.run(plain.generate(step=0)).sft is None

@@ -78,8 +78,8 @@ class TrainWorker:
               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})",
               flush=True)
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        return self.backend.train_step(batch)
+    def train_step(self, batch: TrainBatch, sft: TrainBatch | None = None) -> dict[str, float]:
+        return self.backend.train_step(batch, sft)
 
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
         return self.backend.ref_logprobs(batch)
@@ -252,10 +252,12 @@ class TrainGroup:
     def load(self, path: str) -> None:
         ray.get([w.load.remote(path) for w in self.workers])
 
-    def train(self, batch: TrainBatch) -> dict[str, float]:
+    def train(self, batch: TrainBatch, sft: TrainBatch | None = None) -> dict[str, float]:
+        """One rollout's optimizer steps; ``sft``: the step's demonstrations (sftCoef)."""
+        sfts = sft.split(len(self.workers)) if sft is not None else [None] * len(self.workers)
         results: Sequence[dict[str, float]] = ray.get(
-            [w.train_step.remote(s) for w, s in zip(self.workers, self._shards(batch),
-                                                     strict=True)])
+            [w.train_step.remote(s, d) for w, s, d in zip(self.workers, self._shards(batch),
+                                                           sfts, strict=True)])
         return combine_rank_metrics(results)
 
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:

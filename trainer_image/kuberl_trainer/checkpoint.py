@@ -45,6 +45,7 @@ class TrainerState:
     step: int                                              # training steps finished
     data: dict[str, Any] = field(default_factory=dict)     # PromptSource.state_dict()
     weight_version: int = 0                                # engines' weight version
+    sft_data: dict[str, Any] = field(default_factory=dict)  # the demonstrations' position
     metrics: dict[str, float] = field(default_factory=dict)  # e.g. the last reward_mean
 
     def write(self, dir: str | Path) -> None:
@@ -55,7 +56,8 @@ class TrainerState:
         raw = json.loads((Path(dir) / STATE_FILE).read_text())
         return cls(step=int(raw["step"]), data=dict(raw.get("data", {})),
                    weight_version=int(raw.get("weight_version", 0)),
-                   metrics=dict(raw.get("metrics", {})))
+                   metrics=dict(raw.get("metrics", {})),
+                   sft_data=dict(raw.get("sft_data", {})))
 
 
 def step_dir(root: str | Path, step: int) -> Path:

@@ -47,7 +47,7 @@ def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
         t0 = time.perf_counter()
         rollout = parts.aio.run_until_complete(parts.rollout.generate(step))  # -> batch
         t1 = time.perf_counter()
-        stats = parts.train.train(rollout.batch)   # pi_old, pi_ref, optimizer step(s)
+        stats = parts.train.train(rollout.batch, rollout.sft)  # pi_old, pi_ref, step(s)
         if parts.critic is not None:
             stats |= parts.critic.train(rollout.batch)  # towards GAE's returns
         t2 = time.perf_counter()

@@ -46,6 +46,8 @@ def check_data(spec: RLJobSpec) -> None:
     d = spec.data
     paths = [("spec.data.prompts", d.prompts)] + [
         (f"spec.data.evalSets[{i}].path", e.path) for i, e in enumerate(d.eval_sets)]
+    if d.sft is not None:
+        paths.append(("spec.data.sft.path", d.sft.path))
     for field, path in paths:
         try:
             PromptSource(path, d.input_key, d.label_key, seed=0).check()

@@ -47,6 +47,7 @@ class Response:
 class Rollout:
     batch: TrainBatch
     metrics: dict[str, Any] = field(default_factory=dict)
+    sft: TrainBatch | None = None  # the step's demonstrations (algorithm.sftCoef)
 
 
 TokenFn = Callable[[TrainBatch], torch.Tensor]
@@ -60,7 +61,7 @@ class RolloutManager:
     def __init__(self, spec: RLJobSpec, source: PromptSource, client: EngineClient,
                  tokenizer: Any, reward_fn: Callable[[str, str], float], *,
                  seed: int = 0, ref_logprobs: TokenFn | None = None,
-                 values: TokenFn | None = None) -> None:
+                 values: TokenFn | None = None, sft_source: PromptSource | None = None) -> None:
         self.spec, self.source, self.client, self.seed = spec, source, client, seed
         self.tokenizer, self.reward_fn = tokenizer, reward_fn
         if estimators.needs_reference(spec.algorithm) and ref_logprobs is None:
@@ -69,6 +70,9 @@ class RolloutManager:
         if spec.has_critic and values is None:
             raise ValueError("advantageEstimator ppo needs the critic's values")
         self.ref_logprobs, self.values = ref_logprobs, values
+        if (spec.data.sft is not None) != (sft_source is not None):
+            raise ValueError("data.sft and the SFT prompt source come together")
+        self.sft_source = sft_source
         self.eval_sets = [
             (e.name, PromptSource(e.path, spec.data.input_key, spec.data.label_key,
                                   seed=seed).samples(), e.n_samples_per_prompt)
@@ -146,7 +150,23 @@ class RolloutManager:
             batch.advantages = estimators.token_advantages(algo, scores, n, batch.loss_mask,
                                                            kl=kl)
         metrics.update(self._metrics(responses, rewards, scores, batch))
-        return Rollout(batch=batch, metrics=metrics)
+        return Rollout(batch=batch, metrics=metrics, sft=self._demonstrations())
+
+    def _demonstrations(self) -> TrainBatch | None:
+        """`data.sft.batchSize` demonstrations, packed like responses: the prompt, then the
+        target and EOS (the tokens the NLL term trains on), each cut to its length limit."""
+        d = self.spec.data
+        if self.sft_source is None or d.sft is None:
+            return None
+        samples = self.sft_source.next_batch(d.sft.batch_size)
+        tok = self.tokenizer
+        prompts = tok([s.prompt for s in samples], add_special_tokens=False)["input_ids"]
+        targets = tok([s.label for s in samples], add_special_tokens=False)["input_ids"]
+        rows = [Response(sample=s, prompt_ids=list(p[-d.max_prompt_len:]),
+                         output_ids=[*t, tok.eos_token_id][:d.max_response_len],
+                         logprobs=[], text=s.label, truncated=False)
+                for s, p, t in zip(samples, prompts, targets, strict=True)]
+        return pack(rows, torch.zeros(len(rows)), tok.pad_token_id)
 
     async def _graded(self, step: int, samples: list[Sample], n: int) -> list[Response]:
         responses = await self._sample(step, samples, n)

@@ -40,6 +40,7 @@ class Session:
         self.engines: EngineGroup | None = None
         self.trainers: TrainGroup | None = None
         self.critic: CriticGroup | None = None
+        self.sft_source: PromptSource | None = None
         self.step = 0
         self.weight_version = 0
         self.aio = asyncio.new_event_loop()  # one loop for the run: the HTTP session lives on it
@@ -62,8 +63,10 @@ class Session:
                        if self.spec.has_critic else None)
         self.client = EngineClient(self.engines.urls)
         self.aio.run_until_complete(self.client.wait_healthy(timeout_s=ENGINE_START_TIMEOUT_S))
-        self.source = PromptSource(self.spec.data.prompts, self.spec.data.input_key,
-                                   self.spec.data.label_key, seed=self.opts.seed)
+        d = self.spec.data
+        self.source = PromptSource(d.prompts, d.input_key, d.label_key, seed=self.opts.seed)
+        self.sft_source = (PromptSource(d.sft.path, d.input_key, d.label_key,
+                                        seed=self.opts.seed) if d.sft else None)
         self._resume()
 
     def _resume(self) -> None:
@@ -77,6 +80,8 @@ class Session:
             self.critic.load(str(path))
         state = ckpt.TrainerState.read(path)
         self.source.load_state_dict(state.data)
+        if self.sft_source is not None and state.sft_data:
+            self.sft_source.load_state_dict(state.sft_data)
         self.step, self.weight_version = state.step, state.weight_version
         # Engines start from the base model: give them the resumed weights before generating.
         self.trainers.push_weights(self.engines.urls, self.weight_version, 1 << 26)
@@ -90,7 +95,8 @@ class Session:
             rollout=RolloutManager(self.spec, self.source, self.client, tokenizer,
                                    self.checked.reward_fn, seed=self.opts.seed,
                                    ref_logprobs=self.trainers.ref_logprobs,
-                                   values=self.critic.values if self.critic else None),
+                                   values=self.critic.values if self.critic else None,
+                                   sft_source=self.sft_source),
             train=self.trainers, engines=self.engines, critic=self.critic,
             log=MetricsLog(self.opts.output_dir, prometheus_port=self.opts.prometheus_port,
                            tensorboard_dir=self.opts.tensorboard,
@@ -116,8 +122,9 @@ class Session:
     def save(self, step: int, weight_version: int) -> str:
         assert self.trainers is not None
         self.weight_version = weight_version
-        state = ckpt.TrainerState(step=step, data=self.source.state_dict(),
-                                  weight_version=weight_version)
+        state = ckpt.TrainerState(
+            step=step, data=self.source.state_dict(), weight_version=weight_version,
+            sft_data=self.sft_source.state_dict() if self.sft_source else {})
         path = ckpt.save(self.opts.checkpoint_dir, step, state, self._write_models,
                          keep=self.spec.checkpoint.keep)
         return str(path)

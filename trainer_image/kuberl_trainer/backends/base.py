@@ -131,9 +131,10 @@ class Backend(Protocol):
         """As ``logprobs`` under the frozen reference model; None when klCoef == 0."""
         ...
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, sft: TrainBatch | None = None) -> dict[str, float]:
         """Collective. Train on this rank's shard of a rollout: one optimizer step per
-        global batch (micro-batches, gradient accumulation, clipping, AdamW, LR schedule).
+        global batch (micro-batches, gradient accumulation, clipping, AdamW, LR schedule),
+        each with its part of ``sft``'s demonstrations in an NLL term (``algorithm.sftCoef``).
         Returns metrics averaged over the shard."""
         ...
 

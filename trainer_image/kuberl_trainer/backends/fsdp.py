@@ -150,13 +150,15 @@ class FSDPBackend:
 
     # -- training ----------------------------------------------------------------------------
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, sft: TrainBatch | None = None) -> dict[str, float]:
         """Collective. ``batch`` is this rank's shard of one rollout (``B`` samples).
 
         It is cut into ``B / rank_batch_size`` optimizer steps (``rank_batch_size =
         globalBatchSize / world_size``), each accumulated over micro-batches of
-        ``microBatchSize``. Returned metrics are token-weighted means over the shard, plus
-        the mean grad norm and the last learning rate of its optimizer steps.
+        ``microBatchSize``. ``sft`` (this rank's share of the step's demonstrations, with
+        ``algorithm.sftCoef``) is cut into as many equal parts, one per optimizer step.
+        Returned metrics are token-weighted means over the shard, plus the mean grad norm and
+        the last learning rate of its optimizer steps.
         """
         if len(batch) == 0 or len(batch) % self.rank_batch_size:
             raise ValueError(
@@ -164,9 +166,17 @@ class FSDPBackend:
                 f"the global batch ({self.rank_batch_size} = globalBatchSize "
                 f"{self.spec.global_batch_size} / {self.world_size} ranks)")
         batch = self._prepare(batch.to(self.device))
+        steps = len(batch) // self.rank_batch_size
+        sft_parts: list[TrainBatch | None] = [None] * steps
+        if sft is not None:
+            if len(sft) % steps:
+                raise ValueError(f"{len(sft)} demonstrations on this rank do not split into "
+                                 f"its {steps} optimizer steps")
+            sft_parts = list(sft.to(self.device).chunks(len(sft) // steps))
         metrics = _Metrics()
-        for step_batch in batch.chunks(self.rank_batch_size):
-            self._optimizer_step(step_batch, metrics)
+        for step_batch, sft_part in zip(batch.chunks(self.rank_batch_size), sft_parts,
+                                        strict=True):
+            self._optimizer_step(step_batch, metrics, sft_part)
         return metrics.summary()
 
     def _prepare(self, batch: TrainBatch) -> TrainBatch:
@@ -187,7 +197,8 @@ class FSDPBackend:
             return batch
         return dataclasses.replace(batch, ref_logprobs=self._logprobs(self.ref, batch))
 
-    def _optimizer_step(self, batch: TrainBatch, metrics: _Metrics) -> None:
+    def _optimizer_step(self, batch: TrainBatch, metrics: _Metrics,
+                        sft: TrainBatch | None = None) -> None:
         """One optimizer step over ``batch`` (this rank's part of one global batch).
 
         The loss is aggregated over the *whole global batch* (``algos.objective``): each
@@ -196,15 +207,23 @@ class FSDPBackend:
         averaging divides back out. The update is then independent of how the batch is cut
         into micro-batches and ranks.
         """
-        units = self._global_units(batch)
+        units = self._global_sum(self.objective.units(response_mask(batch.loss_mask)))
+        micro = [(mb, False) for mb in batch.chunks(self.micro_batch_size)]
+        if sft is not None:  # the SFT term: a token-mean NLL over all ranks' demonstrations
+            sft_tokens = self._global_sum(float(response_mask(sft.loss_mask).sum()))
+            micro += [(mb, True) for mb in sft.chunks(self.micro_batch_size)]
         self.optimizer.zero_grad(set_to_none=True)
-        micro = list(batch.chunks(self.micro_batch_size))
-        for i, mb in enumerate(micro):
+        for i, (mb, is_sft) in enumerate(micro):
             with self._grad_sync(i == len(micro) - 1):
-                partial, stats, tokens = self._micro_loss(trim_padding(mb))
-                loss = partial * (self.world_size / units)
+                if is_sft:
+                    nll, tokens = self._sft_nll(trim_padding(mb))
+                    loss = nll * (self.algo.sft_coef * self.world_size / sft_tokens)
+                    metrics.add_sft(float(nll.detach()), tokens)
+                else:
+                    partial, stats, tokens = self._micro_loss(trim_padding(mb))
+                    loss = partial * (self.world_size / units)
+                    metrics.add_tokens(stats, tokens)
                 torch.autograd.backward(loss)
-            metrics.add_tokens(stats, tokens)
             metrics.add_loss(float(loss.detach()) / self.world_size)
         grad_norm = clip_gradients(self.module.parameters())
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -231,11 +250,17 @@ class FSDPBackend:
             ref_logp=mb.ref_logprobs)
         return partial, stats, int(mask.sum().item())
 
-    def _global_units(self, batch: TrainBatch) -> float:
-        """The aggregation's denominator over the global batch: this rank's part summed over
-        ranks (>= 1)."""
-        count = torch.tensor(self.objective.units(response_mask(batch.loss_mask)),
-                             dtype=torch.float64, device=self.device)
+    def _sft_nll(self, mb: TrainBatch) -> tuple[Tensor, int]:
+        """``(sum of -log p over the target tokens, their count)`` for one micro-batch of
+        demonstrations (temperature-scaled logits, like everything the policy is trained on)."""
+        logp = gather_logprobs(self._shifted_logits(self.model, mb), mb.input_ids)
+        mask = response_mask(mb.loss_mask)
+        nll = -torch.where(mask.bool(), logp, torch.zeros_like(logp)).sum()
+        return nll, int(mask.sum().item())
+
+    def _global_sum(self, value: float) -> float:
+        """``value`` summed over the ranks (>= 1): the denominators of the step's losses."""
+        count = torch.tensor(value, dtype=torch.float64, device=self.device)
         if self.world_size > 1:
             dist.all_reduce(count)
         return max(float(count.item()), 1.0)
@@ -506,6 +531,7 @@ class _Metrics:
         self.extremes: dict[str, float] = {}
         self.tokens = 0
         self.loss = 0.0
+        self.sft_nll, self.sft_tokens = 0.0, 0
         self.grad_norms: list[float] = []
         self.lr = 0.0
 
@@ -522,6 +548,10 @@ class _Metrics:
     def add_loss(self, part: float) -> None:
         self.loss += part
 
+    def add_sft(self, nll_sum: float, tokens: int) -> None:
+        self.sft_nll += nll_sum
+        self.sft_tokens += tokens
+
     def add_step(self, grad_norm: float, lr: float) -> None:
         self.grad_norms.append(grad_norm)
         self.lr = lr
@@ -531,6 +561,8 @@ class _Metrics:
         out.update(self.extremes)
         steps = max(len(self.grad_norms), 1)
         out["loss"] = self.loss / steps  # each step's loss is the sum of its micro parts
+        if self.sft_tokens:
+            out["sft_nll"] = self.sft_nll / self.sft_tokens
         out["grad_norm"] = sum(self.grad_norms) / steps
         out["lr"] = self.lr
         out["optimizer_steps"] = float(len(self.grad_norms))
