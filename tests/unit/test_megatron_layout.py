@@ -8,8 +8,14 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from kuberl_trainer.megatron import hf_layout as L
 
@@ -74,8 +80,7 @@ def test_fused_qkv_groups_queries_with_their_key_and_value(model: Any) -> None:
     mg = L.hf_to_megatron(sd, shape)
     qkv = mg["decoder.layers.1.self_attention.linear_qkv.weight"]
     hd = shape.head_dim
-    q, k = sd["model.layers.1.self_attn.q_proj.weight"], sd["model.layers.1.self_attn.k_proj.weight"]
-    v = sd["model.layers.1.self_attn.v_proj.weight"]
+    q, k, v = (sd[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv")
     block = (shape.heads_per_group + 2) * hd
     for g in range(shape.num_kv_heads):  # group g: its 2 query heads, its key, its value
         rows = qkv[g * block:(g + 1) * block]

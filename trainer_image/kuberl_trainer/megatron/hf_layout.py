@@ -108,7 +108,9 @@ def split_qkv(qkv: Tensor, shape: DecoderShape, groups: int | None = None
     hd, per = shape.head_dim, shape.heads_per_group
     rest = qkv.shape[1:]
     grouped = qkv.reshape(g, (per + 2) * hd, *rest)
-    q, k, v = grouped.split([per * hd, hd, hd], dim=1)
+    q = grouped[:, :per * hd]
+    k = grouped[:, per * hd:(per + 1) * hd]
+    v = grouped[:, (per + 1) * hd:]
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
@@ -135,16 +137,13 @@ def hf_to_megatron(hf: Mapping[str, Tensor], shape: DecoderShape, *, tp: int = 1
     silently)."""
     out: dict[str, Tensor] = {}
     rows = padded_vocab(shape.vocab, tp)
-    used = set()
+    used: set[str] = set()
     for i in range(shape.num_layers):
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        attn = [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
-        out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(*(hf[n] for n in attn), shape)
-        used.update(attn)
-        if shape.qkv_bias:
-            bias = [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
-            out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(*(hf[n] for n in bias), shape)
-            used.update(bias)
+        for kind in ("weight", "bias") if shape.qkv_bias else ("weight",):
+            q, k, v = (f"{p}self_attn.{x}_proj.{kind}" for x in "qkv")
+            out[f"{m}self_attention.linear_qkv.{kind}"] = fuse_qkv(hf[q], hf[k], hf[v], shape)
+            used.update((q, k, v))
         gate, up = f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"
         out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[gate], hf[up]])
         used.update((gate, up))
