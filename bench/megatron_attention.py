@@ -18,12 +18,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer_image"))
 
-from kuberl_trainer.megatron import hf_layout as L  # noqa: E402
-from kuberl_trainer.megatron.sdpa_attention import local_spec_with_sdpa  # noqa: E402
+from kuberl_trainer.megatron import hf_layout as L
+from kuberl_trainer.megatron.sdpa_attention import local_spec_with_sdpa
 
 QWEN25_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
               "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
               "max_position_embeddings": 4096, "tie_word_embeddings": True, "rope_theta": 1e6}
+FUSE_SWIGLU = "--fuse-swiglu" in sys.argv  # Megatron's jit-fused SwiGLU (no TE/apex needed)
 SMALL = {**QWEN25_05B, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}
 
@@ -39,9 +40,9 @@ def megatron(hf_cfg: dict, shape: L.DecoderShape, *, sdpa: bool, dtype: torch.dt
         ffn_hidden_size=shape.ffn, normalization="RMSNorm", layernorm_epsilon=1e-6,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias, params_dtype=dtype, bf16=dtype == torch.bfloat16,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, attention_dropout=0.0,
-        hidden_dropout=0.0)
+        bias_activation_fusion=FUSE_SWIGLU, masked_softmax_fusion=False,
+        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        attention_dropout=0.0, hidden_dropout=0.0)
     spec = local_spec_with_sdpa() if sdpa else get_gpt_layer_local_spec()
     return GPTModel(config=cfg, transformer_layer_spec=spec,
                     vocab_size=L.padded_vocab(shape.vocab, 1), max_sequence_length=4096,
@@ -76,6 +77,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--fuse-swiglu", action="store_true")
     a = p.parse_args()
     dist.init_process_group("nccl")
     torch.cuda.set_device(0)
@@ -116,7 +118,8 @@ def main() -> None:
         model.cpu()
         torch.cuda.empty_cache()
     base = rates["hf (sdpa)"]
-    print(f"Qwen2.5-0.5B shape, bf16, batch {a.batch} x {a.seq}, forward + backward")
+    print(f"Qwen2.5-0.5B shape, bf16, batch {a.batch} x {a.seq}, forward + backward"
+          f"{', fused SwiGLU' if FUSE_SWIGLU else ''}")
     print(f"{'model':<16} {'tokens/s':>10} {'vs hf':>7}")
     for name, rate in rates.items():
         print(f"{name:<16} {rate:>10.0f} {rate / base:>6.2f}x")
