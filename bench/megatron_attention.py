@@ -78,6 +78,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--fuse-swiglu", action="store_true")
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels")
     a = p.parse_args()
     dist.init_process_group("nccl")
     torch.cuda.set_device(0)
@@ -117,6 +118,22 @@ def main() -> None:
         del logits, loss
         model.cpu()
         torch.cuda.empty_cache()
+    if "--profile" in sys.argv:
+        from torch.profiler import ProfilerActivity, profile
+        for name in ("hf (sdpa)", "megatron sdpa"):
+            model = models[name].cuda()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(2):
+                    logits = run(model, name, ids, mask)[..., :shape.vocab]
+                    F.cross_entropy(logits.float().reshape(-1, shape.vocab),
+                                    labels.reshape(-1)).backward()
+                torch.cuda.synchronize()
+            print(f"== {name}")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18,
+                                            max_name_column_width=60))
+            model.cpu()
+            del logits
+            torch.cuda.empty_cache()
     base = rates["hf (sdpa)"]
     print(f"Qwen2.5-0.5B shape, bf16, batch {a.batch} x {a.seq}, forward + backward"
           f"{', fused SwiGLU' if FUSE_SWIGLU else ''}")
