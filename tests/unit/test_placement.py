@@ -110,3 +110,15 @@ def test_cpu_actors_split_the_cores_among_their_role() -> None:
     assert cpu_threads(cores=16, actors_sharing=4) == 4
     assert cpu_threads(cores=2, actors_sharing=2) == 1
     assert cpu_threads(cores=2, actors_sharing=3) == 1  # never zero threads
+
+
+def test_colocated_engines_take_their_slice_of_each_node() -> None:
+    from kuberl_trainer.placement import colocated_engine_devices
+
+    # 8-GPU nodes, 2 GPUs an engine: 4 engines a node, engine 5 is the 2nd on the 2nd node
+    assert [colocated_engine_devices(i, 2, 8) for i in range(5)] == [
+        [0, 1], [2, 3], [4, 5], [6, 7], [0, 1]]
+    assert colocated_engine_devices(5, 2, 8) == [2, 3]
+    assert colocated_engine_devices(0, 1, 1) == [0]
+    with pytest.raises(ValueError, match="gpusPerEngine 3"):
+        colocated_engine_devices(0, 3, 8)

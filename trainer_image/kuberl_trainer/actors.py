@@ -21,7 +21,7 @@ import torch
 
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.backends.base import Backend, TrainBatch, make_backend
-from kuberl_trainer.placement import ActorShape, Layout, cpu_threads
+from kuberl_trainer.placement import ActorShape, Layout, colocated_engine_devices, cpu_threads
 
 SYNC_TIMEOUT_S = 300.0
 
@@ -156,18 +156,24 @@ class EngineServer:
     def start(self, model_path: str) -> str:
         port = free_port()
         cmd = self._command(model_path, port)
+        env = dict(os.environ)
+        if self.spec.placement == "colocate" and self.spec.rollout_gpus:
+            devices = colocated_engine_devices(self.index, self.spec.rollout.gpus_per_engine,
+                                               self.spec.training.gpus_per_node)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
         device = cmd[cmd.index("--device") + 1] if "--device" in cmd else "its GPUs"
         print(f"engine {self.index} ({self.spec.rollout.engine}) on {device} "
-              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})",
-              flush=True)
-        self.proc = subprocess.Popen(cmd, stdout=sys.stdout, stderr=sys.stderr)
+              f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')})", flush=True)
+        self.proc = subprocess.Popen(cmd, stdout=sys.stdout, stderr=sys.stderr, env=env)
         self.url = f"http://{node_ip()}:{port}"
         return self.url
 
     def _command(self, model_path: str, port: int) -> list[str]:
         r = self.spec.rollout
         if r.engine == "reference":
-            device = "cuda" if torch.cuda.is_available() and self.spec.rollout_gpus else "cpu"
+            # From the spec, not torch.cuda here: a colocated engine's actor sees no GPU (see
+            # placement.colocated_engine_devices); its process is given its own.
+            device = "cuda" if self.spec.rollout_gpus else "cpu"
             cmd = [sys.executable, "-m", "kuberl_rollout.reference", "--model-path", model_path,
                    "--host", "0.0.0.0", "--port", str(port), "--seed", str(self.seed),
                    "--device", device]

@@ -124,3 +124,19 @@ def local_resources(spec: RLJobSpec) -> dict[str, float]:
     if lay.critic_actor is not None:
         out[RESOURCE_CRITIC] = lay.critic_workers * lay.critic_actor.resources[RESOURCE_CRITIC]
     return out
+
+
+def colocated_engine_devices(index: int, gpus_per_engine: int, gpus_per_node: int) -> list[int]:
+    """The GPUs (node-local indices) colocated engine ``index`` runs on.
+
+    A colocated engine's Ray actor takes no GPU from Ray's accounting (the trainers hold
+    them), so Ray hides every GPU from it (``CUDA_VISIBLE_DEVICES=""``); its engine process is
+    given its slice explicitly instead. Engines are placed node by node in index order (PACK),
+    ``gpus_per_node / gpus_per_engine`` to a node, so engine ``index`` takes slice
+    ``index mod engines_per_node`` of its node's GPUs.
+    """
+    if gpus_per_engine < 1 or gpus_per_node % gpus_per_engine:
+        raise ValueError(f"gpusPerEngine {gpus_per_engine} must divide the node's "
+                         f"{gpus_per_node} GPUs")
+    local = index % (gpus_per_node // gpus_per_engine)
+    return list(range(local * gpus_per_engine, (local + 1) * gpus_per_engine))
