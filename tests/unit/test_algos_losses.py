@@ -1,4 +1,5 @@
-"""masked_mean, PPO clip and entropy against hand-computed values."""
+"""The token mean, PPO clip and entropy against hand-computed values, through the pieces the
+backends train on (aggregation, objective, losses.token_entropy)."""
 
 from __future__ import annotations
 
@@ -7,26 +8,44 @@ import math
 import pytest
 import torch
 
-from kuberl_trainer.algos import losses
+from kuberl_trainer.algos import aggregation, losses
+from kuberl_trainer.algos.objective import Objective
 
 LN = math.log
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return aggregation.aggregate(x, mask, "token-mean")
+
+
+def ppo_clip(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+             eps_clip: float, eps_clip_high: float | None = None, *,
+             clip_c: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The token-mean PPO loss and its metrics, as the objective computes them."""
+    obj = Objective(eps_clip=eps_clip, eps_clip_high=eps_clip_high, clip_c=clip_c)
+    partial, metrics = obj.partial_loss(logp, old, adv, mask, entropy=torch.zeros_like(logp))
+    return partial / max(obj.units(mask), 1.0), metrics
+
+
+def entropy(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return masked_mean(losses.token_entropy(logits), mask)
 
 
 def test_masked_mean_by_hand() -> None:
     # Masked-in: 1, 2 (row 0) and 4 (row 1) -> 7 / 3.
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    torch.testing.assert_close(losses.masked_mean(x, mask), torch.tensor(7 / 3))
+    torch.testing.assert_close(masked_mean(x, mask), torch.tensor(7 / 3))
 
 
 def test_masked_mean_ignores_nonfinite_padding_and_empty_mask() -> None:
     x = torch.tensor([[2.0, float("inf"), float("nan")]], requires_grad=True)
     mask = torch.tensor([[1, 0, 0]])
-    out = losses.masked_mean(x, mask)
+    out = masked_mean(x, mask)
     out.backward()
     assert out.item() == 2.0
     assert x.grad is not None and x.grad.tolist() == [[1.0, 0.0, 0.0]]
-    assert losses.masked_mean(torch.ones(2, 2), torch.zeros(2, 2)).item() == 0.0
+    assert masked_mean(torch.ones(2, 2), torch.zeros(2, 2)).item() == 0.0
 
 
 # Four response tokens and one padding token; eps_clip = 0.2 -> ratio kept in [0.8, 1.2].
@@ -51,7 +70,7 @@ def _logps(ratios: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
 def test_ppo_clip_by_hand() -> None:
     logp, old = _logps(RATIOS)
     old[0, 4] = float("-inf")
-    loss, metrics = losses.ppo_clip(logp, old, ADV, MASK, 0.2)
+    loss, metrics = ppo_clip(logp, old, ADV, MASK, 0.2)
     loss.backward()
     assert loss.item() == pytest.approx(0.15)
     assert metrics["pg_clipfrac"] == pytest.approx(0.5)
@@ -71,11 +90,11 @@ def test_clip_higher_is_asymmetric() -> None:
     adv = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
     mask = torch.ones(1, 2)
     logp, old = _logps([1.25, 0.7])
-    sym, sym_metrics = losses.ppo_clip(logp, old, adv, mask, 0.2)
+    sym, sym_metrics = ppo_clip(logp, old, adv, mask, 0.2)
     assert sym.item() == pytest.approx((-1.2 + 0.8) / 2)
     assert sym_metrics["pg_clipfrac"] == 1.0
     logp, old = _logps([1.25, 0.7])
-    high, high_metrics = losses.ppo_clip(logp, old, adv, mask, 0.2, eps_clip_high=0.28)
+    high, high_metrics = ppo_clip(logp, old, adv, mask, 0.2, eps_clip_high=0.28)
     high.backward()
     assert high.item() == pytest.approx((-1.25 + 0.8) / 2)
     assert high_metrics["pg_clipfrac"] == 0.5
@@ -88,12 +107,12 @@ def test_dual_clip_caps_negative_advantage() -> None:
     # (no gradient). adv +1, ratio 1.0: untouched, -1.
     adv = torch.tensor([[-1.0, 1.0]], dtype=torch.float64)
     logp, old = _logps([5.0, 1.0])
-    loss, metrics = losses.ppo_clip(logp, old, adv, torch.ones(1, 2), 0.2, clip_c=3.0)
+    loss, metrics = ppo_clip(logp, old, adv, torch.ones(1, 2), 0.2, clip_c=3.0)
     loss.backward()
     assert loss.item() == pytest.approx((3.0 - 1.0) / 2)
     assert metrics["pg_clipfrac_lower"] == 0.5
     assert logp.grad is not None and logp.grad[0, 0].item() == 0.0
-    plain, _ = losses.ppo_clip(*_logps([5.0, 1.0]), adv, torch.ones(1, 2), 0.2)
+    plain, _ = ppo_clip(*_logps([5.0, 1.0]), adv, torch.ones(1, 2), 0.2)
     assert plain.item() == pytest.approx((5.0 - 1.0) / 2)
 
 
@@ -102,10 +121,11 @@ def test_on_policy_is_vanilla_policy_gradient() -> None:
     adv = torch.tensor([[0.5, -2.0, 7.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0]])
     logp = torch.full((1, 3), -1.0, dtype=torch.float64, requires_grad=True)
-    loss, metrics = losses.ppo_clip(logp, logp.detach().clone(), adv, mask, 0.2)
+    loss, metrics = ppo_clip(logp, logp.detach().clone(), adv, mask, 0.2)
     loss.backward()
     assert loss.item() == pytest.approx(-(0.5 - 2.0) / 2)
-    assert metrics == {"pg_clipfrac": 0.0, "ratio_mean": 1.0, "approx_kl": 0.0}
+    assert {k: metrics[k] for k in ("pg_clipfrac", "ratio_mean", "approx_kl")} == {
+        "pg_clipfrac": 0.0, "ratio_mean": 1.0, "approx_kl": 0.0}
     assert logp.grad is not None
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.25, 1.0, 0.0]], dtype=torch.float64))
 
@@ -117,7 +137,7 @@ def test_clipped_tokens_get_no_gradient_at_random() -> None:
     old = torch.randn(4, 32, generator=gen, dtype=torch.float64)
     logp = (old + 0.5 * torch.randn(4, 32, generator=gen, dtype=torch.float64)).requires_grad_()
     adv = torch.randn(4, 32, generator=gen, dtype=torch.float64)
-    loss, _ = losses.ppo_clip(logp, old, adv, torch.ones(4, 32), 0.2, eps_clip_high=0.3)
+    loss, _ = ppo_clip(logp, old, adv, torch.ones(4, 32), 0.2, eps_clip_high=0.3)
     loss.backward()
     ratio = (logp - old).exp().detach()
     free = ((adv > 0) & (ratio < 1.3)) | ((adv < 0) & (ratio > 0.8))
@@ -128,9 +148,9 @@ def test_clipped_tokens_get_no_gradient_at_random() -> None:
 def test_ppo_clip_rejects_bad_ranges() -> None:
     logp, old = _logps([1.0])
     with pytest.raises(ValueError, match="positive"):
-        losses.ppo_clip(logp, old, torch.ones(1, 1), torch.ones(1, 1), 0.0)
+        ppo_clip(logp, old, torch.ones(1, 1), torch.ones(1, 1), 0.0)
     with pytest.raises(ValueError, match="clip_c"):
-        losses.ppo_clip(logp, old, torch.ones(1, 1), torch.ones(1, 1), 0.2, clip_c=1.0)
+        ppo_clip(logp, old, torch.ones(1, 1), torch.ones(1, 1), 0.2, clip_c=1.0)
 
 
 def test_entropy_by_hand() -> None:
@@ -144,7 +164,7 @@ def test_entropy_by_hand() -> None:
                             [0.0, LN(3), neg_inf, neg_inf],
                             [1e4, -1e4, 0.0, 0.0]]], requires_grad=True)
     mask = torch.tensor([[1, 1, 0]])
-    h = losses.entropy(logits, mask)
+    h = entropy(logits, mask)
     expected = (LN(4) + 0.25 * LN(4) + 0.75 * LN(4 / 3)) / 2
     assert h.item() == pytest.approx(expected, rel=1e-6)
     h.backward()
@@ -155,12 +175,12 @@ def test_entropy_by_hand() -> None:
 def test_entropy_is_stable_for_large_and_low_precision_logits() -> None:
     # Naive softmax overflows on 1000; two equal logits have entropy ln 2 whatever their size.
     big = torch.tensor([[[1000.0, 1000.0]]])
-    assert losses.entropy(big, torch.ones(1, 1)).item() == pytest.approx(LN(2))
+    assert entropy(big, torch.ones(1, 1)).item() == pytest.approx(LN(2))
     one_hot = torch.tensor([[[0.0, -1e9, -1e9]]], dtype=torch.bfloat16)
-    h = losses.entropy(one_hot, torch.ones(1, 1))
+    h = entropy(one_hot, torch.ones(1, 1))
     assert h.dtype == torch.float32 and h.item() == 0.0
 
 
 def test_entropy_rejects_bad_shapes() -> None:
     with pytest.raises(ValueError, match=r"\[B, T, V\]"):
-        losses.entropy(torch.zeros(2, 3), torch.ones(2, 3))
+        entropy(torch.zeros(2, 3), torch.ones(2, 3))

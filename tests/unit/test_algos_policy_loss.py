@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from kuberl_trainer.algos import losses, policy_loss
+from kuberl_trainer.algos import policy_loss
+from kuberl_trainer.algos.objective import Objective
 
 # One row: a prompt token (position 0), two response tokens, one padding position.
 MASK = torch.tensor([[0.0, 1.0, 1.0, 0.0]])
@@ -74,7 +75,9 @@ def test_ppo_per_token_matches_the_token_mean_loss() -> None:
     mask = (torch.rand(4, 5, generator=gen) > 0.3).float()
     adv = torch.randn(4, 5, generator=gen) * mask
     per_token, flags = policy_loss.ppo_clip(logp, old, adv, mask, 0.2, 0.3, clip_c=3.0)
-    mean, metrics = losses.ppo_clip(logp, old, adv, mask, 0.2, 0.3, clip_c=3.0)
+    obj = Objective(eps_clip=0.2, eps_clip_high=0.3, clip_c=3.0)
+    partial, metrics = obj.partial_loss(logp, old, adv, mask, entropy=torch.zeros_like(logp))
+    mean = partial / obj.units(mask)
     torch.testing.assert_close(per_token.sum() / mask.sum(), mean)
     assert metrics["pg_clipfrac"] == pytest.approx(
         float((flags["clipped"] & mask.bool()).sum() / mask.sum()))

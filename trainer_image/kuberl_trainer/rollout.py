@@ -185,9 +185,9 @@ class RolloutManager:
         extra prompts drawn; the rounds used). Each fresh sample has its own seed (its
         prompt differs), so a resumed run redraws the same."""
         n = self.spec.data.n_samples_per_prompt
-        groups = [responses[i:i + n] for i in range(0, len(responses), n)]
-        rich = [g for g in groups if _has_spread(g)]
-        flat = [g for g in groups if not _has_spread(g)]
+        groups, spread = _groups(responses, n)
+        rich = [g for g, ok in zip(groups, spread, strict=True) if ok]
+        flat = [g for g, ok in zip(groups, spread, strict=True) if not ok]
         extra: list[Sample] = []
         rounds = 0
         while flat and rounds < self.spec.algorithm.dynamic_sampling_rounds:
@@ -195,8 +195,8 @@ class RolloutManager:
             fresh = self.source.next_batch(len(flat))
             extra += fresh
             new = await self._graded(step, fresh, n)
-            new_groups = [new[i:i + n] for i in range(0, len(new), n)]
-            gained = [g for g in new_groups if _has_spread(g)]
+            new_groups, new_spread = _groups(new, n)
+            gained = [g for g, ok in zip(new_groups, new_spread, strict=True) if ok]
             rich += gained
             flat = flat[len(gained):]
         return [r for g in rich + flat for r in g], extra, rounds
@@ -238,8 +238,12 @@ class RolloutManager:
         }
 
 
-def _has_spread(group: list[Response]) -> bool:
-    return any(r.score != group[0].score for r in group)
+def _groups(responses: list[Response], n: int) -> tuple[list[list[Response]], list[bool]]:
+    """The prompt groups of ``n`` responses, and which have score spread (the same test as
+    dropConstantGroups: ``filters.nonconstant_groups``)."""
+    scores = torch.tensor([r.score for r in responses], dtype=torch.float32)
+    groups = [responses[i:i + n] for i in range(0, len(responses), n)]
+    return groups, nonconstant_groups(scores, n).tolist()
 
 
 def sample_seed(seed: int, step: int, sample: Sample, k: int) -> int:

@@ -35,7 +35,7 @@ def estimate(logp: Tensor, ref_logp: Tensor, kind: KlType) -> Tensor:
         kind: ``"k1" | "k2" | "k3" | "low_var_kl"`` (see the module docstring).
 
     Returns:
-        ``[B, T]`` estimates; padding is not masked here (use ``losses.masked_mean``).
+        ``[B, T]`` estimates; padding is not masked here (``aggregation`` does).
     """
     if logp.shape != ref_logp.shape:
         raise ValueError(f"logp {tuple(logp.shape)} and ref_logp {tuple(ref_logp.shape)} "

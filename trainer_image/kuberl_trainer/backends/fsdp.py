@@ -26,7 +26,7 @@ import logging
 import math
 import shutil
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -124,13 +124,18 @@ class FSDPBackend:
     def _logprobs(self, model: nn.Module, batch: TrainBatch) -> Tensor:
         """``[B, T]`` on the device, in micro-batches. Runs the unwrapped module: no DDP
         hooks (nothing to synchronise without gradients)."""
+        return self._per_token(batch, lambda mb: gather_logprobs(
+            self._shifted_logits(model, mb), mb.input_ids))
+
+    def _per_token(self, batch: TrainBatch, fn: Callable[[TrainBatch], Tensor]) -> Tensor:
+        """``fn`` (a ``[b, t]`` value per token of a padding-trimmed micro-batch) over the whole
+        batch: ``[B, T]`` on the device, 0 off the response."""
         width = batch.input_ids.shape[1]
         parts = []
         for mb in batch.to(self.device).chunks(self.micro_batch_size):
             mb = trim_padding(mb)
-            logp = gather_logprobs(self._shifted_logits(model, mb), mb.input_ids)
-            logp = logp * response_mask(mb.loss_mask)
-            parts.append(nn.functional.pad(logp, (0, width - logp.shape[1])))
+            values = fn(mb) * response_mask(mb.loss_mask)
+            parts.append(nn.functional.pad(values, (0, width - values.shape[1])))
         return torch.cat(parts)
 
     def _shifted_logits(self, model: nn.Module, mb: TrainBatch) -> Tensor:

@@ -20,7 +20,7 @@ from transformers import AutoModelForTokenClassification, PreTrainedModel
 from kuberl_trainer.algos import aggregation, value_loss
 from kuberl_trainer.algos.objective import Objective
 from kuberl_trainer.backends.base import TrainBatch
-from kuberl_trainer.backends.fsdp import FSDPBackend, build_model, trim_padding
+from kuberl_trainer.backends.fsdp import FSDPBackend, build_model
 from kuberl_trainer.backends.tokens import response_mask
 
 VALUE_HEAD_SEED = 0
@@ -59,13 +59,7 @@ class ValueBackend(FSDPBackend):
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> Tensor:
         """``[B, T]`` float32 value estimates on CPU, 0 off the response; in micro-batches."""
-        width = batch.input_ids.shape[1]
-        parts = []
-        for mb in batch.to(self.device).chunks(self.micro_batch_size):
-            mb = trim_padding(mb)
-            v = self._values(self.module, mb) * response_mask(mb.loss_mask)
-            parts.append(nn.functional.pad(v, (0, width - v.shape[1])))
-        return torch.cat(parts).cpu()
+        return self._per_token(batch, lambda mb: self._values(self.module, mb)).cpu()
 
     def _values(self, model: nn.Module, mb: TrainBatch) -> Tensor:
         with self._autocast():
