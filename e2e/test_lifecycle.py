@@ -344,9 +344,12 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(
             assert kids == expected, f"{job}: {kids} (at the kill: {at_kill[job]})"
             st = w.status()
             assert st["rayJobName"] == names.rayjob(job, 0) and st["restarts"] == 0, st
-            clusters = [o for o in c.api().get(RAYCLUSTERS.format(ns=ns))["items"]
-                        if o["metadata"]["name"].startswith(f"{job}-r")]
-            assert len(clusters) == 1, [o["metadata"]["name"] for o in clusters]
+            # KubeRay names the cluster in the RayJob's status before the RayCluster exists
+            # (a busy machine shows the gap): wait for it, then there must be exactly one.
+            clusters = wait_for(f"the RayCluster of {job}", lambda job=job: [
+                o["metadata"]["name"] for o in c.api().get(RAYCLUSTERS.format(ns=ns))["items"]
+                if o["metadata"]["name"].startswith(f"{job}-r")], timeout=60)
+            assert len(clusters) == 1, clusters
             created = [r for r in event_reasons(c, ns, job) if r == "Created"]
             assert len(created) <= 1, f"{job}: {created}"
         rayjobs = c.api().get(RAYJOBS.format(ns=ns))["items"]
