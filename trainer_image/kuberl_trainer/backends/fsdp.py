@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
-import shutil
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,7 +30,6 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -42,6 +39,12 @@ from kuberl_trainer.algos import losses
 from kuberl_trainer.algos.objective import Objective
 from kuberl_trainer.backends.base import TrainBatch
 from kuberl_trainer.backends.buckets import bucketize
+from kuberl_trainer.backends.hf_files import (
+    MODEL_DIR,
+    copy_tokenizer,
+    keep_source_dtype,
+    read_safetensors_dir,
+)
 from kuberl_trainer.backends.optim import (
     OptimConfig,
     build_optimizer,
@@ -50,6 +53,7 @@ from kuberl_trainer.backends.optim import (
     optim_config,
 )
 from kuberl_trainer.backends.rng import rng_state, set_rng_state
+from kuberl_trainer.backends.step_metrics import StepMetrics
 from kuberl_trainer.backends.tokens import (
     gather_logprobs,
     next_token_logits,
@@ -61,12 +65,8 @@ LOG = logging.getLogger("kuberl.backend.fsdp")
 
 Mode = Literal["single", "ddp", "fsdp2"]
 
-MODEL_DIR = "model"           # an HF checkpoint directory (config.json + safetensors)
 OPTIM_FILE = "optimizer.pt"   # optimizer + LR scheduler, full (unsharded) state, from rank 0
 RNG_FILE = "rng_rank{rank}.pt"
-# Copied next to the saved weights so the checkpoint directory is servable on its own.
-TOKENIZER_GLOBS = ("tokenizer*", "vocab*", "merges.txt", "special_tokens_map.json",
-                   "added_tokens.json", "chat_template*")
 
 
 class FSDPBackend:
@@ -178,7 +178,7 @@ class FSDPBackend:
                 raise ValueError(f"{len(sft)} demonstrations on this rank do not split into "
                                  f"its {steps} optimizer steps")
             sft_parts = list(sft.to(self.device).chunks(len(sft) // steps))
-        metrics = _Metrics()
+        metrics = StepMetrics()
         for step_batch, sft_part in zip(batch.chunks(self.rank_batch_size), sft_parts,
                                         strict=True):
             self._optimizer_step(step_batch, metrics, sft_part)
@@ -202,7 +202,7 @@ class FSDPBackend:
             return batch
         return dataclasses.replace(batch, ref_logprobs=self._logprobs(self.ref, batch))
 
-    def _optimizer_step(self, batch: TrainBatch, metrics: _Metrics,
+    def _optimizer_step(self, batch: TrainBatch, metrics: StepMetrics,
                         sft: TrainBatch | None = None) -> None:
         """One optimizer step over ``batch`` (this rank's part of one global batch).
 
@@ -396,13 +396,8 @@ class FSDPBackend:
 
     def _save_hf(self, out: Path, state: dict[str, Tensor]) -> None:
         self.module.save_pretrained(out, state_dict=state)
-        source = Path(self.spec.model.path)
-        _keep_source_dtype(source / "config.json", out / "config.json")
-        tokenizer = Path(self.spec.model.tokenizer) if self.spec.model.tokenizer else source
-        for pattern in TOKENIZER_GLOBS:
-            for f in tokenizer.glob(pattern):
-                if f.is_file():
-                    shutil.copy2(f, out / f.name)
+        keep_source_dtype(Path(self.spec.model.path) / "config.json", out / "config.json")
+        copy_tokenizer(self.spec, out)
 
     def _barrier(self) -> None:
         if self.world_size > 1:
@@ -483,17 +478,6 @@ def with_tied_aliases(state: dict[str, Any], module: nn.Module) -> dict[str, Any
     return {**state, **{alias: state[source] for alias, source in missing.items()}}
 
 
-def read_safetensors_dir(path: Path) -> dict[str, Tensor]:
-    """Every tensor of an HF directory's ``*.safetensors`` files (one file or shards)."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
-    state: dict[str, Tensor] = {}
-    for f in files:
-        state.update(load_file(f))
-    return state
-
-
 def _full_tensor(value: Tensor, dtype: torch.dtype | None) -> Tensor:
     tensor = value.detach()
     full = getattr(tensor, "full_tensor", None)  # a DTensor shard under FSDP2
@@ -508,68 +492,8 @@ def trim_padding(mb: TrainBatch) -> TrainBatch:
     return mb if width == mb.input_ids.shape[1] else mb.map(lambda t: t[:, :width])
 
 
-def _keep_source_dtype(source_config: Path, saved_config: Path) -> None:
-    """save_pretrained records the float32 master dtype; restore the source model's."""
-    if not source_config.exists():
-        return
-    source = json.loads(source_config.read_text())
-    saved = json.loads(saved_config.read_text())
-    for key in ("dtype", "torch_dtype"):
-        if key in source:
-            saved[key] = source[key]
-    saved_config.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
-
-
 def _broadcast_object(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank (FSDP2 load: only rank 0 reads the files)."""
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-class _Metrics:
-    """Token-weighted means of micro-batch stats (extremes, ``*_max``/``*_min``, stay
-    extremes); the mean loss, the mean grad norm and the last lr of the optimizer steps."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.extremes: dict[str, float] = {}
-        self.tokens = 0
-        self.loss = 0.0
-        self.sft_nll, self.sft_tokens = 0.0, 0
-        self.grad_norms: list[float] = []
-        self.lr = 0.0
-
-    def add_tokens(self, stats: dict[str, float], tokens: int) -> None:
-        for key, value in stats.items():
-            if key.endswith("_max"):
-                self.extremes[key] = max(self.extremes.get(key, value), value)
-            elif key.endswith("_min"):
-                self.extremes[key] = min(self.extremes.get(key, value), value)
-            else:
-                self.sums[key] = self.sums.get(key, 0.0) + value * tokens
-        self.tokens += tokens
-
-    def add_loss(self, part: float) -> None:
-        self.loss += part
-
-    def add_sft(self, nll_sum: float, tokens: int) -> None:
-        self.sft_nll += nll_sum
-        self.sft_tokens += tokens
-
-    def add_step(self, grad_norm: float, lr: float) -> None:
-        self.grad_norms.append(grad_norm)
-        self.lr = lr
-
-    def summary(self) -> dict[str, float]:
-        out = {k: v / max(self.tokens, 1) for k, v in self.sums.items()}
-        out.update(self.extremes)
-        steps = max(len(self.grad_norms), 1)
-        out["loss"] = self.loss / steps  # each step's loss is the sum of its micro parts
-        if self.sft_tokens:
-            out["sft_nll"] = self.sft_nll / self.sft_tokens
-        out["grad_norm"] = sum(self.grad_norms) / steps
-        out["lr"] = self.lr
-        out["optimizer_steps"] = float(len(self.grad_norms))
-        out["response_tokens"] = float(self.tokens)
-        return out

@@ -1,0 +1,224 @@
+"""Megatron-core GPT models built from, loaded from and exported to Hugging Face checkpoints.
+
+Imports megatron-core lazily (inside the functions): this module is imported by the backend,
+which CPU-only machines never build, but its pure helpers (``local_name``, ``global_name``,
+``stage_state``) are tested on CPU.
+
+Layer spec: Transformer Engine's when it is installed (fused attention, fused layer norms; the
+trainer image has it), else Megatron's local spec with SDPA core attention
+(``sdpa_attention``), which is what the GPU machines without TE run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kuberl_trainer.megatron import hf_layout as L
+from kuberl_trainer.megatron.sdpa_attention import local_spec_with_sdpa
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """This rank's place in the model-parallel grid."""
+
+    tp: int = 1
+    tp_rank: int = 0
+    pp: int = 1
+    pp_rank: int = 0
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    config: dict[str, Any] = json.loads((Path(path) / "config.json").read_text())
+    return config
+
+
+def has_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def transformer_config(shape: L.DecoderShape, hf_config: Mapping[str, Any], par: Parallel,
+                       dtype: torch.dtype) -> Any:
+    """Megatron's TransformerConfig for an HF decoder, computing in ``dtype``.
+
+    ``calculate_per_token_loss``: the backend's loss is already normalised over the whole
+    global batch (``algos.objective``), so Megatron must neither divide it by the number of
+    micro-batches nor average gradients over data-parallel ranks (it sums them instead).
+    ``variable_seq_lengths``: packed micro-batches differ in length, so pipeline stages send
+    each activation's shape ahead of it.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    te = has_transformer_engine()
+    return TransformerConfig(
+        num_layers=shape.num_layers, hidden_size=shape.hidden, num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads, kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn, normalization="RMSNorm",
+        layernorm_epsilon=float(hf_config.get("rms_norm_eps", 1e-6)), gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm, tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp, params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16, attention_dropout=0.0, hidden_dropout=0.0,
+        # Megatron's jit-fused SwiGLU (measured: +8% step throughput, bench/RESULTS.md);
+        # the other fusions need Transformer Engine or apex kernels.
+        bias_activation_fusion=True, masked_softmax_fusion=False, persist_layer_norm=te,
+        bias_dropout_fusion=False, apply_rope_fusion=te, gradient_accumulation_fusion=False,
+        calculate_per_token_loss=True, variable_seq_lengths=True,
+        use_cpu_initialization=True)
+
+
+def layer_spec(shape: L.DecoderShape) -> Any:
+    if has_transformer_engine():
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
+    return local_spec_with_sdpa(qk_layernorm=shape.qk_norm)
+
+
+def build_gpt(shape: L.DecoderShape, hf_config: Mapping[str, Any], par: Parallel,
+              dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """This rank's GPTModel (its pipeline stage, its TP shard), on the current GPU, with
+    uninitialised weights (``load_hf`` fills them)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    model: nn.Module = GPTModel(
+        config=transformer_config(shape, hf_config, par, dtype),
+        transformer_layer_spec=layer_spec(shape),
+        vocab_size=L.padded_vocab(shape.vocab, par.tp),
+        max_sequence_length=int(hf_config.get("max_position_embeddings", 4096)),
+        pre_process=par.first_stage, post_process=par.last_stage,
+        position_embedding_type="rope", **rope_settings(hf_config),
+        share_embeddings_and_output_weights=shape.tied,
+        parallel_output=True)  # logits stay vocab-parallel: see megatron/vocab_parallel.py
+    model.cuda(torch.cuda.current_device())
+    return model
+
+
+def rope_settings(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """GPTModel's rotary arguments from an HF config: ``rope_theta`` (top level in older
+    configs, under ``rope_parameters`` since transformers 5) and Llama 3.1's frequency
+    scaling, which Megatron implements with the same constants (factor aside)."""
+    params = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
+    theta = params.get("rope_theta", hf_config.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    out: dict[str, Any] = {"rotary_base": int(theta)}
+    if kind == "llama3":
+        expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192}
+        odd = {k: params[k] for k, v in expected.items() if k in params and params[k] != v}
+        if odd:
+            raise ValueError(f"llama3 rope scaling with {odd} is not supported by the megatron "
+                             f"backend (it supports {expected})")
+        out.update(rope_scaling=True, rope_scaling_factor=float(params.get("factor", 8.0)))
+    elif kind != "default":
+        raise ValueError(f"rope_type {kind!r} is not supported by the megatron backend "
+                         "(default and llama3 are)")
+    return out
+
+
+# -- names: Megatron's per-stage module numbering vs the global layer index ------------------
+
+
+def local_name(name: str, par: Parallel, num_layers: int) -> str | None:
+    """The name a global Megatron tensor has in this pipeline stage's module, or None when
+    the stage does not hold it."""
+    layers = L.stage_layers(num_layers, par.pp, par.pp_rank)
+    match = _LAYER.match(name)
+    if match:
+        i = int(match.group(1))
+        return f"decoder.layers.{i - layers.start}.{match.group(2)}" if i in layers else None
+    if name.startswith("embedding."):
+        return name if par.first_stage else None
+    if name.startswith(("decoder.final_layernorm", "output_layer")):
+        return name if par.last_stage else None
+    raise ValueError(f"unknown Megatron tensor {name}")
+
+
+def global_name(name: str, par: Parallel, num_layers: int) -> str:
+    """Inverse of ``local_name``."""
+    match = _LAYER.match(name)
+    if not match:
+        return name
+    first = L.stage_layers(num_layers, par.pp, par.pp_rank).start
+    return f"decoder.layers.{int(match.group(1)) + first}.{match.group(2)}"
+
+
+def stage_state(hf: Mapping[str, Tensor], shape: L.DecoderShape, par: Parallel
+                ) -> dict[str, Tensor]:
+    """This rank's share of a full HF state dict, in its module's names: its stage's tensors,
+    its TP shard of each."""
+    full = L.hf_to_megatron(hf, shape, tp=par.tp)
+    out = {}
+    for name, tensor in full.items():
+        local = local_name(name, par, shape.num_layers)
+        if local is not None:
+            out[local] = L.tp_shard(name, tensor, shape, par.tp, par.tp_rank).contiguous()
+    if shape.tied and par.last_stage and not par.first_stage:
+        # A tied model's last stage keeps its own copy of the embedding as the output layer
+        # (Megatron keeps the two in sync by all-reducing their gradients).
+        out["output_layer.weight"] = L.tp_shard(
+            "output_layer.weight", full["embedding.word_embeddings.weight"], shape, par.tp,
+            par.tp_rank).contiguous()
+    return out
+
+
+@torch.no_grad()
+def load_hf(model: nn.Module, hf: Mapping[str, Tensor], shape: L.DecoderShape,
+            par: Parallel) -> None:
+    """Copy an HF state dict into this rank's module in place (so it works on a module whose
+    parameters already live in Megatron DDP's contiguous buffers). Every parameter must be
+    filled, and every tensor used: nothing is left at its random initialisation."""
+    params = {name: p for name, p in model.named_parameters()}
+    state = stage_state(hf, shape, par)
+    missing = sorted(set(params) - set(state))
+    unused = sorted(set(state) - set(params))
+    if missing or unused:
+        raise ValueError(f"HF checkpoint does not match the Megatron model: parameters not "
+                         f"in the checkpoint {missing[:5]}, tensors with no parameter "
+                         f"{unused[:5]}")
+    for name, p in params.items():
+        src = state[name]
+        if tuple(src.shape) != tuple(p.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model "
+                             f"{tuple(p.shape)}")
+        p.copy_(src)
+
+
+def named_local_tensors(model: nn.Module, par: Parallel, num_layers: int
+                        ) -> dict[str, Tensor]:
+    """This rank's shards under their global Megatron names (the export plan's keys)."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[global_name(_unwrapped(name), par, num_layers)] = p.detach()
+    return out
+
+
+def _unwrapped(name: str) -> str:
+    """A parameter name without the wrappers' prefixes (Megatron DDP's ``module.``)."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
