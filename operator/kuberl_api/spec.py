@@ -357,6 +357,9 @@ class TrainingSpec(ApiModel):
                 "self.parallelism.ep == 1)",
                 "backend fsdp supports only data parallelism: tp, pp, cp and ep must be 1",
                 ".parallelism"),
+            cel("self.backend != 'megatron' || self.gpusPerNode > 0",
+                "backend megatron trains on GPUs: gpusPerNode must be at least 1 (use backend "
+                "fsdp to train on CPU)", ".gpusPerNode"),
             cel("self.parallelism.tp <= (self.gpusPerNode == 0 ? 1 : self.gpusPerNode)",
                 "parallelism.tp must fit on one node (at most gpusPerNode)", ".parallelism.tp"),
         )
@@ -398,6 +401,9 @@ class TrainingSpec(ApiModel):
             check(model_parallel * p.ep == 1, "parallelism", p.model_dump(),
                   "backend fsdp supports only data parallelism: tp, pp, cp and ep must be 1 "
                   "(use backend megatron for model parallelism)")
+        check(self.backend != "megatron" or self.gpus_per_node > 0, "gpusPerNode",
+              self.gpus_per_node, "backend megatron trains on GPUs: gpusPerNode must be at "
+              "least 1 (use backend fsdp to train on CPU)")
         check(p.tp <= max(self.gpus_per_node, 1), "parallelism.tp", p.tp,
               f"tensor parallelism must fit on one node: tp must be at most gpusPerNode "
               f"({self.gpus_per_node})")

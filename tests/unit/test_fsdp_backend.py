@@ -268,10 +268,12 @@ def test_named_tensor_buckets_cover_state_dict_with_hf_names(model_dir: str) -> 
     assert sorted(untied) == sorted(on_disk)  # what save_pretrained writes
 
 
-def test_megatron_is_not_implemented_yet(model_dir: str) -> None:
+def test_megatron_backend_refuses_cpu_before_touching_megatron(model_dir: str) -> None:
+    """The spec rules refuse megatron without GPUs; a backend built on CPU anyway says so
+    plainly instead of failing inside megatron-core (which CPU machines don't have)."""
     spec = make_spec(model_dir)
     spec.training.backend = "megatron"
-    with pytest.raises(NotImplementedError, match="issue 6"):
+    with pytest.raises(ValueError, match="needs GPUs"):
         make_backend(spec, rank=0, world_size=1, device="cpu")
 
 

@@ -21,7 +21,17 @@ def test_image_extras_pin_the_rendered_ray_version() -> None:
 
 
 def test_dockerfiles_install_the_distribution_like_ci() -> None:
-    for name, extra in (("Dockerfile.trainer", "trainer"), ("Dockerfile.rollout", "rollout")):
+    for name, extra in (("Dockerfile.trainer", "trainer,megatron"),
+                        ("Dockerfile.rollout", "rollout")):
         text = (ROOT / name).read_text()
         assert f'pip install ".[{extra}]"' in text, name
         assert re.search(r"^FROM \S+:\S+", text, re.M), f"{name}: base image must be pinned"
+
+
+def test_megatron_extra_pins_one_release() -> None:
+    """The trainer image gets megatron-core from the `megatron` extra, pinned to the release
+    the backend was checked against (megatron-core's APIs move between minor releases)."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert [d for d in extras["megatron"] if d.startswith("megatron-core")] == [
+        "megatron-core==0.16.1"]

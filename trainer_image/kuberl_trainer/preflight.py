@@ -55,6 +55,33 @@ def check_data(spec: RLJobSpec) -> None:
             raise PreflightError(f"{field}: {exc}") from None
 
 
+def check_backend(spec: RLJobSpec) -> None:
+    """The megatron backend's needs: megatron-core installed, a model family it converts, and
+    model parallelism that divides the model."""
+    if spec.training.backend != "megatron":
+        return
+    import importlib.util
+    import json
+
+    from kuberl_trainer.megatron.hf_layout import DecoderShape
+
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec(
+            "megatron.core") is None:
+        raise PreflightError("spec.training.backend: megatron needs megatron-core, which is not "
+                             "installed here (pip install 'kuberl[megatron]'; the trainer "
+                             "image has it), or use backend fsdp")
+    config = json.loads((Path(spec.model.path) / "config.json").read_text())
+    p = spec.training.parallelism
+    try:
+        shape = DecoderShape.from_hf_config(config)
+        shape.check_tp(p.tp)
+    except ValueError as exc:
+        raise PreflightError(f"spec.model.path: {exc}") from None
+    if shape.num_layers % p.pp:
+        raise PreflightError(f"spec.training.parallelism.pp: {p.pp} must divide the model's "
+                             f"{shape.num_layers} layers")
+
+
 def check(spec: RLJobSpec) -> Checked:
     from kuberl_trainer import rewards
 
@@ -66,6 +93,7 @@ def check(spec: RLJobSpec) -> Checked:
     tokenizer = spec.model.tokenizer or spec.model.path
     check_tokenizer(tokenizer, "spec.model.tokenizer" if spec.model.tokenizer
                     else "spec.model.path")
+    check_backend(spec)
     check_data(spec)
     try:
         reward_fn = rewards.load(spec.reward)

@@ -25,9 +25,6 @@ from torch import Tensor
 if TYPE_CHECKING:
     from kuberl_api.spec import RLJobSpec
 
-MEGATRON_ISSUE = 6  # the issue that brings the megatron-core backend
-
-
 @dataclass
 class TrainBatch:
     """One rollout's samples, right-padded to a common width ``T``.
@@ -138,6 +135,12 @@ class Backend(Protocol):
         Returns metrics averaged over the shard."""
         ...
 
+    def data_parallel_coords(self) -> tuple[int, int, bool]:
+        """``(data-parallel rank, data-parallel size, reports)``: the driver gives this rank
+        shard ``rank`` of ``size`` of every batch, and reads log-probs and metrics from the
+        ranks that report (one per data-parallel rank)."""
+        ...
+
     def named_tensor_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
         """The full weights as ``(HF state_dict name, tensor)`` lists of at most
         ``bucket_bytes`` each (a single larger tensor gets a bucket of its own)."""
@@ -161,7 +164,8 @@ def make_backend(spec: RLJobSpec, rank: int, world_size: int, device: str) -> Ba
 
         return FSDPBackend(spec, rank=rank, world_size=world_size, device=device)
     if kind == "megatron":
-        raise NotImplementedError(
-            f"training.backend 'megatron' is not implemented yet (issue {MEGATRON_ISSUE}: "
-            "the megatron-core backend); set training.backend: fsdp for now")
+        # Imported here: megatron-core is only installed where the backend runs (GPU images).
+        from kuberl_trainer.backends.megatron import MegatronBackend
+
+        return MegatronBackend(spec, rank=rank, world_size=world_size, device=device)
     raise ValueError(f"unknown training.backend {kind!r}; expected 'fsdp' or 'megatron'")

@@ -286,6 +286,10 @@ class FSDPBackend:
         # broadcast would make every forward, even a no-grad one, a collective.
         return DistributedDataParallel(module, broadcast_buffers=False)
 
+    def data_parallel_coords(self) -> tuple[int, int, bool]:
+        """Every rank is a data-parallel rank of its own (no model parallelism)."""
+        return self.rank, self.world_size, True
+
     # -- weights -----------------------------------------------------------------------------
 
     def named_tensor_buckets(self, bucket_bytes: int, *, skip_tied: bool = False,

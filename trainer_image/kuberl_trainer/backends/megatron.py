@@ -1,0 +1,508 @@
+"""The `megatron` backend: megatron-core GPT models with tensor, pipeline and data parallelism.
+
+One instance per GPU. The ranks form Megatron's grid (tensor-parallel groups fastest, then
+data-parallel, then pipeline stages); the driver sends every rank of a data-parallel group
+the same samples (``data_parallel_coords``) and reads results from the ranks that hold the
+last pipeline stage's logits with TP rank 0.
+
+- **Weights.** The HF checkpoint is converted to Megatron's fused layout and each rank keeps
+  its stage's layers and its TP shard (``megatron/model.py``). Parameters are bf16; the
+  distributed optimizer keeps fp32 master weights and Adam moments sharded over the
+  data-parallel ranks (ZeRO-1) and clips the global grad norm.
+- **Micro-batches** are packed (``megatron/packing.py``): sequences concatenated into one row
+  with ``cu_seqlens``, no padding computed, at most ``microBatchSize`` x the step's longest
+  sequence tokens each. Samples are spread over data-parallel ranks by token count.
+- **Loss.** Logits stay split over the vocabulary (TP); log-probs and entropy are reduced over
+  the TP group (``megatron/vocab_parallel.py``) and fed to the same ``algos.objective`` as the
+  fsdp backend, normalised over the whole global batch, so Megatron sums gradients over
+  data-parallel ranks instead of averaging them (``calculate_per_token_loss``).
+- **Weight sync** gathers TP shards into full HF tensors bucket by bucket (``megatron/
+  export.py``'s plan), issuing the next bucket's all-gathers before yielding the current one;
+  later pipeline stages send theirs to global rank 0, which sends to the engines.
+- **Checkpoints**: an HF directory (bf16, servable), Megatron's optimizer state per model-
+  parallel rank (fp32 master weights included, so a resumed run is exact), the step count and
+  RNG state.
+
+megatron-core is imported only here and in ``megatron/``, and only when this backend is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from kuberl_api.spec import RLJobSpec
+from kuberl_trainer.algos.objective import Objective
+from kuberl_trainer.backends.base import TrainBatch
+from kuberl_trainer.backends.hf_files import (
+    MODEL_DIR,
+    copy_tokenizer,
+    keep_source_dtype,
+    read_safetensors_dir,
+)
+from kuberl_trainer.backends.optim import MAX_GRAD_NORM, LrMultiplier, optim_config
+from kuberl_trainer.backends.rng import rng_state, set_rng_state
+from kuberl_trainer.backends.step_metrics import StepMetrics
+from kuberl_trainer.backends.tokens import response_mask
+from kuberl_trainer.megatron import export, hf_layout as L, model as M
+from kuberl_trainer.megatron.packing import (
+    Packed,
+    align_to_tokens,
+    next_token_targets,
+    pack_bins,
+    pack_rows,
+    unpack,
+)
+from kuberl_trainer.megatron.vocab_parallel import token_logprobs_and_entropy
+
+LOG = logging.getLogger("kuberl.backend.megatron")
+
+STATE_DIR = "megatron"                           # inside a checkpoint
+OPTIM_FILE = "optimizer_tp{tp}_pp{pp}.pt"        # per model-parallel rank, from DP rank 0
+PARAM_STATE_FILE = "param_state_tp{tp}_pp{pp}.pt"  # distributed optimizer's fp32 shards
+STEPS_FILE = "steps.json"
+RNG_FILE = "rng_rank{rank}.pt"
+SEED = 1234
+
+
+@dataclass
+class Micro:
+    """One packed micro-batch: its samples (padded rows, trimmed to their longest) and the
+    packed row the model runs on."""
+
+    batch: TrainBatch
+    packed: Packed
+    indices: list[int]  # the samples' rows in the batch it was cut from
+    sft: bool = False
+
+
+class MegatronBackend:
+    """One GPU's rank of the megatron backend (see the module docstring)."""
+
+    def __init__(self, spec: RLJobSpec, *, rank: int, world_size: int, device: str) -> None:
+        if not device.startswith("cuda"):
+            raise ValueError("training.backend megatron needs GPUs (training.gpusPerNode > 0); "
+                             "use backend fsdp to train on CPU")
+        try:
+            from megatron.core import parallel_state as ps
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        except ImportError as exc:
+            raise RuntimeError("training.backend megatron needs megatron-core, which this "
+                               "image lacks (pip install 'kuberl[megatron]')") from exc
+
+        self.spec, self.algo = spec, spec.algorithm
+        self.objective = Objective.from_spec(spec)
+        self.rank, self.world_size = rank, world_size
+        _ensure_process_group(rank, world_size)
+        p = spec.training.parallelism
+        ps.initialize_model_parallel(tensor_model_parallel_size=p.tp,
+                                     pipeline_model_parallel_size=p.pp,
+                                     context_parallel_size=p.cp)
+        self.ps = ps
+        self.par = M.Parallel(tp=p.tp, tp_rank=ps.get_tensor_model_parallel_rank(),
+                              pp=p.pp, pp_rank=ps.get_pipeline_model_parallel_rank())
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        torch.manual_seed(SEED)
+        model_parallel_cuda_manual_seed(SEED)
+        self.micro_batch_size = spec.training.micro_batch_size
+        self.rank_batch_size = spec.global_batch_size // self.dp_size
+
+        hf_config = M.read_hf_config(spec.model.path)
+        self.shape = L.DecoderShape.from_hf_config(hf_config)
+        self.shape.check_tp(p.tp)
+        L.stage_layers(self.shape.num_layers, p.pp, 0)  # raises when pp does not divide
+        self.model = self._build_trainable(hf_config)
+        self.ref = self._build_reference()
+        self.optimizer = self._build_optimizer()
+        o = optim_config(spec)
+        self.lr_at = LrMultiplier(o.warmup_steps, o.decay_steps, o.min_lr_ratio, o.decay_style)
+        self.steps = 0  # optimizer steps taken (the LR schedule's position)
+
+    # -- construction ------------------------------------------------------------------------
+
+    def _build_trainable(self, hf_config: dict[str, Any]) -> Any:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        module = M.build_gpt(self.shape, hf_config, self.par)
+        M.load_hf(module, read_safetensors_dir(Path(self.spec.model.path)), self.shape, self.par)
+        config: Any = module.config
+        ddp = DistributedDataParallel(
+            config=config, module=module,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                     use_distributed_optimizer=True))
+        config.no_sync_func = ddp.no_sync
+        # The loss is normalised by the global batch already (see the module docstring):
+        # finalise without Megatron's own division by the token count.
+        config.finalize_model_grads_func = (
+            lambda chunks, num_tokens=None, **kw: finalize_model_grads(chunks, None, **kw))
+        return ddp
+
+    def _build_reference(self) -> Any:
+        """The frozen model: the teacher (on-policy distillation), else the starting policy
+        when a KL term needs it; None otherwise."""
+        path = self.algo.teacher_path or (self.spec.model.path if self.algo.kl_coef > 0
+                                           else None)
+        if path is None:
+            return None
+        hf_config = M.read_hf_config(path)
+        shape = L.DecoderShape.from_hf_config(hf_config)
+        module = M.build_gpt(shape, hf_config, self.par)
+        M.load_hf(module, read_safetensors_dir(Path(path)), shape, self.par)
+        module.requires_grad_(False)
+        module.eval()
+        return module
+
+    def _build_optimizer(self) -> Any:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        o = optim_config(self.spec)
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=self.algo.lr, weight_decay=o.weight_decay,
+            adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps, bf16=True,
+            params_dtype=torch.bfloat16, use_distributed_optimizer=True,
+            clip_grad=MAX_GRAD_NORM,
+            # A constant scale of 1 changes no gradient; it makes Megatron check gradients for
+            # inf/NaN and skip that step, as the fsdp backend does.
+            loss_scale=1.0), [self.model])
+        self.model.config.grad_scale_func = optimizer.scale_loss
+        return optimizer
+
+    # -- the driver's view -------------------------------------------------------------------
+
+    def data_parallel_coords(self) -> tuple[int, int, bool]:
+        """``(data-parallel rank, size, reports)``: which shard of each batch this rank gets,
+        and whether its results (log-probs, metrics) are the ones to read."""
+        reports = self.par.tp_rank == 0 and self.par.last_stage
+        return self.dp_rank, self.dp_size, reports
+
+    # -- micro-batches -----------------------------------------------------------------------
+
+    def _micros(self, batch: TrainBatch, *, sft: bool = False) -> list[Micro]:
+        """``batch`` packed into micro-batches of at most ``microBatchSize`` x its longest
+        sequence tokens (the work of one padded micro-batch, without the padding)."""
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        budget = self.micro_batch_size * max(max(lengths), 1)
+        out = []
+        for rows in pack_bins(lengths, budget):
+            index = torch.tensor(rows)
+            mb = batch.map(lambda t, i=index: t.index_select(0, i.to(t.device)))
+            width = max(lengths[r] for r in rows)
+            mb = mb.map(lambda t, w=width: t[:, :w])
+            packed = pack_rows(mb.input_ids, mb.attention_mask)
+            out.append(Micro(batch=mb, packed=_to_cuda(packed), indices=rows, sft=sft))
+        return out
+
+    def _run(self, model: Any, micros: list[Micro], loss_fn: Callable[[Micro, Tensor], Any],
+             *, forward_only: bool) -> list[dict[str, Any]]:
+        """Megatron's pipeline schedule over ``micros``: each micro-batch's output goes to
+        ``loss_fn`` on the last stage. Returns what ``loss_fn`` reported (last stage only)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data: Iterator[Micro], chunk: Any) -> tuple[Tensor, Any]:
+            mb = next(data)
+            p = mb.packed
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=p.cu_seqlens,
+                                     cu_seqlens_kv=p.cu_seqlens, max_seqlen_q=p.max_seqlen,
+                                     max_seqlen_kv=p.max_seqlen)
+            out = chunk(p.input_ids, p.position_ids, None, packed_seq_params=params)
+            return out, partial(loss_fn, mb)
+
+        if not micros:
+            return []
+        run = get_forward_backward_func()
+        stored: list[dict[str, Any]] = run(
+            forward_step_func=forward_step, data_iterator=iter(micros), model=[model],
+            num_microbatches=len(micros), seq_length=max(m.packed.tokens for m in micros),
+            micro_batch_size=1, forward_only=forward_only)
+        return stored
+
+    def _token_values(self, mb: Micro, output: Tensor) -> tuple[Tensor, Tensor]:
+        """``(log-probs, entropy)`` ``[b, t]`` of ``mb``'s tokens, aligned to input_ids."""
+        logits = output[0].float() / self.algo.temperature         # [N, V/tp]
+        targets, valid = next_token_targets(mb.packed)
+        logp, entropy = token_logprobs_and_entropy(
+            logits, targets, vocab_start=self.par.tp_rank * logits.shape[-1],
+            group=self.ps.get_tensor_model_parallel_group() if self.par.tp > 1 else None,
+            vocab_size=self.shape.vocab)
+        width = mb.batch.input_ids.shape[1]
+        mask = response_mask(mb.batch.loss_mask)
+        to_rows = [unpack(align_to_tokens(torch.where(valid, v, 0.0), mb.packed), mb.packed,
+                          width) * mask for v in (logp, entropy)]
+        return to_rows[0], to_rows[1]
+
+    # -- log-probs ---------------------------------------------------------------------------
+
+    def logprobs(self, batch: TrainBatch) -> Tensor:
+        """Collective. ``[B, T]`` on CPU on the reporting ranks (empty elsewhere)."""
+        return self._logprobs(self.model, batch).cpu()
+
+    def ref_logprobs(self, batch: TrainBatch) -> Tensor | None:
+        return None if self.ref is None else self._logprobs(self.ref, batch).cpu()
+
+    @torch.no_grad()
+    def _logprobs(self, model: Any, batch: TrainBatch) -> Tensor:
+        micros = self._micros(batch.to("cuda"))
+
+        def report(mb: Micro, output: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
+            logp, _ = self._token_values(mb, output)
+            zero = torch.zeros((), device=output.device)
+            return zero, torch.zeros((), dtype=torch.int, device=output.device), {"logp": logp}
+
+        stored = self._run(model, micros, report, forward_only=True)
+        if not self.par.last_stage:
+            return torch.empty(0)
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device="cuda")
+        for mb, item in zip(micros, stored, strict=True):
+            logp = item["logp"]
+            out[torch.tensor(mb.indices, device="cuda"), :logp.shape[1]] = logp
+        return out
+
+    # -- training ----------------------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch, sft: TrainBatch | None = None) -> dict[str, float]:
+        """Collective. ``batch``: this data-parallel rank's samples of one rollout, a multiple
+        of its share of the global batch (one optimizer step per share)."""
+        if len(batch) == 0 or len(batch) % self.rank_batch_size:
+            raise ValueError(
+                f"this rank got {len(batch)} samples, not a positive multiple of its share of "
+                f"the global batch ({self.rank_batch_size} = globalBatchSize "
+                f"{self.spec.global_batch_size} / {self.dp_size} data-parallel ranks)")
+        batch = self._prepare(batch.to("cuda"))
+        steps = len(batch) // self.rank_batch_size
+        sft_parts: list[TrainBatch | None] = [None] * steps
+        if sft is not None:
+            if len(sft) % steps:
+                raise ValueError(f"{len(sft)} demonstrations on this rank do not split into "
+                                 f"its {steps} optimizer steps")
+            sft_parts = list(sft.to("cuda").chunks(len(sft) // steps))
+        metrics = StepMetrics()
+        for step_batch, sft_part in zip(batch.chunks(self.rank_batch_size), sft_parts,
+                                        strict=True):
+            self._optimizer_step(step_batch, sft_part, metrics)
+        return metrics.summary()
+
+    def _prepare(self, batch: TrainBatch) -> TrainBatch:
+        """Old log-probs when the rollout feeds several optimizer steps, reference log-probs
+        when the KL term needs them and the caller left them out (see FSDPBackend)."""
+        if self.ref is not None and batch.ref_logprobs is None:
+            ref = self._logprobs(self.ref, batch)
+            if self.par.last_stage:
+                batch = dataclasses.replace(batch, ref_logprobs=ref)
+        if batch.old_logprobs is None and len(batch) > self.rank_batch_size:
+            old = self._logprobs(self.model, batch)
+            if self.par.last_stage:
+                batch = dataclasses.replace(batch, old_logprobs=old)
+        return batch
+
+    def _optimizer_step(self, batch: TrainBatch, sft: TrainBatch | None,
+                        metrics: StepMetrics) -> None:
+        units = self._dp_sum(self.objective.units(response_mask(batch.loss_mask)))
+        micros = self._micros(batch)
+        sft_tokens = 1.0
+        if sft is not None:
+            sft_tokens = self._dp_sum(float(response_mask(sft.loss_mask).sum()))
+            micros += self._micros(sft, sft=True)
+
+        def loss(mb: Micro, output: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
+            logp, entropy = self._token_values(mb, output)
+            mask = response_mask(mb.batch.loss_mask)
+            tokens = int(mask.sum().item())
+            count = torch.tensor(tokens, dtype=torch.int, device=output.device)
+            if mb.sft:
+                nll = -logp.sum()
+                value = nll * (self.algo.sft_coef / sft_tokens)
+                return value, count, {"sft_nll": float(nll.detach()), "tokens": tokens,
+                                      "loss": float(value.detach())}
+            b = mb.batch
+            old = b.old_logprobs if b.old_logprobs is not None else logp.detach()
+            if not self.objective.needs_entropy_grad:
+                entropy = entropy.detach()
+            partial_sum, stats = self.objective.partial_loss(
+                logp, old, b.advantages, mask, entropy=entropy, rollout_logp=b.rollout_logprobs,
+                ref_logp=b.ref_logprobs)
+            value = partial_sum / units
+            return value, count, {"stats": stats, "tokens": tokens,
+                                  "loss": float(value.detach())}
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = self.algo.lr * self.lr_at(self.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        reported = self._run(self.model, micros, loss, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            LOG.warning("non-finite gradients: skipping this optimizer step")
+        self.steps += 1
+        for item in reported:
+            if "sft_nll" in item:
+                metrics.add_sft(item["sft_nll"], item["tokens"])
+            else:
+                metrics.add_tokens(item["stats"], item["tokens"])
+            metrics.add_loss(item["loss"])
+        metrics.add_step(float(grad_norm) if grad_norm is not None else math.nan, lr)
+
+    def _dp_sum(self, value: float) -> float:
+        """``value`` summed over the data-parallel ranks (>= 1): the global batch's units."""
+        total = torch.tensor(value, dtype=torch.float64, device="cuda")
+        if self.dp_size > 1:
+            dist.all_reduce(total, group=self.ps.get_data_parallel_group())
+        return max(float(total.item()), 1.0)
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def named_tensor_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+        """Collective over every rank (each must iterate it to the end). Global rank 0 gets
+        the full HF-named buckets; the others yield what they gathered (possibly nothing)."""
+        if self.dp_rank != 0:  # data-parallel replicas hold the same weights: nothing to do
+            return
+        local = M.named_local_tensors(self.model, self.par, self.shape.num_layers)
+        plan = export.plan(self.shape, self.par.pp, bucket_bytes, bytes_per_element=2)
+        pending: tuple[list[export.Export], list[Any]] | None = None
+        for bucket in plan:
+            # Issue this bucket's all-gathers before finishing the previous one: they run on
+            # NCCL's stream while the caller sends what we yield.
+            issued = (bucket, self._gather(bucket, local))
+            if pending is not None:
+                yield self._finish(*pending)
+            pending = issued
+        if pending is not None:
+            yield self._finish(*pending)
+
+    def _gather(self, bucket: list[export.Export], local: dict[str, Tensor]) -> list[Any]:
+        if bucket[0].stage != self.par.pp_rank:
+            return []
+        out: list[tuple[list[Tensor], Any]] = []
+        for e in bucket:
+            shard = local[e.megatron]
+            if self.par.tp == 1:
+                out.append(([shard], None))
+                continue
+            parts = [torch.empty_like(shard) for _ in range(self.par.tp)]
+            work = dist.all_gather(parts, shard.contiguous(), async_op=True,
+                                   group=self.ps.get_tensor_model_parallel_group())
+            out.append((parts, work))
+        return out
+
+    def _finish(self, bucket: list[export.Export], gathered: list[Any]
+                ) -> list[tuple[str, Tensor]]:
+        named: list[tuple[str, Tensor]] = []
+        for e, (parts, work) in zip(bucket, gathered, strict=False):
+            if work is not None:
+                work.wait()
+            named += export.to_hf(e, L.tp_gather(e.megatron, parts, self.shape), self.shape)
+        stage = bucket[0].stage
+        if stage == 0 or self.par.tp_rank != 0:
+            return named
+        return self._to_rank0(named, stage)
+
+    def _to_rank0(self, named: list[tuple[str, Tensor]], stage: int) -> list[tuple[str, Tensor]]:
+        """Pipeline stage ``stage``'s (TP rank 0, DP rank 0) sends its bucket to global rank 0,
+        which holds stage 0: the engines are fed by one rank."""
+        source = self.ps.get_pipeline_model_parallel_group()
+        src = dist.get_global_rank(source, stage)
+        if self.rank == src:
+            dist.send_object_list([[(n, t.shape, t.dtype) for n, t in named]], dst=0)
+            for _, t in named:
+                dist.send(t.contiguous(), dst=0)
+            return named
+        if self.rank != 0:
+            return []
+        meta: list[Any] = [None]
+        dist.recv_object_list(meta, src=src)
+        out = []
+        for name, shape, dtype in meta[0]:
+            t = torch.empty(shape, dtype=dtype, device="cuda")
+            dist.recv(t, src=src)
+            out.append((name, t))
+        return out
+
+    def _hf_state(self) -> dict[str, Tensor]:
+        """Every HF tensor on CPU (rank 0; empty elsewhere). Collective."""
+        state: dict[str, Tensor] = {}
+        for bucket in self.named_tensor_buckets(1 << 28):
+            if self.rank == 0:
+                state.update((n, t.detach().cpu().clone()) for n, t in bucket)
+        return state
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def save(self, dir: str | Path) -> None:
+        """Collective. ``dir/model/`` (HF), ``dir/megatron/`` (optimizer, steps), RNG."""
+        path = Path(dir)
+        state_dir = path / STATE_DIR
+        state_dir.mkdir(parents=True, exist_ok=True)
+        hf = self._hf_state()
+        if self.rank == 0:
+            self._save_hf(path / MODEL_DIR, hf)
+            (state_dir / STEPS_FILE).write_text(json.dumps({"optimizer_steps": self.steps}))
+        names = {"tp": self.par.tp_rank, "pp": self.par.pp_rank}
+        if self.dp_rank == 0:
+            torch.save(self.optimizer.state_dict(), state_dir / OPTIM_FILE.format(**names))
+        self.optimizer.save_parameter_state(str(state_dir / PARAM_STATE_FILE.format(**names)))
+        torch.save(rng_state(), path / RNG_FILE.format(rank=self.rank))
+        dist.barrier()
+
+    def load(self, dir: str | Path) -> None:
+        """Collective. Restore weights, optimizer (with its fp32 master weights), schedule
+        position and RNG into this freshly built backend."""
+        path = Path(dir)
+        state_dir = path / STATE_DIR
+        M.load_hf(self.model.module, read_safetensors_dir(path / MODEL_DIR), self.shape,
+                  self.par)
+        names = {"tp": self.par.tp_rank, "pp": self.par.pp_rank}
+        self.optimizer.load_state_dict(torch.load(state_dir / OPTIM_FILE.format(**names),
+                                                  weights_only=False))
+        self.optimizer.load_parameter_state(str(state_dir / PARAM_STATE_FILE.format(**names)))
+        self.steps = int(json.loads((state_dir / STEPS_FILE).read_text())["optimizer_steps"])
+        rng = path / RNG_FILE.format(rank=self.rank)
+        if rng.exists():
+            set_rng_state(torch.load(rng, weights_only=False))
+        dist.barrier()
+
+    def _save_hf(self, out: Path, state: dict[str, Tensor]) -> None:
+        from huggingface_hub import save_torch_state_dict
+
+        out.mkdir(parents=True, exist_ok=True)
+        save_torch_state_dict(state, out)
+        source = Path(self.spec.model.path) / "config.json"
+        (out / "config.json").write_text(source.read_text())
+        keep_source_dtype(source, out / "config.json")
+        copy_tokenizer(self.spec, out)
+
+
+def _ensure_process_group(rank: int, world_size: int) -> None:
+    """Megatron needs torch.distributed even on one GPU; the driver starts it only for
+    several ranks."""
+    if dist.is_initialized():
+        return
+    if world_size != 1:
+        raise RuntimeError("torch.distributed must be initialised for several training ranks")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=1)
+
+
+def _to_cuda(packed: Packed) -> Packed:
+    return dataclasses.replace(packed, input_ids=packed.input_ids.cuda(),
+                               position_ids=packed.position_ids.cuda(),
+                               cu_seqlens=packed.cu_seqlens.cuda())
+
