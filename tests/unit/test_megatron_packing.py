@@ -215,3 +215,16 @@ def test_gradients_flow_through_align_and_unpack() -> None:
     assert per_position.grad is not None
     # Value j lands on slot j + 1 of its sequence; each sequence's last value goes nowhere.
     assert per_position.grad.tolist() == [[2.0, 3, 0, 0, 12, 13, 14, 0]]
+
+
+def test_step_shards_balance_each_global_batch_in_step_order() -> None:
+    """Two optimizer steps of 4 samples over 2 ranks: each step's 4 are balanced on their own
+    (rank 0 gets its share of step 0, then of step 1), never mixing the steps."""
+    from kuberl_trainer.megatron.packing import step_shards
+
+    lengths = [9, 1, 8, 2, 5, 5, 1, 9]
+    # step 0 (9, 1, 8, 2): 9 -> rank 0, 8 -> rank 1, 2 -> rank 1, 1 -> rank 0: 10 tokens each.
+    # step 1 (5, 5, 1, 9): 9 -> rank 0, 5 -> rank 1, 5 -> rank 1 (now full), 1 -> rank 0.
+    assert step_shards(lengths, parts=2, step_size=4) == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    with pytest.raises(ValueError, match="global batches of 3"):
+        step_shards(lengths, parts=2, step_size=3)

@@ -14,7 +14,7 @@ predicted there and its log-prob is 0.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -80,6 +80,11 @@ class TrainBatch:
     def slice(self, start: int, end: int) -> TrainBatch:
         """Samples ``start:end`` (views, no copy)."""
         return self.map(lambda t: t[start:end])
+
+    def select(self, rows: Sequence[int]) -> TrainBatch:
+        """The samples at ``rows``, in that order (a copy)."""
+        index = torch.tensor(list(rows), dtype=torch.long)
+        return self.map(lambda t: t.index_select(0, index.to(t.device)))
 
     def to(self, device: str | torch.device) -> TrainBatch:
         return self.map(lambda t: t.to(device))

@@ -63,6 +63,23 @@ def balanced_partition(lengths: Sequence[int], parts: int) -> list[list[int]]:
     return [sorted(group) for group in groups]
 
 
+def step_shards(lengths: Sequence[int], parts: int, step_size: int) -> list[list[int]]:
+    """A rollout's samples dealt to ``parts`` data-parallel ranks, one optimizer step at a
+    time: each consecutive ``step_size`` samples (one global batch) are balanced over the
+    ranks (``balanced_partition``), and each rank's list holds its share of step 0, then of
+    step 1, ..., the order in which a backend cuts its shard into optimizer steps.
+    """
+    if step_size < 1 or len(lengths) % step_size:
+        raise ValueError(f"{len(lengths)} samples do not split into global batches of "
+                         f"{step_size}")
+    shards: list[list[int]] = [[] for _ in range(parts)]
+    for start in range(0, len(lengths), step_size):
+        groups = balanced_partition(lengths[start:start + step_size], parts)
+        for shard, group in zip(shards, groups, strict=True):
+            shard += [start + i for i in group]
+    return shards
+
+
 def pack_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
     """First-fit-decreasing bins of sample indices whose lengths sum to at most ``budget``.
 
