@@ -7,6 +7,7 @@ learning). After the run it compares every engine's weight checksums with the tr
 
     python bench/gpu_loop.py --placement disaggregated --steps 6     # 2 GPUs: trainer | engine
     python bench/gpu_loop.py --placement colocate --steps 6          # 1 GPU shared
+    python bench/gpu_loop.py --backend megatron --steps 6             # megatron-core trainer
 
 Prints a table: generated tokens/s, trained tokens/s, seconds per step split into generate /
 train / sync, weight-sync GB/s. Never part of `make test`.
@@ -25,46 +26,7 @@ from typing import Any
 
 import torch
 import yaml
-
-SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab (the HF configs' values)
-    "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936),
-    "qwen2.5-1.5b": (1536, 28, 12, 2, 8960, 151936),
-}
-
-
-def build_tokenizer(vocab_size: int) -> Any:
-    """The tiny job's character vocabulary (pad, eos, digits, '+', '=') padded with filler
-    tokens to the model's real vocabulary size, so every id a random model samples decodes."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from kuberl_trainer.tiny.tokenizer import VOCAB
-
-    vocab = dict(VOCAB)
-    vocab.update({f"<x{i}>": i for i in range(len(VOCAB), vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   padding_side="left")
-
-
-def build_model(out: Path, shape: str) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from kuberl_trainer.tiny.data import split, write_jsonl
-
-    train, _ = split(seed=0, n_eval=500)
-    write_jsonl(out / "data" / "train.jsonl", train)
-    hidden, layers, heads, kv, inter, vocab = SHAPES[shape]
-    torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
-                      tie_word_embeddings=True, max_position_embeddings=4096,
-                      torch_dtype="bfloat16", eos_token_id=1, pad_token_id=0)
-    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(out / "model")
-    build_tokenizer(vocab).save_pretrained(str(out / "model"))
+from gpu_common import SHAPES, build_model  # bench/ is on sys.path when run as a script
 
 
 def manifest(out: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -75,7 +37,8 @@ def manifest(out: Path, args: argparse.Namespace) -> dict[str, Any]:
                  "maxPromptLen": 8, "maxResponseLen": args.response_len},
         "reward": {"type": "exact"},
         "algorithm": {"lr": 1e-6},
-        "training": {"backend": "fsdp", "gpusPerNode": 1, "microBatchSize": args.micro_batch},
+        "training": {"backend": args.backend, "gpusPerNode": 1,
+                     "microBatchSize": args.micro_batch},
         "rollout": {"engine": "reference", "gpusPerEngine": 1, "gpusPerNode": 1},
         "placement": args.placement,
         "schedule": {"numRollouts": args.steps},
@@ -96,6 +59,7 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--response-len", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=32)
+    p.add_argument("--backend", default="fsdp", choices=["fsdp", "megatron"])
     args = p.parse_args()
 
     from kuberl_api import parse
@@ -106,12 +70,11 @@ def main() -> int:
     from kuberl_trainer.session import Session
 
     args.out.mkdir(parents=True, exist_ok=True)
-    if not (args.out / "model" / "config.json").exists():
-        build_model(args.out, args.shape)
+    build_model(args.out, args.shape)
     doc = manifest(args.out, args)
     (args.out / "job.yaml").write_text(yaml.safe_dump(doc))
     job = parse(doc)
-    run_dir = args.out / f"run-{args.placement}-{int(time.time())}"
+    run_dir = args.out / f"run-{args.backend}-{args.placement}-{int(time.time())}"
     opts = Options(address=None, in_cluster=False, output_dir=run_dir,
                    checkpoint_dir=run_dir / "ckpt", prometheus_port=0, tensorboard=None, seed=0)
     session = Session(job, opts, check(job.spec))
@@ -147,7 +110,8 @@ def report(run_dir: Path, args: argparse.Namespace, synced: bool) -> None:
     samples = args.prompts * args.samples
     gen_tokens = mean("response_length_mean") * samples
     train_tokens = gen_tokens + 6 * samples
-    print(f"\n{args.shape}, {args.placement}, GPU: {torch.cuda.get_device_name(0)}, "
+    print(f"\n{args.shape}, backend {args.backend}, {args.placement}, "
+          f"GPU: {torch.cuda.get_device_name(0)}, "
           f"{samples} samples/step, steps {len(rows)} (first excluded)")
     print(f"{'gen tok/s':>10} {'train tok/s':>12} {'gen s':>7} {'train s':>8} {'sync s':>7} "
           f"{'step s':>7} {'weights synced':>15}")

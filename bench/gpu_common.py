@@ -1,0 +1,122 @@
+"""What the GPU benchmarks share: real model shapes with random weights, an RLJob spec around
+a model directory, and synthetic RL batches of variable length.
+
+Nothing here touches a GPU at import; the scripts that import it run on the GPU machines.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for sub in ("operator", "trainer_image", "rollout_image"):
+    if str(ROOT / sub) not in sys.path:
+        sys.path.insert(0, str(ROOT / sub))
+
+SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab (the HF configs' values)
+    "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936),
+    "qwen2.5-1.5b": (1536, 28, 12, 2, 8960, 151936),
+}
+# Parameters of the shapes users extrapolate to (Qwen2.5-7B / -32B model cards), for
+# seconds-per-sync estimates from a measured bandwidth.
+EXTRAPOLATE = {"qwen2.5-7b": 7.62e9, "qwen2.5-32b": 32.8e9}
+# Dense bf16 peak of the cards here (NVIDIA datasheets, SXM): the MFU denominator.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
+
+
+def build_tokenizer(vocab_size: int) -> Any:
+    """The tiny job's character vocabulary (pad, eos, digits, '+', '=') padded with filler
+    tokens to the model's real vocabulary size, so every id a random model samples decodes."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from kuberl_trainer.tiny.tokenizer import VOCAB
+
+    vocab = dict(VOCAB)
+    vocab.update({f"<x{i}>": i for i in range(len(VOCAB), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   padding_side="left")
+
+
+def build_model(out: Path, shape: str) -> Path:
+    """A random-weight Qwen2 of ``shape`` in bf16 at ``out/model`` (with a tokenizer) and the
+    tiny addition prompts at ``out/data/train.jsonl``; kept when already there."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from kuberl_trainer.tiny.data import split, write_jsonl
+
+    model_dir = out / "model"
+    if (model_dir / "config.json").exists():
+        return model_dir
+    train, _ = split(seed=0, n_eval=500)
+    write_jsonl(out / "data" / "train.jsonl", train)
+    hidden, layers, heads, kv, inter, vocab = SHAPES[shape]
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
+                      tie_word_embeddings=True, max_position_embeddings=4096,
+                      torch_dtype="bfloat16", eos_token_id=1, pad_token_id=0)
+    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(model_dir)
+    build_tokenizer(vocab).save_pretrained(str(model_dir))
+    return model_dir
+
+
+def make_spec(model_dir: Path | str, *, backend: str, samples: int, micro_batch: int,
+              tp: int = 1, pp: int = 1, gpus: int = 1, lr: float = 1e-6,
+              **algorithm: Any) -> Any:
+    """An RLJobSpec whose one rollout of ``samples`` is one optimizer step."""
+    from kuberl_api.spec import RLJobSpec
+
+    return RLJobSpec.model_validate({
+        "model": {"path": str(model_dir)},
+        "data": {"prompts": "/unused.jsonl", "rolloutBatchSize": samples,
+                 "nSamplesPerPrompt": 1},
+        "training": {"backend": backend, "gpusPerNode": gpus, "microBatchSize": micro_batch,
+                     "parallelism": {"tp": tp, "pp": pp}},
+        "algorithm": {"lr": lr, **algorithm},
+    })
+
+
+def random_batch(samples: int, prompt: int, response: tuple[int, int], vocab: int,
+                 seed: int = 0) -> Any:
+    """A TrainBatch of ``samples`` sequences: a ``prompt``-token prompt and a response of a
+    length drawn uniformly from ``response`` (inclusive), right-padded; advantages +-1."""
+    from kuberl_trainer.backends.base import TrainBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = response
+    lengths = torch.randint(lo, hi + 1, (samples,), generator=gen) + prompt
+    width = int(lengths.max())
+    ids = torch.randint(2, vocab, (samples, width), generator=gen)
+    positions = torch.arange(width)[None]
+    attention = (positions < lengths[:, None]).long()
+    loss_mask = ((positions >= prompt) & (attention > 0)).float()
+    ids = ids * attention
+    adv = torch.where(torch.rand(samples, generator=gen) < 0.5, 1.0, -1.0)[:, None] * loss_mask
+    return TrainBatch(input_ids=ids, attention_mask=attention, loss_mask=loss_mask,
+                      advantages=adv, rollout_logprobs=torch.zeros(samples, width))
+
+
+def card() -> str:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def peak_flops() -> float:
+    name = card()
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), float("nan"))
+
+
+def train_flops(params: int, layers: int, hidden: int, lengths: list[int]) -> float:
+    """Model FLOPs of one forward+backward over sequences of ``lengths`` (PaLM's MFU
+    convention: 6 per parameter per token, plus causal attention's 6 * layers * hidden * s
+    per token, i.e. 12 * layers * hidden * s^2 / 2 per sequence of length s)."""
+    tokens = sum(lengths)
+    return 6.0 * params * tokens + 6.0 * layers * hidden * sum(s * s for s in lengths)
