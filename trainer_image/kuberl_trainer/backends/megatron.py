@@ -106,9 +106,13 @@ class MegatronBackend:
         self.rank, self.world_size = rank, world_size
         _ensure_process_group(rank, world_size)
         p = spec.training.parallelism
-        ps.initialize_model_parallel(tensor_model_parallel_size=p.tp,
-                                     pipeline_model_parallel_size=p.pp,
-                                     context_parallel_size=p.cp)
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(tensor_model_parallel_size=p.tp,
+                                         pipeline_model_parallel_size=p.pp,
+                                         context_parallel_size=p.cp)
+        elif (ps.get_tensor_model_parallel_world_size(),
+              ps.get_pipeline_model_parallel_world_size()) != (p.tp, p.pp):
+            raise RuntimeError("this process already holds a different Megatron grid")
         self.ps = ps
         self.par = M.Parallel(tp=p.tp, tp_rank=ps.get_tensor_model_parallel_rank(),
                               pp=p.pp, pp_rank=ps.get_pipeline_model_parallel_rank())
