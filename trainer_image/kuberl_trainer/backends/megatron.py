@@ -19,9 +19,9 @@ last pipeline stage's logits with TP rank 0.
 - **Weight sync** gathers TP shards into full HF tensors bucket by bucket (``megatron/
   export.py``'s plan), issuing the next bucket's all-gathers before yielding the current one;
   later pipeline stages send theirs to global rank 0, which sends to the engines.
-- **Checkpoints**: an HF directory (bf16, servable), Megatron's optimizer state per model-
-  parallel rank (fp32 master weights included, so a resumed run is exact), the step count and
-  RNG state.
+- **Checkpoints**: an HF directory (bf16, servable), each rank's optimizer shard (fp32 master
+  weights and Adam moments, so a resumed run is exact; it resumes with the same tp/pp/dp),
+  the step count and RNG state.
 
 megatron-core is imported only here and in ``megatron/``, and only when this backend is built.
 """
@@ -69,8 +69,7 @@ from kuberl_trainer.megatron.vocab_parallel import token_logprobs_and_entropy
 LOG = logging.getLogger("kuberl.backend.megatron")
 
 STATE_DIR = "megatron"                           # inside a checkpoint
-OPTIM_FILE = "optimizer_tp{tp}_pp{pp}.pt"        # per model-parallel rank, from DP rank 0
-PARAM_STATE_FILE = "param_state_tp{tp}_pp{pp}.pt"  # distributed optimizer's fp32 shards
+OPTIM_FILE = "optimizer_rank{rank}.pt"  # each rank's optimizer shard (fp32 master weights, Adam)
 STEPS_FILE = "steps.json"
 RNG_FILE = "rng_rank{rank}.pt"
 SEED = 1234
@@ -454,10 +453,11 @@ class MegatronBackend:
         if self.rank == 0:
             self._save_hf(path / MODEL_DIR, hf)
             (state_dir / STEPS_FILE).write_text(json.dumps({"optimizer_steps": self.steps}))
-        names = {"tp": self.par.tp_rank, "pp": self.par.pp_rank}
-        if self.dp_rank == 0:
-            torch.save(self.optimizer.state_dict(), state_dir / OPTIM_FILE.format(**names))
-        self.optimizer.save_parameter_state(str(state_dir / PARAM_STATE_FILE.format(**names)))
+        torch.save({"layout": self._layout(), "optimizers": [
+            {"state": inner.state_dict(),
+             "params": [p.detach().cpu() for g in inner.param_groups for p in g["params"]]}
+            for inner in self._inner_optimizers()]},
+            state_dir / OPTIM_FILE.format(rank=self.rank))
         torch.save(rng_state(), path / RNG_FILE.format(rank=self.rank))
         dist.barrier()
 
@@ -468,15 +468,36 @@ class MegatronBackend:
         state_dir = path / STATE_DIR
         M.load_hf(self.model.module, read_safetensors_dir(path / MODEL_DIR), self.shape,
                   self.par)
-        names = {"tp": self.par.tp_rank, "pp": self.par.pp_rank}
-        self.optimizer.load_state_dict(torch.load(state_dir / OPTIM_FILE.format(**names),
-                                                  weights_only=False))
-        self.optimizer.load_parameter_state(str(state_dir / PARAM_STATE_FILE.format(**names)))
+        saved = torch.load(state_dir / OPTIM_FILE.format(rank=self.rank), map_location="cuda",
+                           weights_only=False)
+        if saved["layout"] != self._layout():
+            raise ValueError(f"checkpoint {path} was saved with (tp, pp, dp) = "
+                             f"{tuple(saved['layout'])}; this job runs {tuple(self._layout())} "
+                             "(the megatron backend resumes with the layout it saved)")
+        with torch.no_grad():
+            for inner, part in zip(self._inner_optimizers(), saved["optimizers"], strict=True):
+                params = [p for g in inner.param_groups for p in g["params"]]
+                for p, value in zip(params, part["params"], strict=True):
+                    p.copy_(value)
+                inner.load_state_dict(part["state"])
         self.steps = int(json.loads((state_dir / STEPS_FILE).read_text())["optimizer_steps"])
         rng = path / RNG_FILE.format(rank=self.rank)
         if rng.exists():
             set_rng_state(torch.load(rng, weights_only=False))
         dist.barrier()
+
+    def _layout(self) -> list[int]:
+        return [self.par.tp, self.par.pp, self.dp_size]
+
+    def _inner_optimizers(self) -> list[Any]:
+        """The torch optimizers over this rank's fp32 shards (one per Megatron optimizer).
+
+        Checkpoints save their state and shard parameters rank by rank, as they are:
+        megatron-core 0.16's gather-to-rank-0 format fails on bf16 buffers (a shape mismatch
+        in get_parameter_state_dp_zero, seen on H100) and its reshardable format does not
+        load what it saves."""
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return [o.optimizer for o in chained]
 
     def _save_hf(self, out: Path, state: dict[str, Tensor]) -> None:
         from huggingface_hub import save_torch_state_dict

@@ -231,8 +231,8 @@ def tp_shard(name: str, full: Tensor, shape: DecoderShape, tp: int, rank: int) -
 def tp_gather(name: str, shards: list[Tensor], shape: DecoderShape) -> Tensor:
     """The full Megatron tensor ``name`` from every TP rank's shard (rank order)."""
     kind = tp_kind(name)
-    if kind == "replicated":
-        return shards[0]
+    if kind == "replicated" or len(shards) == 1:
+        return shards[0]  # (no copy at TP=1: weight sync sends the live tensor)
     if kind == "row":
         return torch.cat(shards, dim=1)
     if kind == "fc1":

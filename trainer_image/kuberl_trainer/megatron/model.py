@@ -86,6 +86,8 @@ def transformer_config(shape: L.DecoderShape, hf_config: Mapping[str, Any], par:
         bias_activation_fusion=True, masked_softmax_fusion=False, persist_layer_norm=te,
         bias_dropout_fusion=False, apply_rope_fusion=te, gradient_accumulation_fusion=False,
         calculate_per_token_loss=True, variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # (dense models; the default refuses variable
+                                               # sequence lengths even without experts)
         # Weights come from the HF checkpoint (load_hf checks every parameter is filled):
         # allocate on the GPU and skip the random initialisation.
         use_cpu_initialization=False, perform_initialization=False)
