@@ -242,13 +242,15 @@ async def checksums(client: EngineClient) -> list[dict[str, str]]:
     return [await client.request(u, "GET", "/get_weights_checksum") for u in client.urls]
 
 
+@pytest.mark.parametrize("flatten", [True, False], ids=["flattened-buckets", "per-tensor"])
 async def test_distributed_sync_over_gloo_to_two_engines(
-        pair: list[str], reference_model: torch.nn.Module) -> None:
+        pair: list[str], reference_model: torch.nn.Module, flatten: bool) -> None:
     original = {n: t.clone() for n, t in reference_model.state_dict().items()}
     async with EngineClient(pair, request_timeout_s=60) as client:
         sender = DistributedWeightSender(client, master_address="127.0.0.1",
                                          master_port=free_port(), backend="gloo",
-                                         group_name="kuberl_test", timeout_s=30)
+                                         group_name="kuberl_test", timeout_s=30,
+                                         flatten=flatten)
         await sender.connect()
         try:
             for version, seed in ((1, 1), (2, 2)):

@@ -91,6 +91,10 @@ def test_weight_requests_use_sglang_fields() -> None:
         backend="nccl"), "InitWeightsUpdateGroupReqInput")
     assert_fields(protocol.update_weights_from_distributed(
         metas, group_name="g", weight_version="1"), "UpdateWeightsFromDistributedReqInput")
+    flat = protocol.update_weights_from_distributed(metas, group_name="g", weight_version=None,
+                                                    flattened=True)
+    assert_fields(flat, "UpdateWeightsFromDistributedReqInput")
+    assert flat["load_format"] == "flattened_bucket"  # the value SGLang's model runner takes
     assert_fields(protocol.update_weights_from_tensor(["x"], weight_version="1"),
                   "UpdateWeightsFromTensorReqInput")
     assert_fields(protocol.destroy_weights_update_group("g"), "DestroyWeightsUpdateGroupReqInput")

@@ -6,7 +6,9 @@
 - /update_weights_from_distributed: allocate empty tensors for the announced names, dtypes and
   shapes, receive them by broadcast from rank 0 in the announced order, then copy them into the
   model by HF name. Tensors are always received, even if a name is wrong, so the collective
-  stays in step with the trainer; the error is reported after.
+  stays in step with the trainer; the error is reported after. With `load_format:
+  "flattened_bucket"` (as SGLang takes it) the bucket comes as one broadcast of its tensors'
+  flattened concatenation, received into one buffer and viewed as the tensors.
 - /update_weights_from_tensor: decode the torch.save payload (see weight_sync.codec) and copy.
 `weight_version`, when given, becomes the engine's version once the update has succeeded.
 """
@@ -14,8 +16,9 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -24,9 +27,24 @@ from kuberl_rollout.reference.engine import ReferenceEngine
 from kuberl_trainer.weight_sync import codec
 from kuberl_trainer.weight_sync.dtypes import str_to_dtype
 from kuberl_trainer.weight_sync.group import WeightSyncGroup, new_group
+from kuberl_trainer.weight_sync.protocol import FLATTENED
 
 LOG = logging.getLogger("kuberl.reference")
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+
+
+def _flat_views(sizes: list[list[int]], kinds: list[torch.dtype], device: str,
+                receive: Callable[[torch.Tensor], None]) -> list[torch.Tensor]:
+    """Receive a flattened bucket (one buffer, every tensor's elements in order) and return
+    views of it shaped as the tensors."""
+    if len(set(kinds)) > 1:
+        raise ValueError(f"a flattened bucket holds one dtype, got {sorted(map(str, set(kinds)))}")
+    counts = [math.prod(size) for size in sizes]
+    flat = torch.empty(sum(counts), dtype=kinds[0] if kinds else torch.float32, device=device)
+    receive(flat)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [flat[start:start + count].view(size)
+            for start, count, size in zip(starts, counts, sizes, strict=True)]
 
 
 def _field(body: Mapping[str, Any], key: str, kind: type) -> Any:
@@ -71,17 +89,24 @@ class Receiver:
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(f"names/dtypes/shapes lengths differ: "
                              f"{len(names)}/{len(dtypes)}/{len(shapes)}")
-        if body.get("load_format") is not None:
-            raise ValueError("load_format is not supported by the reference engine")
+        load_format = body.get("load_format")
+        if load_format not in (None, FLATTENED):
+            raise ValueError(f"load_format {load_format!r} is not supported by the reference "
+                             f"engine (null or {FLATTENED!r})")
         name = str(body.get("group_name") or DEFAULT_GROUP)
         group = self.groups.get(name)
         if group is None:
             raise ValueError(f"no weight-update group {name!r}: /init_weights_update_group first")
         device = "cuda" if group.backend == "nccl" else "cpu"
         started = time.perf_counter()
-        buffers = [torch.empty([int(d) for d in shape], dtype=str_to_dtype(dtype), device=device)
-                   for dtype, shape in zip(dtypes, shapes, strict=True)]
-        group.broadcast(buffers, src=0)
+        sizes = [[int(d) for d in shape] for shape in shapes]
+        kinds = [str_to_dtype(dtype) for dtype in dtypes]
+        if load_format == FLATTENED:
+            buffers = _flat_views(sizes, kinds, device, lambda flat: group.broadcast([flat], 0))
+        else:
+            buffers = [torch.empty(size, dtype=kind, device=device)
+                       for size, kind in zip(sizes, kinds, strict=True)]
+            group.broadcast(buffers, src=0)
         count = self.engine.load_weights(zip(names, buffers, strict=True))
         return self._done(body, count, sum(b.numel() * b.element_size() for b in buffers),
                           started)

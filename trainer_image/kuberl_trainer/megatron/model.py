@@ -118,7 +118,10 @@ def build_gpt(shape: L.DecoderShape, hf_config: Mapping[str, Any], par: Parallel
         position_embedding_type="rope", **rope_settings(hf_config),
         share_embeddings_and_output_weights=shape.tied,
         parallel_output=True)  # logits stay vocab-parallel: see megatron/vocab_parallel.py
-    model.cuda(torch.cuda.current_device())
+    # Every parameter in the compute dtype, norms included (Megatron's Float16Module does the
+    # same): the local spec builds its norms in float32, which would then reach the engines as
+    # float32 tensors where the checkpoint has bf16. The optimizer keeps fp32 master copies.
+    model.to(device=torch.cuda.current_device(), dtype=dtype)
     return model
 
 

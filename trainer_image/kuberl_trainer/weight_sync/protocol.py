@@ -20,9 +20,15 @@ def init_weights_update_group(*, master_address: str, master_port: int, rank_off
             "group_name": group_name, "backend": backend}
 
 
+FLATTENED = "flattened_bucket"  # one broadcast of the bucket's tensors concatenated, flattened
+
+
 def update_weights_from_distributed(metas: Sequence[TensorMeta], *, group_name: str,
-                                    weight_version: str | None,
-                                    flush_cache: bool = True) -> dict[str, Any]:
+                                    weight_version: str | None, flush_cache: bool = True,
+                                    flattened: bool = False) -> dict[str, Any]:
+    """``flattened``: the tensors (all of one dtype) arrive as one broadcast of their
+    flattened concatenation, in ``names`` order (SGLang's ``load_format="flattened_bucket"``),
+    instead of one broadcast each."""
     body: dict[str, Any] = {
         "names": [m.name for m in metas],
         "dtypes": [m.dtype for m in metas],
@@ -30,6 +36,8 @@ def update_weights_from_distributed(metas: Sequence[TensorMeta], *, group_name: 
         "group_name": group_name,
         "flush_cache": flush_cache,
     }
+    if flattened:
+        body["load_format"] = FLATTENED
     if weight_version is not None:
         body["weight_version"] = weight_version
     return body
