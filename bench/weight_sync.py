@@ -6,7 +6,8 @@ megatron backend on GPU 0 and starts `python -m kuberl_rollout.reference` on GPU
 - full sync: `DistributedWeightSender` pushes `MegatronBackend.named_tensor_buckets(bucket)`
   to the engine (HTTP announce + NCCL broadcast per bucket, engine copies into its model), one
   warm-up and `--repeats` timed syncs, each between two `torch.cuda.synchronize()`;
-- raw baseline, same run: the same tensors in the same buckets, materialized once, broadcast
+- raw baseline, same run: the same bytes in the same buckets, each bucket flattened into one
+  tensor once, broadcast
   GPU 0 -> GPU 1 over a fresh 2-rank `weight_sync.group` to a spawned helper process that only
   receives into preallocated buffers (no HTTP, no gathering, no copy into a model);
 - check: the trainer's weights are negated (exact in bf16) before each bucket size, so the
@@ -295,7 +296,9 @@ def negate(backend: Any) -> None:
 
 
 def materialize(backend: Any, bucket_bytes: int) -> Buckets:
-    return [[t.detach().contiguous() for _, t in bucket]
+    """Each bucket's bytes as one flat tensor: the raw baseline is one broadcast per bucket,
+    the least NCCL can be asked to do for these bytes."""
+    return [[torch.cat([t.detach().reshape(-1) for _, t in bucket])]
             for bucket in backend.named_tensor_buckets(bucket_bytes)]
 
 
