@@ -61,6 +61,19 @@ def time_steps(backend: Any, batch: Any, repeats: int) -> float:
     return statistics.median(seconds)
 
 
+def profile_step(backend: Any, batch: Any, title: str) -> None:
+    """Where one train step's time goes: the top CUDA kernels and CPU ops (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        backend.train_step(batch)
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    print(f"\n--- profile: {title}")
+    print(table.table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(table.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+
+
 def build(kind: str, spec: Any, rank: int = 0, world: int = 1) -> Any:
     from kuberl_trainer.backends.base import make_backend
 
@@ -96,6 +109,8 @@ def backends(args: argparse.Namespace) -> None:
                              micro_batch=args.micro_batch)
             backend = build(kind, spec)
             seconds = time_steps(backend, batch, args.repeats)
+            if args.profile:
+                profile_step(backend, batch, f"{shape} {kind}")
             peak = torch.cuda.max_memory_allocated() / 2**30
             release(backend)
             torch.cuda.reset_peak_memory_stats()
@@ -176,6 +191,7 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="/tmp/kuberl-throughput")
+    p.add_argument("--profile", action="store_true", help="also profile one step of each")
     args = p.parse_args()
     for shape in args.shapes:
         if shape not in SHAPES:
