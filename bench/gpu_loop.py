@@ -39,7 +39,11 @@ def manifest(out: Path, args: argparse.Namespace) -> dict[str, Any]:
         "algorithm": {"lr": 1e-6},
         "training": {"backend": args.backend, "gpusPerNode": 1,
                      "microBatchSize": args.micro_batch},
-        "rollout": {"engine": "reference", "gpusPerEngine": 1, "gpusPerNode": 1},
+        # The engine serves in the dtype the trainer sends (megatron: bf16, fsdp: its fp32
+        # master weights), so the checksum check compares identical bytes.
+        "rollout": {"engine": "reference", "gpusPerEngine": 1, "gpusPerNode": 1,
+                    "engineArgs": {"dtype": "bfloat16" if args.backend == "megatron"
+                                   else "float32"}},
         "placement": args.placement,
         "schedule": {"numRollouts": args.steps},
     }
