@@ -81,7 +81,8 @@ class Micro:
     packed row the model runs on."""
 
     batch: TrainBatch
-    packed: Packed
+    packed: Packed       # on the GPU
+    cu_seqlens_cpu: Tensor
     indices: list[int]  # the samples' rows in the batch it was cut from
     sft: bool = False
 
@@ -119,6 +120,7 @@ class MegatronBackend:
         self.dp_size = ps.get_data_parallel_world_size()
         torch.manual_seed(SEED)
         model_parallel_cuda_manual_seed(SEED)
+        self.te = M.has_transformer_engine()
         self.micro_batch_size = spec.training.micro_batch_size
         self.rank_batch_size = spec.global_batch_size // self.dp_size
 
@@ -205,7 +207,8 @@ class MegatronBackend:
             width = max(lengths[r] for r in rows)
             mb = mb.map(lambda t, w=width: t[:, :w])
             packed = pack_rows(mb.input_ids, mb.attention_mask)
-            out.append(Micro(batch=mb, packed=_to_cuda(packed), indices=rows, sft=sft))
+            out.append(Micro(batch=mb, packed=_to_cuda(packed),
+                             cu_seqlens_cpu=packed.cu_seqlens.cpu(), indices=rows, sft=sft))
         return out
 
     def _run(self, model: Any, micros: list[Micro], loss_fn: Callable[[Micro, Tensor], Any],
@@ -218,9 +221,15 @@ class MegatronBackend:
         def forward_step(data: Iterator[Micro], chunk: Any) -> tuple[Tensor, Any]:
             mb = next(data)
             p = mb.packed
+            # Without Transformer Engine, Megatron's RoPE for packed sequences reads the
+            # boundaries with .tolist() in every layer; it reads the "padded" boundaries when
+            # given, so those get a CPU copy (no device sync per layer) while attention takes
+            # the GPU ones. TE's kernels need both on the GPU.
+            host = None if self.te else mb.cu_seqlens_cpu
             params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=p.cu_seqlens,
                                      cu_seqlens_kv=p.cu_seqlens, max_seqlen_q=p.max_seqlen,
-                                     max_seqlen_kv=p.max_seqlen)
+                                     max_seqlen_kv=p.max_seqlen, cu_seqlens_q_padded=host,
+                                     cu_seqlens_kv_padded=host)
             out = chunk(p.input_ids, p.position_ids, None, packed_seq_params=params)
             return out, partial(loss_fn, mb)
 

@@ -19,6 +19,7 @@ elsewhere. Either way no token attends across a sequence boundary and no padding
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from typing import Any
@@ -96,10 +97,15 @@ def _varlen() -> Any:
     return varlen_attn
 
 
+@functools.cache
+def _varlen_parameters() -> frozenset[str]:
+    return frozenset(inspect.signature(_varlen()).parameters)
+
+
 def _flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int,
                   scale: float) -> Tensor:
     fn = _varlen()
-    params = inspect.signature(fn).parameters
+    params = _varlen_parameters()
     # The causal switch changed name across torch releases: is_causal, then window_size.
     causal: dict[str, Any] = ({"window_size": (-1, 0)} if "window_size" in params
                               else {"is_causal": True})
