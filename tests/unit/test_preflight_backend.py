@@ -1,0 +1,72 @@
+"""`kuberl run`'s preflight for the megatron backend: what it needs is checked before Ray
+starts, each refusal naming the field and what is allowed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kuberl_api.spec import RLJobSpec
+from kuberl_trainer.preflight import PreflightError, check_backend
+
+QWEN2 = {"model_type": "qwen2", "num_hidden_layers": 6, "hidden_size": 64,
+         "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 96,
+         "vocab_size": 300}
+
+
+def spec(model: Path, backend: str = "megatron", **parallelism: int) -> RLJobSpec:
+    return RLJobSpec.model_validate({
+        "model": {"path": str(model)},
+        "data": {"prompts": "/data/p.jsonl", "rolloutBatchSize": 8},
+        "training": {"backend": backend, "gpusPerNode": 8 if backend == "megatron" else 0,
+                     "parallelism": parallelism or {"tp": 1}},
+    })
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2))
+    return tmp_path
+
+
+@pytest.fixture
+def megatron_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *args: Any) -> Any:
+        return object() if name.split(".")[0] == "megatron" else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+def test_fsdp_needs_nothing_more(model: Path) -> None:
+    check_backend(spec(model, backend="fsdp"))
+
+
+def test_megatron_without_megatron_core_says_how_to_get_it(model: Path) -> None:
+    if importlib.util.find_spec("megatron") is not None:
+        pytest.skip("megatron-core is installed here")
+    with pytest.raises(PreflightError, match=r"megatron-core.*kuberl\[megatron\]"):
+        check_backend(spec(model))
+
+
+@pytest.mark.usefixtures("megatron_installed")
+def test_megatron_accepts_a_supported_model_and_layout(model: Path) -> None:
+    check_backend(spec(model, tp=2, pp=2))
+
+
+@pytest.mark.usefixtures("megatron_installed")
+@pytest.mark.parametrize(("edit", "parallelism", "words"), [
+    ({"model_type": "gpt2"}, {"tp": 1}, "spec.model.path: model_type 'gpt2' is not supported"),
+    ({}, {"tp": 4}, r"spec.model.path: tp 4 must divide num_key_value_heads \(2\)"),
+    ({}, {"pp": 4}, r"spec.training.parallelism.pp: 4 must divide the model's 6 layers"),
+])
+def test_megatron_refuses_what_it_cannot_shard(model: Path, edit: dict[str, Any],
+                                               parallelism: dict[str, int], words: str) -> None:
+    (model / "config.json").write_text(json.dumps({**QWEN2, **edit}))
+    with pytest.raises(PreflightError, match=words):
+        check_backend(spec(model, **parallelism))
