@@ -110,6 +110,26 @@ class TrainBatch:
         return [self.slice(i * size, (i + 1) * size) for i in range(parts)]
 
 
+def sft_step_parts(batch: TrainBatch, sft: TrainBatch | None, share: int, global_batch: int,
+                   ranks: str) -> list[TrainBatch | None]:
+    """Check that a rank's shard of one rollout makes whole optimizer steps of ``share``
+    samples (its part of every global batch) and cut ``sft``'s demonstrations into one equal
+    part per step (None each without demonstrations). ``ranks`` names what the global batch
+    is divided by, for the error message."""
+    if len(batch) == 0 or len(batch) % share:
+        raise ValueError(f"this rank got {len(batch)} samples, not a positive multiple of its "
+                         f"share of the global batch ({share} = globalBatchSize {global_batch} "
+                         f"/ {ranks})")
+    steps = len(batch) // share
+    sft_parts: list[TrainBatch | None] = [None] * steps
+    if sft is not None:
+        if len(sft) % steps:
+            raise ValueError(f"{len(sft)} demonstrations on this rank do not split into its "
+                             f"{steps} optimizer steps")
+        sft_parts = list(sft.chunks(len(sft) // steps))
+    return sft_parts
+
+
 class _TensorFn(Protocol):
     def __call__(self, t: Tensor, /) -> Tensor: ...
 

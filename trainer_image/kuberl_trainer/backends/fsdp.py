@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.algos import losses
 from kuberl_trainer.algos.objective import Objective
-from kuberl_trainer.backends.base import TrainBatch
+from kuberl_trainer.backends.base import TrainBatch, sft_step_parts
 from kuberl_trainer.backends.buckets import bucketize
 from kuberl_trainer.backends.hf_files import (
     MODEL_DIR,
@@ -165,22 +165,15 @@ class FSDPBackend:
         Returned metrics are token-weighted means over the shard, plus the mean grad norm and
         the last learning rate of its optimizer steps.
         """
-        if len(batch) == 0 or len(batch) % self.rank_batch_size:
-            raise ValueError(
-                f"this rank got {len(batch)} samples, not a positive multiple of its share of "
-                f"the global batch ({self.rank_batch_size} = globalBatchSize "
-                f"{self.spec.global_batch_size} / {self.world_size} ranks)")
+        sft_parts = sft_step_parts(batch, sft, self.rank_batch_size,
+                                   self.spec.global_batch_size, f"{self.world_size} ranks")
+        # Old and reference log-probs of the whole shard, before the first step moves the policy.
         batch = self._prepare(batch.to(self.device))
-        steps = len(batch) // self.rank_batch_size
-        sft_parts: list[TrainBatch | None] = [None] * steps
-        if sft is not None:
-            if len(sft) % steps:
-                raise ValueError(f"{len(sft)} demonstrations on this rank do not split into "
-                                 f"its {steps} optimizer steps")
-            sft_parts = list(sft.to(self.device).chunks(len(sft) // steps))
         metrics = StepMetrics()
         for step_batch, sft_part in zip(batch.chunks(self.rank_batch_size), sft_parts,
                                         strict=True):
+            if sft_part is not None:
+                sft_part = sft_part.to(self.device)
             self._optimizer_step(step_batch, metrics, sft_part)
         return metrics.summary()
 

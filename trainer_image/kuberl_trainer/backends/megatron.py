@@ -44,7 +44,7 @@ from torch import Tensor
 
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.algos.objective import Objective
-from kuberl_trainer.backends.base import TrainBatch
+from kuberl_trainer.backends.base import TrainBatch, sft_step_parts
 from kuberl_trainer.backends.hf_files import (
     MODEL_DIR,
     copy_tokenizer,
@@ -288,22 +288,16 @@ class MegatronBackend:
     def train_step(self, batch: TrainBatch, sft: TrainBatch | None = None) -> dict[str, float]:
         """Collective. ``batch``: this data-parallel rank's samples of one rollout, a multiple
         of its share of the global batch (one optimizer step per share)."""
-        if len(batch) == 0 or len(batch) % self.rank_batch_size:
-            raise ValueError(
-                f"this rank got {len(batch)} samples, not a positive multiple of its share of "
-                f"the global batch ({self.rank_batch_size} = globalBatchSize "
-                f"{self.spec.global_batch_size} / {self.dp_size} data-parallel ranks)")
+        sft_parts = sft_step_parts(batch, sft, self.rank_batch_size,
+                                   self.spec.global_batch_size,
+                                   f"{self.dp_size} data-parallel ranks")
+        # Old and reference log-probs of the whole shard, before the first step moves the policy.
         batch = self._prepare(batch.to("cuda"))
-        steps = len(batch) // self.rank_batch_size
-        sft_parts: list[TrainBatch | None] = [None] * steps
-        if sft is not None:
-            if len(sft) % steps:
-                raise ValueError(f"{len(sft)} demonstrations on this rank do not split into "
-                                 f"its {steps} optimizer steps")
-            sft_parts = list(sft.to("cuda").chunks(len(sft) // steps))
         metrics = StepMetrics()
         for step_batch, sft_part in zip(batch.chunks(self.rank_batch_size), sft_parts,
                                         strict=True):
+            if sft_part is not None:
+                sft_part = sft_part.to("cuda")
             self._optimizer_step(step_batch, sft_part, metrics)
         return metrics.summary()
 
