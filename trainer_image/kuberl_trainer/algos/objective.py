@@ -18,6 +18,7 @@ whole global batch (``units``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -102,26 +103,40 @@ class Objective:
             raise ValueError("klCoef > 0 with klPenalty: loss needs the reference log-probs")
         partial = aggregation.partial_sum(total, mask, self.aggregation)
 
-        on = mask.bool()
-        n = max(float(on.sum()), 1.0)
-        with torch.no_grad():
-            ratio = flags["ratio"]
-            log_ratio = torch.where(on, logp - old_logp, torch.zeros_like(logp))
-            metrics.update({
-                "pg_loss": _mean(pg, on, n),
-                "pg_clipfrac": float((flags["clipped"] & on).sum()) / n,
-                "ratio_mean": _mean(ratio, on, n),
-                "ratio_max": float(ratio[on].max()) if on.any() else 1.0,
-                "ratio_min": float(ratio[on].min()) if on.any() else 1.0,
-                "approx_kl": _mean(-log_ratio, on, n),
-                "entropy": _mean(entropy, on, n),
-            })
-            if "clipped_lower" in flags:
-                metrics["pg_clipfrac_lower"] = float((flags["clipped_lower"] & on).sum()) / n
-            if kl_ref is not None:
-                metrics["kl_ref"] = _mean(kl_ref, on, n)
+        metrics.update(_token_metrics(mask.bool(), pg=pg, flags=flags, logp=logp,
+                                      old_logp=old_logp, entropy=entropy, kl_ref=kl_ref))
         return partial, metrics
 
 
-def _mean(x: Tensor, on: Tensor, n: float) -> float:
-    return float(torch.where(on, x.detach(), torch.zeros_like(x)).sum()) / n
+@torch.no_grad()
+def _token_metrics(on: Tensor, *, pg: Tensor, flags: dict[str, Tensor], logp: Tensor,
+                   old_logp: Tensor, entropy: Tensor, kl_ref: Tensor | None
+                   ) -> dict[str, float]:
+    """Token-means (and the ratio's extremes) over the response tokens ``on``, read back to
+    the host in one transfer: each separate ``float()`` would be a device sync, and on a GPU
+    every sync stalls the launch queue of the step."""
+    count = on.sum()
+    denom = count.clamp(min=1).to(torch.float32)
+
+    def mean(x: Tensor) -> Tensor:
+        return torch.where(on, x.detach(), 0.0).sum() / denom
+
+    ratio = flags["ratio"].detach()
+    values = {
+        "pg_loss": mean(pg),
+        "pg_clipfrac": (flags["clipped"] & on).sum() / denom,
+        "ratio_mean": mean(ratio),
+        "ratio_max": torch.where(on, ratio, -math.inf).max(),
+        "ratio_min": torch.where(on, ratio, math.inf).min(),
+        "approx_kl": mean(old_logp - logp),
+        "entropy": mean(entropy),
+    }
+    if "clipped_lower" in flags:
+        values["pg_clipfrac_lower"] = (flags["clipped_lower"] & on).sum() / denom
+    if kl_ref is not None:
+        values["kl_ref"] = mean(kl_ref)
+    host = torch.stack([v.float() for v in values.values()] + [count.float()]).tolist()
+    out = dict(zip(values, host[:-1], strict=True))
+    if host[-1] == 0:  # no response tokens: no ratio to report
+        out["ratio_max"] = out["ratio_min"] = 1.0
+    return out

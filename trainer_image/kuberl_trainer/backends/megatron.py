@@ -324,15 +324,16 @@ class MegatronBackend:
             micros += self._micros(sft, sft=True)
 
         def loss(mb: Micro, output: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
+            # What is reported stays on the GPU (read back once per step, in _report): a
+            # host read here would stall the schedule once per micro-batch.
             logp, entropy = self._token_values(mb, output)
             mask = response_mask(mb.batch.loss_mask)
-            tokens = int(mask.sum().item())
-            count = torch.tensor(tokens, dtype=torch.int, device=output.device)
+            count = mask.sum().to(torch.int)
             if mb.sft:
                 nll = -logp.sum()
                 value = nll * (self.algo.sft_coef / sft_tokens)
-                return value, count, {"sft_nll": float(nll.detach()), "tokens": tokens,
-                                      "loss": float(value.detach())}
+                return value, count, {"sft_nll": nll.detach(), "tokens": count,
+                                      "loss": value.detach()}
             b = mb.batch
             old = b.old_logprobs if b.old_logprobs is not None else logp.detach()
             if not self.objective.needs_entropy_grad:
@@ -341,8 +342,7 @@ class MegatronBackend:
                 logp, old, b.advantages, mask, entropy=entropy, rollout_logp=b.rollout_logprobs,
                 ref_logp=b.ref_logprobs)
             value = partial_sum / units
-            return value, count, {"stats": stats, "tokens": tokens,
-                                  "loss": float(value.detach())}
+            return value, count, {"stats": stats, "tokens": count, "loss": value.detach()}
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -354,12 +354,7 @@ class MegatronBackend:
         if not ok:
             LOG.warning("non-finite gradients: skipping this optimizer step")
         self.steps += 1
-        for item in reported:
-            if "sft_nll" in item:
-                metrics.add_sft(item["sft_nll"], item["tokens"])
-            else:
-                metrics.add_tokens(item["stats"], item["tokens"])
-            metrics.add_loss(item["loss"])
+        _report(reported, metrics)
         metrics.add_step(float(grad_norm) if grad_norm is not None else math.nan, lr)
 
     def _dp_sum(self, value: float) -> float:
@@ -511,6 +506,23 @@ class MegatronBackend:
         (out / "config.json").write_text(source.read_text())
         keep_source_dtype(source, out / "config.json")
         copy_tokenizer(self.spec, out)
+
+
+def _report(reported: list[dict[str, Any]], metrics: StepMetrics) -> None:
+    """Add the micro-batches' reports (last pipeline stage) to ``metrics``, reading their
+    device scalars back in one transfer."""
+    keys = ("tokens", "loss", "sft_nll")
+    scalars = [item[k] for item in reported for k in keys if k in item]
+    if not scalars:
+        return
+    host = iter(torch.stack([t.float().reshape(()) for t in scalars]).tolist())
+    for item in reported:
+        got = {k: next(host) for k in keys if k in item}
+        if "sft_nll" in item:
+            metrics.add_sft(got["sft_nll"], int(got["tokens"]))
+        else:
+            metrics.add_tokens(item["stats"], int(got["tokens"]))
+        metrics.add_loss(got["loss"])
 
 
 def _ensure_process_group(rank: int, world_size: int) -> None:
