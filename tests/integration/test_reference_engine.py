@@ -283,6 +283,31 @@ async def test_distributed_sync_over_gloo_to_two_engines(
             await sender.close()
 
 
+async def test_shared_tensor_update_reaches_both_engines(
+        pair: list[str], reference_model: torch.nn.Module) -> None:
+    """The colocated format (tensors by reference: shared memory here, CUDA IPC handles on
+    GPUs) from the trainer's process into two engine processes: both hold the new weights
+    and serve them; then the original weights go back the same way."""
+    original = {n: t.clone() for n, t in reference_model.state_dict().items()}
+    async with EngineClient(pair, request_timeout_s=60) as client:
+        try:
+            state = perturbed(reference_model, seed=5)
+            stats = await send_tensors(client, bucketize(trainer_params(state, reference_model),
+                                                         16 << 10),
+                                       weight_version="shared-1", shared=True)
+            assert stats.buckets > 1
+            want = {n: tensor_sha256(t) for n, t in state.items()}
+            assert await checksums(client) == [want, want]
+            out = await client.generate([PROMPTS[0]] * 2, GREEDY)
+            assert {o.weight_version for o in out} == {"shared-1"}
+            assert out[0].output_ids == greedy_locally(reference_model, state, PROMPTS[0], 12)
+        finally:
+            await send_tensors(client, [trainer_params(original, reference_model)],
+                               weight_version="restored", shared=True)
+        want = {n: tensor_sha256(t) for n, t in original.items()}
+        assert await checksums(client) == [want, want]
+
+
 async def test_tensor_update_rejects_unknown_names_and_changes_nothing(
         pair: list[str], reference_model: torch.nn.Module) -> None:
     async with EngineClient(pair[:1], request_timeout_s=30) as client:

@@ -114,6 +114,34 @@ def test_codec_rejects_payloads_that_are_not_named_tensors() -> None:
         codec.decode_named_tensors(base64.b64encode(buf.getvalue()))
 
 
+def test_shared_codec_passes_tensors_by_reference() -> None:
+    """The colocated format (ForkingPickler, as SGLang's MultiprocessingSerializer): views
+    keep their shape, strides and dtype, and the decoded tensor is the sender's memory (here
+    shared memory; on GPUs, the trainer's CUDA memory through an IPC handle)."""
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    named = [("view", base[:, 1:3]), ("b", torch.ones(2, dtype=torch.bfloat16))]
+    decoded = codec.decode_named_tensors(codec.encode_shared(named))
+    assert [n for n, _ in decoded] == ["view", "b"]
+    for (_, a), (_, b) in zip(named, decoded, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    base.add_(100)  # a write on the sender's side shows on the receiver's: no copy was made
+    assert torch.equal(decoded[0][1], base[:, 1:3])
+
+
+def test_shared_codec_refuses_anything_but_tensors() -> None:
+    """A pickle that names anything beyond torch's tensor rebuilders is refused before it can
+    run: the engine never executes code from a request body."""
+    import base64
+    import os
+    import pickle
+
+    for payload in (pickle.dumps(os.system), pickle.dumps(eval)):
+        with pytest.raises(ValueError, match="not a tensor part; refused"):
+            codec.decode_named_tensors(base64.b64encode(payload))
+    with pytest.raises(ValueError, match="list of"):
+        codec.decode_named_tensors(base64.b64encode(pickle.dumps({"a": 1})))
+
+
 def test_update_request_carries_names_dtypes_shapes_in_order() -> None:
     metas = [TensorMeta("x", "float32", (2, 3), 24), TensorMeta("y", "bfloat16", (4,), 8)]
     body = protocol.update_weights_from_distributed(metas, group_name="g", weight_version="7")

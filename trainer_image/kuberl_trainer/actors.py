@@ -101,8 +101,8 @@ class TrainWorker:
             return time.perf_counter() - started
         if self.spec.placement == "colocate" and self.device == "cuda":
             # Trainer and engine share a GPU, and NCCL refuses two ranks on one device: pass
-            # tensors through /update_weights_from_tensor instead (serialized today; CUDA IPC
-            # handles, as SGLang takes them, are the next step).
+            # CUDA IPC handles through /update_weights_from_tensor instead, as SGLang takes
+            # them; the engine copies straight from the trainer's memory.
             asyncio.run(_send_tensors(engine_urls, buckets, weight_version))
             return time.perf_counter() - started
         self._weight_sender(engine_urls).run_until_complete(
@@ -145,7 +145,7 @@ async def _send_tensors(urls: list[str], buckets: Any, weight_version: int) -> N
     from kuberl_trainer.weight_sync.sender import send_tensors
 
     async with EngineClient(urls) as client:
-        await send_tensors(client, buckets, weight_version=str(weight_version))
+        await send_tensors(client, buckets, weight_version=str(weight_version), shared=True)
 
 
 class EngineServer:

@@ -9,7 +9,8 @@
   stays in step with the trainer; the error is reported after. With `load_format:
   "flattened_bucket"` (as SGLang takes it) the bucket comes as one broadcast of its tensors'
   flattened concatenation, received into one buffer and viewed as the tensors.
-- /update_weights_from_tensor: decode the torch.save payload (see weight_sync.codec) and copy.
+- /update_weights_from_tensor: decode the payload (CUDA IPC handles or shared memory as SGLang's
+  MultiprocessingSerializer writes them, or torch.save bytes; see weight_sync.codec) and copy.
 `weight_version`, when given, becomes the engine's version once the update has succeeded.
 """
 
@@ -114,8 +115,9 @@ class Receiver:
     def update_from_tensor(self, body: Mapping[str, Any]) -> str:
         payloads = _field(body, "serialized_named_tensors", list)
         if body.get("load_format") is not None:
-            raise ValueError("load_format must be null: the reference engine reads torch.save "
-                             "payloads (kuberl_trainer.weight_sync.codec)")
+            raise ValueError("load_format must be null: the reference engine reads "
+                             "MultiprocessingSerializer or torch.save payloads "
+                             "(kuberl_trainer.weight_sync.codec)")
         if len(payloads) != 1:
             raise ValueError(f"expected 1 serialized entry (tensor parallel size 1), got "
                              f"{len(payloads)}")

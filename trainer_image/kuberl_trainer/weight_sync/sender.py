@@ -8,7 +8,8 @@ Disaggregated (`DistributedWeightSender`), per the contract in docs/trainer-cont
            order, then wait for every POST to answer; the last bucket carries weight_version
            and flush_cache, so an engine reports the new version only once fully updated;
   close:   POST /destroy_weights_update_group, then drop the local group.
-Colocated (`send_tensors`): POST /update_weights_from_tensor with serialized tensors.
+Colocated (`send_tensors`): POST /update_weights_from_tensor with the tensors by reference
+(CUDA IPC handles, `codec.encode_shared`) or by value.
 
 A failed engine (error answer, dead connection, timeout) raises EngineError at once; the local
 broadcast thread may then stay blocked until the group's timeout, after which the group is
@@ -209,14 +210,18 @@ class DistributedWeightSender:
 
 
 async def send_tensors(client: EngineClient, buckets: Iterable[NamedTensors], *,
-                       weight_version: str, flush_cache: bool = True) -> SyncStats:
+                       weight_version: str, flush_cache: bool = True,
+                       shared: bool = False) -> SyncStats:
     """Colocated path: each bucket is serialized (codec) and POSTed to every engine's
-    /update_weights_from_tensor; the last bucket carries weight_version and flush_cache."""
+    /update_weights_from_tensor; the last bucket carries weight_version and flush_cache.
+    ``shared``: by reference (CUDA IPC handles; the bucket stays alive until every engine has
+    answered), else by value."""
+    encode = codec.encode_shared if shared else codec.encode_named_tensors
     start = time.perf_counter()
     n_buckets = n_tensors = n_bytes = 0
     for bucket, last in _with_last(buckets):
         body = protocol.update_weights_from_tensor(
-            [codec.encode_named_tensors(bucket)], weight_version=weight_version if last else None,
+            [encode(bucket)], weight_version=weight_version if last else None,
             flush_cache=flush_cache and last)
         await client.post_all("/update_weights_from_tensor", body)
         n_buckets += 1
