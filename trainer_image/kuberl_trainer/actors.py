@@ -104,6 +104,9 @@ class TrainWorker:
             # CUDA IPC handles through /update_weights_from_tensor instead, as SGLang takes
             # them; the engine copies straight from the trainer's memory.
             asyncio.run(_send_tensors(engine_urls, buckets, weight_version))
+            # Free the buckets the engines have let go of (torch keeps memory shared by IPC
+            # until the consumer releases it and the producer collects).
+            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
             return time.perf_counter() - started
         self._weight_sender(engine_urls).run_until_complete(
             self._sender.send(buckets, weight_version=str(weight_version)))
