@@ -440,7 +440,10 @@ def _terminal(b: _Builder, job: RLJob, current: Mapping[str, Any] | None) -> Non
     ttl = job.spec.ttl_seconds_after_finished
     done = parse_time(b.completion_time)
     if ttl is not None and done is not None:
-        expiry = done + timedelta(seconds=ttl)
+        # completionTime holds whole seconds (as Kubernetes writes times): the job finished
+        # somewhere in that second, so count from its end. Never early (a TTL of 1 s could
+        # otherwise fire 5 ms after the finish), at most 1 s late.
+        expiry = done + timedelta(seconds=ttl + 1)
         if b.now >= expiry:
             b.actions.append(DeleteRLJob())
             b.events.append(Event("Normal", "TTLExpired",

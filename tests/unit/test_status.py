@@ -308,6 +308,11 @@ ROWS = [
              spec=spec(ttlSecondsAfterFinished=60)),
         Observed(rayjobs=(rayjob(0, "SUCCEEDED", "Complete"),)),
         phase="Succeeded", actions=[], events=[]),
+    Row("TTL counts from the end of completionTime's second: never early",
+        body(running_status(phase="Succeeded", completionTime=ago(60)),
+             spec=spec(ttlSecondsAfterFinished=60)),
+        Observed(rayjobs=(rayjob(0, "SUCCEEDED", "Complete"),)),
+        phase="Succeeded", actions=[], events=[]),
     Row("TTL expired: delete the RLJob",
         body(running_status(phase="Succeeded", completionTime=ago(61)),
              spec=spec(ttlSecondsAfterFinished=60)),
@@ -424,8 +429,9 @@ def test_fresh_job_walkthrough() -> None:
         assert not [a for a in d.actions if isinstance(a, CreateAttempt)]
         b = _apply(b, d)
     done = Observed(rayjobs=(steps[-1][0],))
-    assert decide(b, done, t + timedelta(seconds=9), TUN).actions == ()
-    assert decide(b, done, t + timedelta(seconds=10), TUN).actions == (DeleteRLJob(),)
+    # ttl 10 s, counted from the end of completionTime's (whole) second
+    assert decide(b, done, t + timedelta(seconds=10), TUN).actions == ()
+    assert decide(b, done, t + timedelta(seconds=11), TUN).actions == (DeleteRLJob(),)
 
 
 def test_requeue_at_points_at_the_next_time_based_change() -> None:
