@@ -21,8 +21,8 @@ import torch
 
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.backends.base import Backend, TrainBatch, make_backend
-from kuberl_trainer.megatron.packing import step_shards
 from kuberl_trainer.placement import ActorShape, Layout, colocated_engine_devices, cpu_threads
+from kuberl_trainer.sharding import DataParallelLayout
 
 SYNC_TIMEOUT_S = 300.0
 
@@ -257,30 +257,11 @@ class TrainGroup:
             sharing=n if one_machine else 1)
         coords: list[tuple[int, int, bool]] = ray.get(
             [w.data_parallel_coords.remote() for w in self.workers])
-        self.dp_size = coords[0][1]
-        self.dp_rank = [c[0] for c in coords]  # of each worker
-        # One reporting worker per data-parallel rank, in data-parallel rank order.
-        self.reporters = sorted((i for i, c in enumerate(coords) if c[2]),
-                                key=lambda i: self.dp_rank[i])
         # Megatron packs micro-batches, so its ranks finish together when their token counts
         # match; fsdp keeps contiguous shards (its equivalence tests pin that order).
-        self.balance = spec.training.backend == "megatron"
-        self.step_size = spec.global_batch_size
-
-    def _rows(self, batch: TrainBatch) -> list[list[int]]:
-        """The batch's rows each data-parallel rank trains on."""
-        if not self.balance:
-            size = len(batch) // self.dp_size
-            batch.split(self.dp_size)  # raises with the reason when it does not divide
-            return [list(range(r * size, (r + 1) * size)) for r in range(self.dp_size)]
-        lengths = batch.attention_mask.sum(dim=1).tolist()
-        return step_shards(lengths, self.dp_size, self.step_size)
-
-    def _shards(self, batch: TrainBatch) -> tuple[list[list[int]], list[TrainBatch]]:
-        """Each worker's shard: every worker of a data-parallel rank gets that rank's rows."""
-        rows = self._rows(batch)
-        by_rank = [batch.select(r) for r in rows]
-        return rows, [by_rank[self.dp_rank[i]] for i in range(len(self.workers))]
+        self.layout = DataParallelLayout(tuple((r, n, bool(rep)) for r, n, rep in coords),
+                                         step_size=spec.global_batch_size,
+                                         balance=spec.training.backend == "megatron")
 
     def save(self, path: str) -> None:
         ray.get([w.save.remote(path) for w in self.workers])
@@ -290,31 +271,25 @@ class TrainGroup:
 
     def train(self, batch: TrainBatch, sft: TrainBatch | None = None) -> dict[str, float]:
         """One rollout's optimizer steps; ``sft``: the step's demonstrations (sftCoef)."""
-        n = len(self.workers)
-        sfts: list[TrainBatch | None] = [None] * n
+        sfts: list[TrainBatch | None] = [None] * len(self.workers)
         if sft is not None:
-            parts = sft.split(self.dp_size)
-            sfts = [parts[self.dp_rank[i]] for i in range(n)]
-        _, shards = self._shards(batch)
+            sfts = list(self.layout.per_worker(sft.split(self.layout.dp_size)))
+        _, shards = self.layout.shards(batch)
         results: Sequence[dict[str, float]] = ray.get(
             [w.train_step.remote(s, d) for w, s, d in zip(self.workers, shards, sfts,
                                                            strict=True)])
-        return combine_rank_metrics([results[i] for i in self.reporters])
+        return combine_rank_metrics(self.layout.reported(results))
 
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """``[B, T]`` reference log-probs of the whole batch (a collective over the ranks,
         each on its shard)."""
-        rows, shards = self._shards(batch)
+        rows, shards = self.layout.shards(batch)
         parts: Sequence[torch.Tensor | None] = ray.get(
             [w.ref_logprobs.remote(s) for w, s in zip(self.workers, shards, strict=True)])
         if any(p is None for p in parts):
             raise RuntimeError("the training backend has no reference model (klCoef is 0)")
-        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-        for i in self.reporters:
-            part = parts[i]
-            assert part is not None
-            out[torch.tensor(rows[self.dp_rank[i]])] = part.to(out.dtype)
-        return out
+        return self.layout.gather([p for p in parts if p is not None], rows,
+                                  batch.input_ids.shape)
 
     def push_weights(self, engine_urls: list[str], version: int, bucket_bytes: int) -> float:
         seconds = ray.get([w.push_weights.remote(engine_urls, version, bucket_bytes)
