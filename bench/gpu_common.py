@@ -28,6 +28,19 @@ EXTRAPOLATE = {"qwen2.5-7b": 7.62e9, "qwen2.5-32b": 32.8e9}
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
 
 
+def family_configs(common: dict[str, Any]) -> dict[str, Any]:
+    """One small HF config per family the megatron backend converts, each exercising what sets
+    it apart: Qwen2 (QKV bias, tied embeddings), Qwen3 (q/k norm, head_dim 64, not
+    hidden / heads), Llama 3 (untied)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    return {
+        "qwen2-tied": Qwen2Config(**common, tie_word_embeddings=True),
+        "qwen3": Qwen3Config(**common, head_dim=64, tie_word_embeddings=False),
+        "llama3": LlamaConfig(**common, tie_word_embeddings=False),
+    }
+
+
 def build_tokenizer(vocab_size: int) -> Any:
     """The tiny job's character vocabulary (pad, eos, digits, '+', '=') padded with filler
     tokens to the model's real vocabulary size, so every id a random model samples decodes."""

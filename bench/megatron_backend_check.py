@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gpu_common import make_spec, random_batch  # bench/ is on sys.path as a script
+from gpu_common import family_configs, make_spec, random_batch  # bench/ is on sys.path
 
 COMMON = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
           "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000,
@@ -39,13 +39,7 @@ SAMPLES = 8
 
 
 def families() -> dict[str, Any]:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-
-    return {
-        "qwen2-tied": Qwen2Config(**COMMON, tie_word_embeddings=True),
-        "qwen3": Qwen3Config(**COMMON, head_dim=64, tie_word_embeddings=False),
-        "llama3": LlamaConfig(**COMMON, tie_word_embeddings=False),
-    }
+    return family_configs(COMMON)
 
 
 def write_models(out: Path) -> None:

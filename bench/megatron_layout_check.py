@@ -11,14 +11,11 @@ is the TP size:
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer_image"))
+from gpu_common import family_configs  # bench/ is on sys.path; it adds trainer_image/
 
 from kuberl_trainer.megatron import hf_layout as L
 
@@ -28,22 +25,10 @@ COMMON = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3,
 
 
 def families() -> dict[str, torch.nn.Module]:
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
+    from transformers import AutoModelForCausalLM
 
-    return {
-        "qwen2 (qkv bias, tied)": Qwen2ForCausalLM(Qwen2Config(**COMMON,
-                                                               tie_word_embeddings=True)),
-        "qwen3 (qk norm, head_dim 64)": Qwen3ForCausalLM(Qwen3Config(
-            **COMMON, head_dim=64, tie_word_embeddings=False)),
-        "llama3 (untied)": LlamaForCausalLM(LlamaConfig(**COMMON, tie_word_embeddings=False)),
-    }
+    return {name: AutoModelForCausalLM.from_config(config)
+            for name, config in family_configs(COMMON).items()}
 
 
 def megatron_model(shape: L.DecoderShape, hf_config: dict, tp: int) -> torch.nn.Module:

@@ -74,7 +74,7 @@ def profile_step(backend: Any, batch: Any, title: str) -> None:
     print(table.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
-def build(kind: str, spec: Any, rank: int = 0, world: int = 1) -> Any:
+def build(spec: Any, rank: int = 0, world: int = 1) -> Any:
     from kuberl_trainer.backends.base import make_backend
 
     return make_backend(spec, rank=rank, world_size=world, device="cuda")
@@ -107,7 +107,7 @@ def backends(args: argparse.Namespace) -> None:
         for kind in ("fsdp", "megatron"):
             spec = make_spec(model_dir, backend=kind, samples=args.samples,
                              micro_batch=args.micro_batch)
-            backend = build(kind, spec)
+            backend = build(spec)
             seconds = time_steps(backend, batch, args.repeats)
             if args.profile:
                 profile_step(backend, batch, f"{shape} {kind}")
@@ -152,7 +152,7 @@ def tp(args: argparse.Namespace) -> None:
         for size in (1, world):
             spec = make_spec(model_dir, backend="megatron", samples=args.samples,
                              micro_batch=args.micro_batch, tp=size, gpus=world)
-            backend = build("megatron", spec, rank, world)
+            backend = build(spec, rank, world)
             dp_rank, dp_size, _ = backend.data_parallel_coords()
             logp = backend.logprobs(batch)
             if rank == 0:

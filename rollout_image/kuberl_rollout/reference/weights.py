@@ -16,10 +16,11 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -34,18 +35,17 @@ LOG = logging.getLogger("kuberl.reference")
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 
 
-def _flat_views(sizes: list[list[int]], kinds: list[torch.dtype], device: str,
-                receive: Callable[[torch.Tensor], None]) -> list[torch.Tensor]:
-    """Receive a flattened bucket (one buffer, every tensor's elements in order) and return
-    views of it shaped as the tensors."""
+def _flat_buffer(sizes: list[list[int]], kinds: list[torch.dtype], device: str
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One buffer for a flattened bucket (every tensor's elements, in order) and the views of
+    it shaped as the tensors, which hold the data once the buffer is received."""
     if len(set(kinds)) > 1:
         raise ValueError(f"a flattened bucket holds one dtype, got {sorted(map(str, set(kinds)))}")
     counts = [math.prod(size) for size in sizes]
     flat = torch.empty(sum(counts), dtype=kinds[0] if kinds else torch.float32, device=device)
-    receive(flat)
-    starts = [sum(counts[:i]) for i in range(len(counts))]
-    return [flat[start:start + count].view(size)
-            for start, count, size in zip(starts, counts, sizes, strict=True)]
+    starts = itertools.accumulate(counts, initial=0)
+    return flat, [flat[start:start + count].view(size)
+                  for start, count, size in zip(starts, counts, sizes, strict=False)]
 
 
 def _field(body: Mapping[str, Any], key: str, kind: type) -> Any:
@@ -103,11 +103,13 @@ class Receiver:
         sizes = [[int(d) for d in shape] for shape in shapes]
         kinds = [str_to_dtype(dtype) for dtype in dtypes]
         if load_format == FLATTENED:
-            buffers = _flat_views(sizes, kinds, device, lambda flat: group.broadcast([flat], 0))
+            flat, buffers = _flat_buffer(sizes, kinds, device)
+            wire = [flat]
         else:
             buffers = [torch.empty(size, dtype=kind, device=device)
                        for size, kind in zip(sizes, kinds, strict=True)]
-            group.broadcast(buffers, src=0)
+            wire = buffers
+        group.broadcast(wire, src=0)
         count = self.engine.load_weights(zip(names, buffers, strict=True))
         return self._done(body, count, sum(b.numel() * b.element_size() for b in buffers),
                           started)

@@ -32,6 +32,7 @@ import dataclasses
 import json
 import logging
 import math
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -48,7 +49,6 @@ from kuberl_trainer.backends.base import TrainBatch, sft_step_parts
 from kuberl_trainer.backends.hf_files import (
     MODEL_DIR,
     copy_tokenizer,
-    keep_source_dtype,
     read_safetensors_dir,
 )
 from kuberl_trainer.backends.optim import MAX_GRAD_NORM, LrMultiplier, optim_config
@@ -124,11 +124,10 @@ class MegatronBackend:
         self.micro_batch_size = spec.training.micro_batch_size
         self.rank_batch_size = spec.global_batch_size // self.dp_size
 
-        hf_config = M.read_hf_config(spec.model.path)
-        self.shape = L.DecoderShape.from_hf_config(hf_config)
+        self.shape = L.DecoderShape.from_hf_config(M.read_hf_config(spec.model.path))
         self.shape.check_tp(p.tp)
         L.stage_layers(self.shape.num_layers, p.pp, 0)  # raises when pp does not divide
-        self.model = self._build_trainable(hf_config)
+        self.model = self._build_trainable()
         self.ref = self._build_reference()
         self.optimizer = self._build_optimizer()
         o = optim_config(spec)
@@ -137,12 +136,11 @@ class MegatronBackend:
 
     # -- construction ------------------------------------------------------------------------
 
-    def _build_trainable(self, hf_config: dict[str, Any]) -> Any:
+    def _build_trainable(self) -> Any:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-        module = M.build_gpt(self.shape, hf_config, self.par)
-        M.load_hf(module, read_safetensors_dir(Path(self.spec.model.path)), self.shape, self.par)
+        module = self._gpt_from(self.spec.model.path)
         config: Any = module.config
         ddp = DistributedDataParallel(
             config=config, module=module,
@@ -162,12 +160,17 @@ class MegatronBackend:
                                            else None)
         if path is None:
             return None
+        module = self._gpt_from(path)
+        module.requires_grad_(False)
+        module.eval()
+        return module
+
+    def _gpt_from(self, path: str) -> Any:
+        """This rank's GPTModel with the weights of the HF checkpoint at ``path``."""
         hf_config = M.read_hf_config(path)
         shape = L.DecoderShape.from_hf_config(hf_config)
         module = M.build_gpt(shape, hf_config, self.par)
         M.load_hf(module, read_safetensors_dir(Path(path)), shape, self.par)
-        module.requires_grad_(False)
-        module.eval()
         return module
 
     def _build_optimizer(self) -> Any:
@@ -202,10 +205,8 @@ class MegatronBackend:
         budget = self.micro_batch_size * max(max(lengths), 1)
         out = []
         for rows in pack_bins(lengths, budget):
-            index = torch.tensor(rows)
-            mb = batch.map(lambda t, i=index: t.index_select(0, i.to(t.device)))
             width = max(lengths[r] for r in rows)
-            mb = mb.map(lambda t, w=width: t[:, :w])
+            mb = batch.select(rows).map(lambda t, w=width: t[:, :w])
             packed = pack_rows(mb.input_ids, mb.attention_mask)
             out.append(Micro(batch=mb, packed=_to_cuda(packed),
                              cu_seqlens_cpu=packed.cu_seqlens.cpu(), indices=rows, sft=sft))
@@ -502,9 +503,8 @@ class MegatronBackend:
 
         out.mkdir(parents=True, exist_ok=True)
         save_torch_state_dict(state, out)
-        source = Path(self.spec.model.path) / "config.json"
-        (out / "config.json").write_text(source.read_text())
-        keep_source_dtype(source, out / "config.json")
+        # The source's config.json as is: engines then load in the dtype the model came in.
+        shutil.copy2(Path(self.spec.model.path) / "config.json", out / "config.json")
         copy_tokenizer(self.spec, out)
 
 

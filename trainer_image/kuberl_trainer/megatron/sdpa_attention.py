@@ -88,6 +88,7 @@ def sdpa_packed(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, m
     return out.reshape(t, heads * hn)
 
 
+@functools.cache
 def _varlen() -> Any:
     """``torch.nn.attention.varlen.varlen_attn`` where this torch has it (2.9+), else None."""
     try:
