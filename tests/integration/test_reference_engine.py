@@ -364,6 +364,9 @@ async def test_engine_killed_mid_request_raises_with_its_url(engines: list[Engin
         with pytest.raises(EngineError) as err:
             await asyncio.wait_for(task, timeout=10)
         assert err.value.url == victim.url
+        # SIGKILL is asynchronous: until the process is gone its listening socket may still
+        # accept (then reset) a connection, so wait for the exit before checking a new call.
+        victim.proc.wait(timeout=10)
         with pytest.raises(EngineError, match="cannot connect") as err:
             await client.generate_one([4], GREEDY)
         assert err.value.url == victim.url
