@@ -65,13 +65,22 @@ def profile_step(backend: Any, batch: Any, title: str) -> None:
     """Where one train step's time goes: the top CUDA kernels and CPU ops (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 with_stack=True) as prof:
         backend.train_step(batch)
         torch.cuda.synchronize()
     table = prof.key_averages()
     print(f"\n--- profile: {title}")
     print(table.table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60))
     print(table.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+    # Host syncs stall the launch queue: where they come from (Python frames), most first.
+    syncs = [e for e in prof.key_averages(group_by_stack_n=8)
+             if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize")]
+    print(f"host syncs: {sum(e.count for e in syncs)}; launches: "
+          f"{sum(e.count for e in table if e.key == 'cudaLaunchKernel')}")
+    for e in sorted(syncs, key=lambda e: -e.count)[:8]:
+        frames = [f for f in e.stack if "site-packages/torch/" not in f][:4]
+        print(f"  {e.count:>5} x {e.key}: {' <- '.join(frames)}")
 
 
 def build(spec: Any, rank: int = 0, world: int = 1) -> Any:

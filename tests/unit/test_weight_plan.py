@@ -3,6 +3,7 @@ bodies. Pure (torch tensors only, no processes or network)."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 
 import pytest
@@ -150,3 +151,36 @@ def test_update_request_carries_names_dtypes_shapes_in_order() -> None:
                     "weight_version": "7"}
     assert "weight_version" not in protocol.update_weights_from_distributed(
         metas, group_name="g", weight_version=None)
+
+
+def test_a_flattened_bucket_is_received_as_views_of_one_buffer_in_order() -> None:
+    from kuberl_rollout.reference.weights import _flat_buffer
+
+    flat, views = _flat_buffer([[2, 3], [4], [1, 1, 2]], [torch.bfloat16] * 3, "cpu")
+    assert flat.numel() == 12 and flat.dtype == torch.bfloat16
+    flat.copy_(torch.arange(12, dtype=torch.bfloat16))
+    assert [v.shape for v in views] == [(2, 3), (4,), (1, 1, 2)]
+    assert [v.flatten().tolist() for v in views] == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9], [10, 11]]
+    with pytest.raises(ValueError, match="one dtype"):
+        _flat_buffer([[1], [1]], [torch.bfloat16, torch.float32], "cpu")
+
+
+def test_the_send_pipeline_queues_nothing_on_cpu_and_needs_a_positive_limit() -> None:
+    from kuberl_trainer.weight_sync.group import new_group
+    from kuberl_trainer.weight_sync.sender import Pipeline
+
+    with pytest.raises(ValueError, match="limit must be >= 1"):
+        Pipeline(torch.device("cpu"), 0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    group = new_group("gloo", "127.0.0.1", port, 0, 1, "pipeline_test", 30)
+    try:
+        pipeline = Pipeline(torch.device("cpu"), 1)
+        tensor = torch.arange(4.0)
+        pipeline.broadcast(group, [tensor])  # a one-rank group: the root keeps its bytes
+        pipeline.make_room()
+        pipeline.drain()
+        assert not pipeline.queued and tensor.tolist() == [0.0, 1.0, 2.0, 3.0]
+    finally:
+        group.destroy()

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import time
@@ -43,9 +42,7 @@ def _flat_buffer(sizes: list[list[int]], kinds: list[torch.dtype], device: str
         raise ValueError(f"a flattened bucket holds one dtype, got {sorted(map(str, set(kinds)))}")
     counts = [math.prod(size) for size in sizes]
     flat = torch.empty(sum(counts), dtype=kinds[0] if kinds else torch.float32, device=device)
-    starts = itertools.accumulate(counts, initial=0)
-    return flat, [flat[start:start + count].view(size)
-                  for start, count, size in zip(starts, counts, sizes, strict=False)]
+    return flat, [part.view(size) for part, size in zip(torch.split(flat, counts), sizes, strict=True)]
 
 
 def _field(body: Mapping[str, Any], key: str, kind: type) -> Any:
@@ -111,6 +108,12 @@ class Receiver:
             wire = buffers
         group.broadcast(wire, src=0)
         count = self.engine.load_weights(zip(names, buffers, strict=True))
+        if body.get("weight_version") is not None:
+            # The update's last bucket: answer once every copy has landed, so the new version
+            # is only reported for weights in place. Earlier buckets answer while their copies
+            # are queued (the receive buffer is the allocator's to keep alive), which lets the
+            # trainer announce the next bucket while this one is still moving.
+            self.engine.synchronize()
         return self._done(body, count, sum(b.numel() * b.element_size() for b in buffers),
                           started)
 
@@ -126,6 +129,9 @@ class Receiver:
         started = time.perf_counter()
         named = codec.decode_named_tensors(payloads[0])
         count = self.engine.load_weights(named)
+        # The tensors may be the trainer's memory (IPC handles): it may reuse them as soon as
+        # we answer, so the copies must be done by then.
+        self.engine.synchronize()
         return self._done(body, count, sum(t.numel() * t.element_size() for _, t in named),
                           started)
 

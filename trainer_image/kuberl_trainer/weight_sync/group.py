@@ -46,7 +46,9 @@ class WeightSyncGroup:
     destroyed: bool = False
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
-        """Broadcast each tensor from `src`, in order; returns when all have arrived.
+        """Broadcast each tensor from `src`, in order. Gloo: returns when all have arrived.
+        NCCL: returns once they are queued; the caller's current CUDA stream then waits for
+        them, so work queued on it later sees the received bytes.
 
         All broadcasts are issued before waiting on any, so gloo/NCCL can pipeline them."""
         if self.destroyed:
