@@ -3,7 +3,6 @@ bodies. Pure (torch tensors only, no processes or network)."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 
 import pytest
@@ -164,23 +163,3 @@ def test_a_flattened_bucket_is_received_as_views_of_one_buffer_in_order() -> Non
     with pytest.raises(ValueError, match="one dtype"):
         _flat_buffer([[1], [1]], [torch.bfloat16, torch.float32], "cpu")
 
-
-def test_the_send_pipeline_queues_nothing_on_cpu_and_needs_a_positive_limit() -> None:
-    from kuberl_trainer.weight_sync.group import new_group
-    from kuberl_trainer.weight_sync.sender import Pipeline
-
-    with pytest.raises(ValueError, match="limit must be >= 1"):
-        Pipeline(torch.device("cpu"), 0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    group = new_group("gloo", "127.0.0.1", port, 0, 1, "pipeline_test", 30)
-    try:
-        pipeline = Pipeline(torch.device("cpu"), 1)
-        tensor = torch.arange(4.0)
-        pipeline.broadcast(group, [tensor])  # a one-rank group: the root keeps its bytes
-        pipeline.make_room()
-        pipeline.drain()
-        assert not pipeline.queued and tensor.tolist() == [0.0, 1.0, 2.0, 3.0]
-    finally:
-        group.destroy()

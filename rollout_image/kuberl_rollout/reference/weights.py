@@ -42,7 +42,8 @@ def _flat_buffer(sizes: list[list[int]], kinds: list[torch.dtype], device: str
         raise ValueError(f"a flattened bucket holds one dtype, got {sorted(map(str, set(kinds)))}")
     counts = [math.prod(size) for size in sizes]
     flat = torch.empty(sum(counts), dtype=kinds[0] if kinds else torch.float32, device=device)
-    return flat, [part.view(size) for part, size in zip(torch.split(flat, counts), sizes, strict=True)]
+    parts = torch.split(flat, counts)
+    return flat, [part.view(size) for part, size in zip(parts, sizes, strict=True)]
 
 
 def _field(body: Mapping[str, Any], key: str, kind: type) -> Any:
@@ -110,9 +111,9 @@ class Receiver:
         count = self.engine.load_weights(zip(names, buffers, strict=True))
         if body.get("weight_version") is not None:
             # The update's last bucket: answer once every copy has landed, so the new version
-            # is only reported for weights in place. Earlier buckets answer while their copies
-            # are queued (the receive buffer is the allocator's to keep alive), which lets the
-            # trainer announce the next bucket while this one is still moving.
+            # is only reported for weights in place. Earlier buckets answer without waiting
+            # for the GPU: their copies are queued on the stream generation runs on, and the
+            # caching allocator keeps the receive buffer until they have run.
             self.engine.synchronize()
         return self._done(body, count, sum(b.numel() * b.element_size() for b in buffers),
                           started)

@@ -47,8 +47,8 @@ class WeightSyncGroup:
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         """Broadcast each tensor from `src`, in order. Gloo: returns when all have arrived.
-        NCCL: returns once they are queued; the caller's current CUDA stream then waits for
-        them, so work queued on it later sees the received bytes.
+        NCCL: the caller's current CUDA stream waits for them, so work queued on it later
+        sees the received bytes.
 
         All broadcasts are issued before waiting on any, so gloo/NCCL can pipeline them."""
         if self.destroyed:

@@ -19,7 +19,6 @@ unusable: call close() and connect() again.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import threading
 import time
@@ -115,52 +114,8 @@ def _with_last(items: Iterable[B]) -> Iterator[tuple[B, bool]]:
     yield current, True
 
 
-class Pipeline:
-    """Queues a sender's broadcasts on the GPU without waiting for them, at most `limit` at a
-    time. NCCL's host calls return before the bytes move; a side stream carries the
-    broadcasts so that flattening bucket k+1 (on the producer's stream) overlaps sending
-    bucket k, and the bound keeps a fast producer from holding the whole model in flattened
-    copies. On CPU (gloo) a broadcast has finished when it returns, and nothing is queued."""
-
-    def __init__(self, device: torch.device, limit: int) -> None:
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1, got {limit}")
-        self.limit = limit
-        self.queued: collections.deque[Any] = collections.deque()
-        self.side: Any = None
-        self.producer: Any = None
-        if device.type == "cuda":
-            self.side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-            self.producer = torch.cuda.current_stream(device)
-
-    def broadcast(self, group: WeightSyncGroup, tensors: Sequence[torch.Tensor]) -> None:
-        """Queue one bucket's broadcast from rank 0 (called on the broadcast thread)."""
-        if self.side is None:
-            group.broadcast(tensors, 0)
-            return
-        with torch.cuda.stream(self.side):
-            # The bucket was written on the producer's stream; ProcessGroupNCCL orders its own
-            # stream after the *current* one, which is now the side stream.
-            self.side.wait_stream(self.producer)
-            group.broadcast(tensors, 0)  # its wait() makes the side stream wait for NCCL
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(self.side)
-        self.queued.append(event)
-
-    def make_room(self) -> None:
-        while len(self.queued) >= self.limit:
-            self.queued.popleft().synchronize()
-
-    def drain(self) -> None:
-        """Every queued broadcast has finished (the caller may change the tensors again)."""
-        while self.queued:
-            self.queued.popleft().synchronize()
-
-
 class DistributedWeightSender:
     """Rank 0 of the weight-update group; one instance per trainer (only rank 0 sends)."""
-
-    MAX_IN_FLIGHT = 2  # flattened buckets queued on the GPU at once
 
     def __init__(self, client: EngineClient, *, master_address: str, master_port: int,
                  backend: str = "gloo", group_name: str = "kuberl_weight_sync",
@@ -212,29 +167,22 @@ class DistributedWeightSender:
         version = weight_version if weight_version is not None else str(self.weight_version + 1)
         start = time.perf_counter()
         n_buckets = n_tensors = n_bytes = 0
-        pipeline = Pipeline(self.device, self.MAX_IN_FLIGHT)
         for bucket, last in _with_last(buckets):
             metas = [tensor_meta(name, t) for name, t in bucket]
             flat = self.flatten and len({t.dtype for _, t in bucket}) == 1
-            pipeline.make_room()
             tensors = flatten_bucket(bucket, self.device) if flat else [
                 t.detach().to(self.device).contiguous() for _, t in bucket]
             body = protocol.update_weights_from_distributed(
                 metas, group_name=self.group_name, weight_version=version if last else None,
                 flush_cache=flush_cache and last, flattened=flat)
-            # On NCCL neither side's broadcast blocks its host, and the engine answers a bucket
-            # other than the last once its receive and copies are queued: bucket k+1 is
-            # announced while bucket k is still on the wire. The last answer comes only once
-            # the engine holds every byte.
             await first_error([
                 self.client.post_all("/update_weights_from_distributed", body,
                                      timeout_s=self.timeout_s + 30),
-                in_daemon_thread(pipeline.broadcast, group, tensors),
+                in_daemon_thread(group.broadcast, tensors, 0),
             ])
             n_buckets += 1
             n_tensors += len(metas)
             n_bytes += sum(m.nbytes for m in metas)
-        pipeline.drain()
         if weight_version is None:
             self.weight_version += 1
         return SyncStats(weight_version=version, buckets=n_buckets, tensors=n_tensors,
