@@ -142,6 +142,34 @@ def test_shared_codec_refuses_anything_but_tensors() -> None:
         codec.decode_named_tensors(base64.b64encode(pickle.dumps({"a": 1})))
 
 
+def test_shared_codec_admits_every_part_a_cuda_tensor_pickles_to() -> None:
+    """A CUDA tensor pickles (torch.multiprocessing.reductions.reduce_tensor) as
+    rebuild_cuda_tensor(tensor class, size, stride, offset, storage class, dtype, device, IPC
+    handle, ...). Without a GPU this writes that exact shape for an empty tensor (no handle,
+    which rebuild_cuda_tensor answers with an empty storage) so the unpickler has to resolve
+    every global a real colocated payload names."""
+    import base64
+    import io
+    import pickle
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    class CudaShaped(pickle.Pickler):
+        def reducer_override(self, obj: object) -> object:
+            if not isinstance(obj, torch.Tensor):
+                return NotImplemented
+            storage = obj._typed_storage()
+            return (rebuild_cuda_tensor, (type(obj), obj.size(), obj.stride(), 0,
+                                          type(storage), obj.dtype, "cpu", None, 0, 0, False,
+                                          None, None, None, False))
+
+    buf = io.BytesIO()
+    CudaShaped(buf, pickle.HIGHEST_PROTOCOL).dump([("w", torch.empty(0, dtype=torch.bfloat16))])
+    assert b"rebuild_cuda_tensor" in buf.getvalue()
+    [(name, tensor)] = codec.decode_named_tensors(base64.b64encode(buf.getvalue()))
+    assert name == "w" and tensor.dtype == torch.bfloat16 and tensor.shape == (0,)
+
+
 def test_update_request_carries_names_dtypes_shapes_in_order() -> None:
     metas = [TensorMeta("x", "float32", (2, 3), 24), TensorMeta("y", "bfloat16", (4,), 8)]
     body = protocol.update_weights_from_distributed(metas, group_name="g", weight_version="7")
