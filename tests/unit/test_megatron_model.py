@@ -120,26 +120,3 @@ def test_rope_settings_refuse_what_megatron_would_compute_differently(
         config: dict[str, Any], words: str) -> None:
     with pytest.raises(ValueError, match=words):
         M.rope_settings(config)
-
-
-def test_step_report_reads_device_scalars_into_the_step_metrics() -> None:
-    """The megatron backend's per-micro-batch reports (device scalars) become the same step
-    metrics as the fsdp backend's: token-weighted stats, SFT NLL per token, summed loss."""
-    from kuberl_trainer.backends.megatron import _report
-    from kuberl_trainer.backends.step_metrics import StepMetrics
-
-    t = torch.tensor
-    reported = [
-        {"stats": {"pg_loss": 1.0, "ratio_max": 1.5}, "tokens": t(3), "loss": t(0.25)},
-        {"stats": {"pg_loss": 2.0, "ratio_max": 1.2}, "tokens": t(1), "loss": t(0.5)},
-        {"sft_nll": t(6.0), "tokens": t(4), "loss": t(0.125)},
-    ]
-    metrics = StepMetrics()
-    _report(reported, metrics)
-    metrics.add_step(0.5, 1e-6)
-    out = metrics.summary()
-    assert out["pg_loss"] == pytest.approx((1.0 * 3 + 2.0 * 1) / 4)
-    assert out["ratio_max"] == 1.5
-    assert out["sft_nll"] == pytest.approx(6.0 / 4)
-    assert out["loss"] == pytest.approx(0.875)
-    assert out["response_tokens"] == 4.0

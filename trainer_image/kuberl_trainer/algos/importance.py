@@ -15,7 +15,7 @@ from torch import Tensor
 
 
 def truncated_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
-                      cap: float) -> tuple[Tensor, dict[str, float]]:
+                      cap: float) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token weights ``min(exp(old_logp - rollout_logp), cap)``, detached, 0 off the mask.
 
     Args:
@@ -27,7 +27,8 @@ def truncated_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
     Returns:
         ``(weights, metrics)``: ``tis_weight_mean``, ``tis_truncated_fraction`` (tokens whose
         weight hit the cap) and ``rollout_logp_diff`` (mean ``old_logp - rollout_logp``, the
-        k1 estimate of the mismatch; near 0 when engines and trainer agree).
+        k1 estimate of the mismatch; near 0 when engines and trainer agree), as 0-d tensors
+        on the inputs' device (reading them is the caller's one host transfer).
     """
     if cap <= 0:
         raise ValueError(f"the TIS cap must be positive, got {cap}")
@@ -38,8 +39,8 @@ def truncated_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
     diff = torch.where(on, (old_logp - rollout_logp).detach(), torch.zeros_like(old_logp))
     raw = torch.exp(diff)
     weights = torch.where(on, raw.clamp(max=cap), torch.zeros_like(raw))
-    n = max(float(on.sum()), 1.0)
-    metrics = {"tis_weight_mean": float(weights.sum()) / n,
-               "tis_truncated_fraction": float((on & (raw > cap)).sum()) / n,
-               "rollout_logp_diff": float(diff.sum()) / n}
+    n = on.sum().clamp(min=1).to(weights.dtype)
+    metrics = {"tis_weight_mean": weights.sum() / n,
+               "tis_truncated_fraction": (on & (raw > cap)).sum() / n,
+               "rollout_logp_diff": diff.sum() / n}
     return weights, metrics

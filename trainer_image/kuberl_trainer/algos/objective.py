@@ -62,7 +62,7 @@ class Objective:
 
     def partial_loss(self, logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *,
                      entropy: Tensor, rollout_logp: Tensor | None = None,
-                     ref_logp: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+                     ref_logp: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """The aggregation's numerator over these rows, and token-mean metrics.
 
         Args (all ``[B, T]``, aligned to input_ids positions, ``mask`` 1 on response tokens):
@@ -77,7 +77,10 @@ class Objective:
             ``(partial_sum, metrics)``; metrics are token-means over this micro-batch:
             ``pg_loss``, ``pg_clipfrac`` (and ``pg_clipfrac_lower`` with dual clip),
             ``ratio_mean``/``ratio_max``/``ratio_min``, ``approx_kl`` (k1 of KL(old || policy)),
-            ``entropy``, ``kl_ref`` (when a reference is given), TIS metrics with tisCap.
+            ``entropy``, ``kl_ref`` (when a reference is given), TIS metrics with tisCap; each
+            a detached 0-d tensor on the inputs' device, so that a backend reads a whole
+            step's metrics back in one transfer (``backends.step_metrics``) instead of
+            stalling the GPU once per micro-batch.
         """
         if self.policy_loss == "gspo":
             pg, flags = policy_loss.gspo(logp, old_logp, adv, mask, self.eps_clip,
@@ -85,7 +88,7 @@ class Objective:
         else:
             pg, flags = policy_loss.ppo_clip(logp, old_logp, adv, mask, self.eps_clip,
                                              self.eps_clip_high, clip_c=self.clip_c)
-        metrics: dict[str, float] = {}
+        metrics: dict[str, Tensor] = {}
         if self.tis_cap is not None:
             if rollout_logp is None:
                 raise ValueError("tisCap needs the engines' log-probs (rollout_logp)")
@@ -111,10 +114,10 @@ class Objective:
 @torch.no_grad()
 def _token_metrics(on: Tensor, *, pg: Tensor, flags: dict[str, Tensor], logp: Tensor,
                    old_logp: Tensor, entropy: Tensor, kl_ref: Tensor | None
-                   ) -> dict[str, float]:
-    """Token-means (and the ratio's extremes) over the response tokens ``on``, read back to
-    the host in one transfer: each separate ``float()`` would be a device sync, and on a GPU
-    every sync stalls the launch queue of the step."""
+                   ) -> dict[str, Tensor]:
+    """Token-means (and the ratio's extremes) over the response tokens ``on``, as device
+    scalars: a ``float()`` each would be a device sync, and on a GPU every sync stalls the
+    launch queue of the step."""
     count = on.sum()
     denom = count.clamp(min=1).to(torch.float32)
 
@@ -122,12 +125,17 @@ def _token_metrics(on: Tensor, *, pg: Tensor, flags: dict[str, Tensor], logp: Te
         return torch.where(on, x.detach(), 0.0).sum() / denom
 
     ratio = flags["ratio"].detach()
+    none = count == 0  # no response tokens: no ratio to report, so its extremes are 1
+
+    def extreme(x: Tensor) -> Tensor:
+        return torch.where(none, 1.0, x).to(torch.float32)
+
     values = {
         "pg_loss": mean(pg),
         "pg_clipfrac": (flags["clipped"] & on).sum() / denom,
         "ratio_mean": mean(ratio),
-        "ratio_max": torch.where(on, ratio, -math.inf).max(),
-        "ratio_min": torch.where(on, ratio, math.inf).min(),
+        "ratio_max": extreme(torch.where(on, ratio, -math.inf).max()),
+        "ratio_min": extreme(torch.where(on, ratio, math.inf).min()),
         "approx_kl": mean(old_logp - logp),
         "entropy": mean(entropy),
     }
@@ -135,8 +143,4 @@ def _token_metrics(on: Tensor, *, pg: Tensor, flags: dict[str, Tensor], logp: Te
         values["pg_clipfrac_lower"] = (flags["clipped_lower"] & on).sum() / denom
     if kl_ref is not None:
         values["kl_ref"] = mean(kl_ref)
-    host = torch.stack([v.float() for v in values.values()] + [count.float()]).tolist()
-    out = dict(zip(values, host[:-1], strict=True))
-    if host[-1] == 0:  # no response tokens: no ratio to report
-        out["ratio_max"] = out["ratio_min"] = 1.0
-    return out
+    return values

@@ -18,7 +18,7 @@ from kuberl_trainer.algos.returns import check_token_shapes
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
-               clip: float | None) -> tuple[Tensor, dict[str, float]]:
+               clip: float | None) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token ``0.5 * (V - R)^2``, optionally with PPO's value clipping.
 
     With ``clip``, the new value is also taken no further than ``clip`` from the value the
@@ -43,7 +43,8 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     Returns:
         ``(loss, metrics)``: ``loss`` is ``[B, T]`` float, 0 off the mask; ``metrics`` has
         ``vf_clipfrac``, the fraction of response tokens where the clipped error was strictly
-        the larger (0.0 without ``clip`` or with an empty mask).
+        the larger (0.0 without ``clip`` or with an empty mask), a 0-d tensor on the
+        inputs' device.
     """
     check_token_shapes(mask, values=values, old_values=old_values, returns=returns)
     if clip is not None and clip <= 0:
@@ -52,7 +53,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     v = torch.where(on, _float(values), 0.0)
     target = torch.where(on, _float(returns), 0.0)
     loss = 0.5 * (v - target).square()
-    clipfrac = 0.0
+    clipfrac = torch.zeros((), device=loss.device)
     if clip is not None:
         old = torch.where(on, _float(old_values), 0.0)
         v_clipped = old + (v - old).clamp(-clip, clip)
@@ -61,7 +62,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
         # same function of V) the whole gradient goes to one term rather than half to each.
         larger = on & (clipped_loss > loss)
         loss = torch.where(larger, clipped_loss, loss)
-        clipfrac = larger.sum().item() / max(int(on.sum().item()), 1)
+        clipfrac = larger.sum() / on.sum().clamp(min=1)
     return torch.where(on, loss, 0.0), {"vf_clipfrac": clipfrac}
 
 

@@ -216,13 +216,14 @@ class FSDPBackend:
                 if is_sft:
                     nll, tokens = self._sft_nll(trim_padding(mb))
                     loss = nll * (self.algo.sft_coef * self.world_size / sft_tokens)
-                    metrics.add_sft(float(nll.detach()), tokens)
+                    metrics.add_micro(tokens=tokens, loss=loss.detach() / self.world_size,
+                                      sft_nll=nll.detach())
                 else:
                     partial, stats, tokens = self._micro_loss(trim_padding(mb))
                     loss = partial * (self.world_size / units)
-                    metrics.add_tokens(stats, tokens)
+                    metrics.add_micro(tokens=tokens, loss=loss.detach() / self.world_size,
+                                      stats=stats)
                 torch.autograd.backward(loss)
-            metrics.add_loss(float(loss.detach()) / self.world_size)
         grad_norm = clip_gradients(self.module.parameters())
         lr = float(self.optimizer.param_groups[0]["lr"])
         if math.isfinite(grad_norm):
@@ -233,9 +234,10 @@ class FSDPBackend:
         self.scheduler.step()
         metrics.add_step(grad_norm, lr)
 
-    def _micro_loss(self, mb: TrainBatch) -> tuple[Tensor, dict[str, float], int]:
-        """``(partial loss sum, token-mean stats, response tokens)`` for one micro-batch; the
-        objective (policy loss, TIS, KL, entropy, aggregation) is ``algos.objective``'s."""
+    def _micro_loss(self, mb: TrainBatch) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+        """``(partial loss sum, token-mean stats, response tokens)`` for one micro-batch, the
+        last two as device scalars; the objective (policy loss, TIS, KL, entropy,
+        aggregation) is ``algos.objective``'s."""
         shifted = self._shifted_logits(self.model, mb)      # [b, t-1, V]
         logp = gather_logprobs(shifted, mb.input_ids)         # [b, t]
         mask = response_mask(mb.loss_mask)                    # [b, t]
@@ -246,15 +248,15 @@ class FSDPBackend:
         partial, stats = self.objective.partial_loss(
             logp, old, mb.advantages, mask, entropy=entropy, rollout_logp=mb.rollout_logprobs,
             ref_logp=mb.ref_logprobs)
-        return partial, stats, int(mask.sum().item())
+        return partial, stats, mask.sum()
 
-    def _sft_nll(self, mb: TrainBatch) -> tuple[Tensor, int]:
+    def _sft_nll(self, mb: TrainBatch) -> tuple[Tensor, Tensor]:
         """``(sum of -log p over the target tokens, their count)`` for one micro-batch of
         demonstrations (temperature-scaled logits, like everything the policy is trained on)."""
         logp = gather_logprobs(self._shifted_logits(self.model, mb), mb.input_ids)
         mask = response_mask(mb.loss_mask)
         nll = -torch.where(mask.bool(), logp, torch.zeros_like(logp)).sum()
-        return nll, int(mask.sum().item())
+        return nll, mask.sum()
 
     def _global_sum(self, value: float) -> float:
         """``value`` summed over the ranks (>= 1): the denominators of the step's losses."""

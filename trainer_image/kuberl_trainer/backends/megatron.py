@@ -325,8 +325,8 @@ class MegatronBackend:
             micros += self._micros(sft, sft=True)
 
         def loss(mb: Micro, output: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
-            # What is reported stays on the GPU (read back once per step, in _report): a
-            # host read here would stall the schedule once per micro-batch.
+            # What is reported stays on the GPU, read back once per train_step (StepMetrics):
+            # a host read here would stall the schedule once per micro-batch.
             logp, entropy = self._token_values(mb, output)
             mask = response_mask(mb.batch.loss_mask)
             count = mask.sum().to(torch.int)
@@ -355,7 +355,8 @@ class MegatronBackend:
         if not ok:
             LOG.warning("non-finite gradients: skipping this optimizer step")
         self.steps += 1
-        _report(reported, metrics)
+        for item in reported:  # the last pipeline stage's (others report nothing)
+            metrics.add_micro(**item)
         metrics.add_step(float(grad_norm) if grad_norm is not None else math.nan, lr)
 
     def _dp_sum(self, value: float) -> float:
@@ -506,23 +507,6 @@ class MegatronBackend:
         # The source's config.json as is: engines then load in the dtype the model came in.
         shutil.copy2(Path(self.spec.model.path) / "config.json", out / "config.json")
         copy_tokenizer(self.spec, out)
-
-
-def _report(reported: list[dict[str, Any]], metrics: StepMetrics) -> None:
-    """Add the micro-batches' reports (last pipeline stage) to ``metrics``, reading their
-    device scalars back in one transfer."""
-    keys = ("tokens", "loss", "sft_nll")
-    scalars = [item[k] for item in reported for k in keys if k in item]
-    if not scalars:
-        return
-    host = iter(torch.stack([t.float().reshape(()) for t in scalars]).tolist())
-    for item in reported:
-        got = {k: next(host) for k in keys if k in item}
-        if "sft_nll" in item:
-            metrics.add_sft(got["sft_nll"], int(got["tokens"]))
-        else:
-            metrics.add_tokens(item["stats"], int(got["tokens"]))
-        metrics.add_loss(got["loss"])
 
 
 def _ensure_process_group(rank: int, world_size: int) -> None:

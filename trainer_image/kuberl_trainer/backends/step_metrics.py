@@ -1,7 +1,28 @@
 """What a backend's train_step reports: token-weighted means of the micro-batches' statistics,
-the mean loss and grad norm, and the last learning rate of its optimizer steps."""
+the mean loss and grad norm, and the last learning rate of its optimizer steps.
+
+Micro-batches report device scalars (``add_micro``); ``summary`` reads all of them back in one
+transfer. A host read per micro-batch would be a device sync each, and on a GPU every sync
+stalls the launch queue while the step is still running."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class _Micro:
+    tokens: Tensor
+    loss: Tensor
+    stats: dict[str, Tensor] = field(default_factory=dict)
+    sft_nll: Tensor | None = None
+
+    def scalars(self) -> list[Tensor]:
+        extra = [] if self.sft_nll is None else [self.sft_nll]
+        return [self.tokens, self.loss, *extra, *self.stats.values()]
 
 
 class StepMetrics:
@@ -9,44 +30,57 @@ class StepMetrics:
     extremes); the mean loss, the mean grad norm and the last lr of the optimizer steps."""
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.extremes: dict[str, float] = {}
-        self.tokens = 0
-        self.loss = 0.0
-        self.sft_nll, self.sft_tokens = 0.0, 0
+        self.micros: list[_Micro] = []
         self.grad_norms: list[float] = []
         self.lr = 0.0
 
-    def add_tokens(self, stats: dict[str, float], tokens: int) -> None:
-        for key, value in stats.items():
-            if key.endswith("_max"):
-                self.extremes[key] = max(self.extremes.get(key, value), value)
-            elif key.endswith("_min"):
-                self.extremes[key] = min(self.extremes.get(key, value), value)
-            else:
-                self.sums[key] = self.sums.get(key, 0.0) + value * tokens
-        self.tokens += tokens
-
-    def add_loss(self, part: float) -> None:
-        self.loss += part
-
-    def add_sft(self, nll_sum: float, tokens: int) -> None:
-        self.sft_nll += nll_sum
-        self.sft_tokens += tokens
+    def add_micro(self, *, tokens: Tensor, loss: Tensor, stats: dict[str, Tensor] | None = None,
+                  sft_nll: Tensor | None = None) -> None:
+        """One micro-batch: its response tokens, its part of the step's loss, and either the
+        objective's token-mean ``stats`` or (an SFT micro-batch) its summed ``sft_nll``."""
+        self.micros.append(_Micro(tokens, loss, stats or {}, sft_nll))
 
     def add_step(self, grad_norm: float, lr: float) -> None:
         self.grad_norms.append(grad_norm)
         self.lr = lr
 
     def summary(self) -> dict[str, float]:
-        out = {k: v / max(self.tokens, 1) for k, v in self.sums.items()}
-        out.update(self.extremes)
+        sums: dict[str, float] = {}
+        extremes: dict[str, float] = {}
+        tokens = sft_tokens = 0
+        loss = sft_nll = 0.0
+        for micro, values in zip(self.micros, self._read_back(), strict=True):
+            count, part, *rest = values
+            loss += part
+            if micro.sft_nll is not None:
+                sft_nll += rest[0]
+                sft_tokens += int(count)
+                continue
+            tokens += int(count)
+            for key, value in zip(micro.stats, rest, strict=True):
+                if key.endswith("_max"):
+                    extremes[key] = max(extremes.get(key, value), value)
+                elif key.endswith("_min"):
+                    extremes[key] = min(extremes.get(key, value), value)
+                else:
+                    sums[key] = sums.get(key, 0.0) + value * count
+        out = {k: v / max(tokens, 1) for k, v in sums.items()}
+        out.update(extremes)
         steps = max(len(self.grad_norms), 1)
-        out["loss"] = self.loss / steps  # each step's loss is the sum of its micro parts
-        if self.sft_tokens:
-            out["sft_nll"] = self.sft_nll / self.sft_tokens
+        out["loss"] = loss / steps  # each step's loss is the sum of its micro parts
+        if sft_tokens:
+            out["sft_nll"] = sft_nll / sft_tokens
         out["grad_norm"] = sum(self.grad_norms) / steps
         out["lr"] = self.lr
         out["optimizer_steps"] = float(len(self.grad_norms))
-        out["response_tokens"] = float(self.tokens)
+        out["response_tokens"] = float(tokens)
         return out
+
+    def _read_back(self) -> list[list[float]]:
+        """Every micro-batch's scalars as floats, in one device-to-host transfer."""
+        scalars = [s for micro in self.micros for s in micro.scalars()]
+        if not scalars:
+            return []
+        flat = iter(torch.stack([s.detach().to(torch.float64).reshape(())
+                                 for s in scalars]).tolist())
+        return [[next(flat) for _ in micro.scalars()] for micro in self.micros]

@@ -68,7 +68,7 @@ class ValueBackend(FSDPBackend):
         scores = out.logits[..., 0].float()                  # [b, t]: after token i
         return nn.functional.pad(scores[:, :-1], (1, 0))      # [b, t]: before token t
 
-    def _micro_loss(self, mb: TrainBatch) -> tuple[Tensor, dict[str, float], int]:
+    def _micro_loss(self, mb: TrainBatch) -> tuple[Tensor, dict[str, Tensor], Tensor]:
         assert mb.values is not None and mb.returns is not None
         mask = response_mask(mb.loss_mask)
         values = self._values(self.model, mb)
@@ -76,8 +76,8 @@ class ValueBackend(FSDPBackend):
                                                  self.spec.critic.value_clip)
         partial = aggregation.partial_sum(per_token, mask, "token-mean")
         on = mask.bool()
-        n = max(float(on.sum()), 1.0)
+        n = on.sum().clamp(min=1)
         with torch.no_grad():
-            stats["value_loss"] = float(per_token.detach().sum()) / n
-            stats["value_mean"] = float(torch.where(on, values, 0.0).sum()) / n
-        return partial, stats, int(on.sum())
+            stats["value_loss"] = per_token.detach().sum() / n
+            stats["value_mean"] = torch.where(on, values, 0.0).sum() / n
+        return partial, stats, on.sum()
