@@ -93,8 +93,14 @@ def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.fixture
-def pair(engines: list[Engine]) -> list[str]:
-    return [e.url for e in engines[:2]]
+def pair(engines: list[Engine]) -> Iterator[list[str]]:
+    yield [e.url for e in engines[:2]]
+    # A test that took an engine down fails here with the engine's own last words, rather
+    # than every later test failing with "cannot connect".
+    for engine in engines[:2]:
+        if engine.proc.poll() is not None:
+            pytest.fail(f"engine {engine.url} exited {engine.proc.returncode} during this "
+                        f"test; its log ends:\n{engine.log.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +287,34 @@ async def test_distributed_sync_over_gloo_to_two_engines(
             assert (await client.get_model_info(pair[1]))["weight_version"] == "restored"
         finally:
             await sender.close()
+
+
+async def test_rejected_buckets_keep_every_engine_in_step(
+        pair: list[str], reference_model: torch.nn.Module) -> None:
+    """One engine answers a rejected bucket before the other has even got its request. The
+    sender must not drop that request: the late engine would miss the bucket's broadcast and
+    pair the next bucket's broadcasts with the wrong receives, and gloo aborts a process on a
+    size mismatch (CI lost an engine this way; a loop like this one hit it within ~150 rounds
+    when the sender cancelled the other engines' requests on the first error answer)."""
+    state = perturbed(reference_model, seed=7)
+    want = {n: tensor_sha256(t) for n, t in state.items()}
+    async with EngineClient(pair, request_timeout_s=60) as client:
+        sender = DistributedWeightSender(client, master_address="127.0.0.1",
+                                         master_port=free_port(), backend="gloo",
+                                         group_name="kuberl_in_step", timeout_s=30,
+                                         flatten=False)
+        await sender.connect()
+        try:
+            for _ in range(40):
+                with pytest.raises(EngineError, match="unknown tensor 'nope'"):
+                    await sender.send([[("nope", torch.zeros(2))]])
+                await sender.send(bucketize(trainer_params(state, reference_model), 16 << 10))
+            assert await checksums(client) == [want, want]
+        finally:
+            await sender.close()
+            await send_tensors(client, [trainer_params(reference_model.state_dict(),
+                                                       reference_model)],
+                               weight_version="restored")
 
 
 async def test_shared_tensor_update_reaches_both_engines(

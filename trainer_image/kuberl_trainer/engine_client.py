@@ -38,6 +38,12 @@ class EngineError(RuntimeError):
         where = f"engine {url}" + (f" (HTTP {status})" if status is not None else "")
         super().__init__(f"{where}: {message}")
 
+    @property
+    def answered(self) -> bool:
+        """The engine is alive and answered (with an error): unlike a dead connection or a
+        timeout, it has finished handling the request."""
+        return self.status is not None
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -133,6 +139,33 @@ async def first_error(aws: Iterable[Awaitable[T]]) -> list[T]:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         # Retrieve every exception (no "never retrieved" warnings), raise the first in order.
         errors = [exc for task in tasks if task in done and (exc := task.exception())]
+        if errors:
+            raise errors[0]
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+
+
+async def every_answer(aws: Iterable[Awaitable[T]]) -> list[T]:
+    """Await all, for requests that must reach every engine even when one of them fails, such
+    as a weight-update bucket: every engine must take part in the same collectives, or the
+    next bucket's broadcasts pair with the wrong receives (gloo then aborts the engine on a
+    size mismatch). An engine's error answer therefore waits for the others to answer, and
+    the first error in order is raised after. A failure that is not an answer (dead
+    connection, timeout, a non-EngineError such as a failed collective) cancels the rest and
+    raises at once, as first_error does: the group is broken anyway."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                exc = task.exception()
+                if exc is not None and not (isinstance(exc, EngineError) and exc.answered):
+                    raise exc
+        errors = [exc for task in tasks if (exc := task.exception())]
         if errors:
             raise errors[0]
         return [task.result() for task in tasks]
@@ -277,10 +310,13 @@ class EngineClient:
         return [result for part in parts for result in part]
 
     async def post_all(self, path: str, body: Any | Sequence[Any], *,
-                       timeout_s: float | None = None, per_engine: bool = False) -> list[Any]:
+                       timeout_s: float | None = None, per_engine: bool = False,
+                       in_step: bool = False) -> list[Any]:
         """POST to every engine concurrently (the same body, or with per_engine one body per
         engine); answers in engine order. SGLang's weight endpoints answer {success, message}
-        with HTTP 200 or 400, so `success: false` is turned into EngineError here too."""
+        with HTTP 200 or 400, so `success: false` is turned into EngineError here too.
+        The first failure cancels the other requests, unless `in_step`: then an engine's error
+        answer waits for the others' answers (see every_answer)."""
         bodies = list(body) if per_engine else [body] * len(self.urls)
         if len(bodies) != len(self.urls):
             raise ValueError(f"{len(bodies)} bodies for {len(self.urls)} engines")
@@ -288,10 +324,11 @@ class EngineClient:
         async def one(url: str, b: Any) -> Any:
             answer = await self.request(url, "POST", path, b, timeout_s=timeout_s)
             if isinstance(answer, dict) and answer.get("success") is False:
-                raise EngineError(url, f"{path}: {answer.get('message', '')}")
+                raise EngineError(url, f"{path}: {answer.get('message', '')}", 200)
             return answer
 
-        return await first_error(one(u, b) for u, b in zip(self.urls, bodies, strict=True))
+        settle = every_answer if in_step else first_error
+        return await settle(one(u, b) for u, b in zip(self.urls, bodies, strict=True))
 
     async def wait_healthy(self, timeout_s: float = 120.0, interval_s: float = 0.2) -> None:
         """Until every engine answers GET /health with 200; EngineError naming the engines

@@ -11,7 +11,9 @@ Disaggregated (`DistributedWeightSender`), per the contract in docs/trainer-cont
 Colocated (`send_tensors`): POST /update_weights_from_tensor with the tensors by reference
 (CUDA IPC handles, `codec.encode_shared`) or by value.
 
-A failed engine (error answer, dead connection, timeout) raises EngineError at once; the local
+An engine's error answer to a bucket (a wrong name, say: it has received the tensors) is raised
+once every engine has answered that bucket, so all of them took part in the same broadcasts and
+the group stays usable. A dead connection or a timeout raises EngineError at once; the local
 broadcast thread may then stay blocked until the group's timeout, after which the group is
 unusable: call close() and connect() again.
 """
@@ -177,7 +179,7 @@ class DistributedWeightSender:
                 flush_cache=flush_cache and last, flattened=flat)
             await first_error([
                 self.client.post_all("/update_weights_from_distributed", body,
-                                     timeout_s=self.timeout_s + 30),
+                                     timeout_s=self.timeout_s + 30, in_step=True),
                 in_daemon_thread(group.broadcast, tensors, 0),
             ])
             n_buckets += 1
@@ -223,7 +225,9 @@ async def send_tensors(client: EngineClient, buckets: Iterable[NamedTensors], *,
         body = protocol.update_weights_from_tensor(
             [encode(bucket)], weight_version=weight_version if last else None,
             flush_cache=flush_cache and last)
-        await client.post_all("/update_weights_from_tensor", body)
+        # in_step: engines may still be reading the bucket by reference when another answers
+        # an error, so it must stay alive (not be raised past) until every engine answered.
+        await client.post_all("/update_weights_from_tensor", body, in_step=True)
         n_buckets += 1
         n_tensors += len(bucket)
         n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
