@@ -248,16 +248,22 @@ async def checksums(client: EngineClient) -> list[dict[str, str]]:
     return [await client.request(u, "GET", "/get_weights_checksum") for u in client.urls]
 
 
+async def gloo_sender(client: EngineClient, group_name: str, *,
+                      flatten: bool) -> DistributedWeightSender:
+    """This test process as trainer rank 0 of a gloo group with the client's engines."""
+    sender = DistributedWeightSender(client, master_address="127.0.0.1",
+                                     master_port=free_port(), backend="gloo",
+                                     group_name=group_name, timeout_s=30, flatten=flatten)
+    await sender.connect()
+    return sender
+
+
 @pytest.mark.parametrize("flatten", [True, False], ids=["flattened-buckets", "per-tensor"])
 async def test_distributed_sync_over_gloo_to_two_engines(
         pair: list[str], reference_model: torch.nn.Module, flatten: bool) -> None:
     original = {n: t.clone() for n, t in reference_model.state_dict().items()}
     async with EngineClient(pair, request_timeout_s=60) as client:
-        sender = DistributedWeightSender(client, master_address="127.0.0.1",
-                                         master_port=free_port(), backend="gloo",
-                                         group_name="kuberl_test", timeout_s=30,
-                                         flatten=flatten)
-        await sender.connect()
+        sender = await gloo_sender(client, "kuberl_test", flatten=flatten)
         try:
             for version, seed in ((1, 1), (2, 2)):
                 state = perturbed(reference_model, seed)
@@ -299,11 +305,7 @@ async def test_rejected_buckets_keep_every_engine_in_step(
     state = perturbed(reference_model, seed=7)
     want = {n: tensor_sha256(t) for n, t in state.items()}
     async with EngineClient(pair, request_timeout_s=60) as client:
-        sender = DistributedWeightSender(client, master_address="127.0.0.1",
-                                         master_port=free_port(), backend="gloo",
-                                         group_name="kuberl_in_step", timeout_s=30,
-                                         flatten=False)
-        await sender.connect()
+        sender = await gloo_sender(client, "kuberl_in_step", flatten=False)
         try:
             for _ in range(40):
                 with pytest.raises(EngineError, match="unknown tensor 'nope'"):

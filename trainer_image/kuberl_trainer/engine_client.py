@@ -19,7 +19,7 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -131,14 +131,20 @@ def _error_text(body: str) -> str:
     return body.strip()[:2000]
 
 
-async def first_error(aws: Iterable[Awaitable[T]]) -> list[T]:
-    """Await all; on the first exception cancel the rest and raise it (asyncio.gather would
-    leave the others running and, with a dead engine, keep the caller waiting on them)."""
+async def _await_all(aws: Iterable[Awaitable[T]],
+                     keep_waiting: Callable[[BaseException], bool]) -> list[T]:
+    """Await all; stop at the first exception for which keep_waiting is false, cancel what is
+    still running, and raise the first exception in order (every one is retrieved, so none
+    is reported as "never retrieved")."""
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        # Retrieve every exception (no "never retrieved" warnings), raise the first in order.
-        errors = [exc for task in tasks if task in done and (exc := task.exception())]
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            if any((exc := task.exception()) is not None and not keep_waiting(exc)
+                   for task in done):
+                break
+        errors = [exc for task in tasks if task.done() and (exc := task.exception())]
         if errors:
             raise errors[0]
         return [task.result() for task in tasks]
@@ -146,6 +152,16 @@ async def first_error(aws: Iterable[Awaitable[T]]) -> list[T]:
         for task in tasks:
             if not task.done():
                 task.cancel()
+
+
+async def first_error(aws: Iterable[Awaitable[T]]) -> list[T]:
+    """Await all; on the first exception cancel the rest and raise it (asyncio.gather would
+    leave the others running and, with a dead engine, keep the caller waiting on them)."""
+    return await _await_all(aws, keep_waiting=lambda exc: False)
+
+
+def _answered(exc: BaseException) -> bool:
+    return isinstance(exc, EngineError) and exc.answered
 
 
 async def every_answer(aws: Iterable[Awaitable[T]]) -> list[T]:
@@ -156,23 +172,7 @@ async def every_answer(aws: Iterable[Awaitable[T]]) -> list[T]:
     the first error in order is raised after. A failure that is not an answer (dead
     connection, timeout, a non-EngineError such as a failed collective) cancels the rest and
     raises at once, as first_error does: the group is broken anyway."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        pending = set(tasks)
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                exc = task.exception()
-                if exc is not None and not (isinstance(exc, EngineError) and exc.answered):
-                    raise exc
-        errors = [exc for task in tasks if (exc := task.exception())]
-        if errors:
-            raise errors[0]
-        return [task.result() for task in tasks]
-    finally:
-        for task in tasks:
-            if not task.done():
-                task.cancel()
+    return await _await_all(aws, keep_waiting=_answered)
 
 
 class EngineClient:
