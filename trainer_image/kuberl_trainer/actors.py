@@ -286,10 +286,10 @@ class TrainGroup:
         rows, shards = self.layout.shards(batch)
         parts: Sequence[torch.Tensor | None] = ray.get(
             [w.ref_logprobs.remote(s) for w, s in zip(self.workers, shards, strict=True)])
-        if any(p is None for p in parts):
+        present = [p for p in parts if p is not None]
+        if len(present) != len(parts):
             raise RuntimeError("the training backend has no reference model (klCoef is 0)")
-        return self.layout.gather([p for p in parts if p is not None], rows,
-                                  batch.input_ids.shape)
+        return self.layout.gather(present, rows, batch.input_ids.shape)
 
     def push_weights(self, engine_urls: list[str], version: int, bucket_bytes: int) -> float:
         seconds = ray.get([w.push_weights.remote(engine_urls, version, bucket_bytes)
