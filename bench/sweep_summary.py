@@ -2,8 +2,8 @@
 
     python3 bench/sweep_summary.py OUT_DIR [WINDOW [STEPS]]
 
-STEPS cuts every run to its first STEPS steps (what a shorter run would have shown: the runs
-are deterministic, so a prefix of a long run is exactly the short run).
+STEPS cuts every run to its first STEPS steps (what a shorter run would have shown: a run
+repeats exactly on the same machine, so a prefix of a long run is exactly the short run there).
 """
 
 from __future__ import annotations

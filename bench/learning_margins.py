@@ -1,0 +1,102 @@
+"""The margins of the integration tier's learning tests, measured over seeds and CPU numerics.
+
+Every test that asserts "it learns" (tests/integration/test_algorithms.py, the colocated run
+of test_local_run.py) judges it by an exact measure (tests/integration/learning.py: the
+expected reward of the saved policy, computed without sampling, against the model it started
+from). What varies from machine to machine is the training run itself: another CPU sums floats
+in another order, and once one sampled token differs the runs part ways. A different seed
+(`kuberl run --seed`) changes every prompt and draw, so runs over several seeds show the spread
+a test must tolerate; numerics variables (thread counts, ATen's and oneDNN's CPU kernel paths)
+show whether the machine's own float paths matter on top of that.
+
+    .venv/bin/python bench/learning_margins.py --seeds 0 1 2 3 4 5 6 7
+    .venv/bin/python bench/learning_margins.py --scenarios grpo rloo --seeds 0 1 \\
+        --env ATEN_CPU_CAPABILITY=default --env KUBERL_TORCH_THREADS=1
+
+Prints one row per run, then per scenario and measure: mean, standard deviation and minimum
+over the runs, the test's threshold, and how many standard deviations the mean lies above it.
+Results go to bench/RESULTS.md ("Learning-test margins").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.integration import learning  # noqa: E402
+from tests.integration.local_run import tiny_job  # noqa: E402
+
+
+def parse_env(pairs: list[str]) -> list[dict[str, str]]:
+    """Each --env is one configuration: KEY=VALUE[,KEY=VALUE...]; '' is the plain one."""
+    configs = []
+    for text in pairs or [""]:
+        config = {}
+        for item in filter(None, text.split(",")):
+            key, _, value = item.partition("=")
+            config[key] = value
+        configs.append(config)
+    return configs
+
+
+def label(config: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in config.items()) or "plain"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scenarios", nargs="*", default=list(learning.SCENARIOS),
+                    choices=list(learning.SCENARIOS))
+    ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2, 3])
+    ap.add_argument("--env", action="append", default=[],
+                    help="a numerics configuration, KEY=VALUE[,KEY=VALUE]; repeatable")
+    args = ap.parse_args()
+    tiny = tiny_job()
+    results: dict[tuple[str, str], list[float]] = {}
+    print(f"{'scenario':<34} {'config':<28} {'seed':>4} {'measure':<22} {'before':>8} "
+          f"{'after':>8} {'value':>8} {'s':>5}")
+    for config in parse_env(args.env):
+        for seed in args.seeds:
+            for name in args.scenarios:
+                scenario = learning.SCENARIOS[name]
+                before = {k: os.environ.get(k) for k in config}
+                os.environ.update(config)
+                os.environ["KUBERL_TEST_SEED"] = str(seed)
+                try:
+                    with tempfile.TemporaryDirectory(prefix="margins-") as tmp:
+                        started = time.monotonic()
+                        outcome = scenario.run(tiny, Path(tmp))
+                        seconds = time.monotonic() - started
+                finally:
+                    for key, value in before.items():
+                        if value is None:
+                            os.environ.pop(key, None)
+                        else:
+                            os.environ[key] = value
+                for m in outcome.measures.values():
+                    results.setdefault((name, m.name), []).append(m.value)
+                    print(f"{name:<34} {label(config):<28} {seed:>4} {m.name:<22} "
+                          f"{m.before:>8.4f} {m.after:>8.4f} {m.value:>8.4f} {seconds:>5.0f}",
+                          flush=True)
+    print()
+    print(f"{'scenario':<34} {'measure':<22} {'runs':>4} {'mean':>8} {'sd':>7} {'min':>8} "
+          f"{'threshold':>9} {'(mean-thr)/sd':>13}")
+    for (name, measure), values in results.items():
+        threshold = learning.SCENARIOS[name].thresholds[measure]
+        mean = statistics.fmean(values)
+        sd = statistics.stdev(values) if len(values) > 1 else float("nan")
+        print(f"{name:<34} {measure:<22} {len(values):>4} {mean:>8.4f} {sd:>7.4f} "
+              f"{min(values):>8.4f} {threshold:>9.3f} {(mean - threshold) / sd:>13.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,269 @@
+"""How the integration tests judge "it learns": exactly, on fixed prompts, before and after.
+
+The learning tests used to compare the sampled reward of a run's last steps with that of its
+first ones. Each step's reward is a mean over 16 prompts x 8 samples and wanders by ~0.05 from
+step to step, and on another machine the run takes other steps altogether, so an 8-step curve
+judged against a fixed line passed on one machine and failed on another.
+
+Here every measure is exact. The toy reward (`toy_rewards.leading_one`: the response starts
+with "1") has an expectation under a policy that one forward pass gives: the probability that
+the first response token is "1", averaged over the tiny build's 500 held-out prompts. A test
+compares that number for the model the run started from and for the checkpoint it saved: a
+paired comparison on the same prompts, with no sampling noise. The same goes for the
+distillation test (the teacher-student KL at the first response token) and the mixed SFT test
+(the log-likelihood of the demonstrated answer). What is left is the spread of the training run
+itself: `bench/learning_margins.py` runs each scenario under several seeds and CPU numerics
+configurations, and each threshold below states the mean, the spread and the margin it leaves.
+
+`KUBERL_TEST_SEED` (default 0) goes to every learning run as `kuberl run --seed`: another seed
+draws other prompts and samples, as another machine does, so `KUBERL_TEST_SEED=3 make
+integration` re-checks the margins on a new trajectory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.integration.local_run import LEARNABLE, kuberl_run, manifest, metrics
+
+LEADING = "1"  # what toy_rewards.leading_one rewards
+MAX_PROMPT_LEN = 8  # local_run.manifest's data.maxPromptLen
+
+
+def run_seed() -> int:
+    return int(os.environ.get("KUBERL_TEST_SEED", "0") or 0)
+
+
+# ------------------------------------------------------------------------- exact measures
+
+def eval_prompts(tiny: Path) -> list[str]:
+    """The tiny build's held-out prompts: never trained on, by SFT or by RL."""
+    lines = (tiny / "data" / "eval.jsonl").read_text().splitlines()
+    return [json.loads(line)["prompt"] for line in lines if line.strip()]
+
+
+def final_model(out: Path) -> Path:
+    """The model directory of the newest checkpoint a run wrote under `out`."""
+    steps = sorted((int(p.name.removeprefix("step_")), p)
+                   for p in (out / "checkpoints").glob("step_*"))
+    assert steps, f"no checkpoint under {out}"
+    return steps[-1][1] / "model"
+
+
+@cache
+def _load(model_dir: Path) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+@torch.no_grad()
+def response_logprobs(model_dir: Path, prompts: list[str], response: list[int] | None = None
+                      ) -> torch.Tensor:
+    """Log-probabilities at temperature 1, as the engines sample: [N, V] over the first
+    response token when `response` is None, else [N] of the whole `response` (token ids)
+    after each prompt (prompt tokens cut to the last MAX_PROMPT_LEN, as the rollout does)."""
+    model, tokenizer = _load(model_dir)
+    rows = [ids[-MAX_PROMPT_LEN:] for ids in
+            tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    if len({len(r) for r in rows}) != 1:
+        raise ValueError("the tiny build's prompts share one length; these do not")
+    width = len(rows[0])
+    ids = torch.tensor([r + (response or []) for r in rows])
+    logp = torch.log_softmax(model(ids).logits.float(), dim=-1)
+    if response is None:
+        return logp[:, width - 1]
+    targets = torch.tensor(response)
+    # position t predicts token t + 1: the response's tokens are scored at width-1 onwards
+    scored = logp[:, width - 1:width - 1 + len(response)]
+    return scored.gather(-1, targets.expand(len(rows), -1)[..., None]).squeeze(-1).sum(-1)
+
+
+def expected_leading_one(model_dir: Path, prompts: list[str]) -> float:
+    """E[leading_one reward] of the policy: the mean over prompts of P(first response token
+    starts with "1")."""
+    _, tokenizer = _load(model_dir)
+    leading = [i for t, i in tokenizer.get_vocab().items() if t.startswith(LEADING)]
+    probs = response_logprobs(model_dir, prompts).exp()
+    return float(probs[:, leading].sum(-1).mean())
+
+
+def first_token_kl(student: Path, teacher: Path, prompts: list[str]) -> float:
+    """Mean over prompts of KL(student || teacher) at the first response token: the reverse
+    KL on-policy distillation lowers, exactly, where the two models differ most (the teacher
+    is the student after RL on leading_one, which moved mostly that token)."""
+    p, q = response_logprobs(student, prompts), response_logprobs(teacher, prompts)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def answer_nll(model_dir: Path, prompts: list[str], answer: str) -> float:
+    """Mean negative log-likelihood of `answer` then EOS after each prompt."""
+    _, tokenizer = _load(model_dir)
+    ids = [*tokenizer(answer, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+    return float(-response_logprobs(model_dir, prompts, ids).mean())
+
+
+# ----------------------------------------------------------------------------- scenarios
+
+@dataclass(frozen=True)
+class Measure:
+    name: str
+    before: float
+    after: float
+    value: float  # what the threshold judges
+
+
+@dataclass
+class Outcome:
+    out: Path  # the run's --output-dir
+    stdout: str  # what `kuberl run` printed
+    rows: list[dict[str, Any]]  # its metrics.jsonl
+    measures: dict[str, Measure]
+
+
+def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Manifest sections `a` with `b`'s keys on top, one level deep (as manifest() does)."""
+    return {**a, **{k: {**a.get(k, {}), **v} if isinstance(v, dict) else v
+                    for k, v in b.items()}}
+
+
+def _run(tiny: Path, tmp: Path, name: str, steps: int, spec: dict[str, Any]
+         ) -> tuple[Path, str]:
+    """`kuberl run` of the tiny job for `steps` steps with the test seed: (output dir,
+    stdout)."""
+    spec = _merge({"schedule": {"numRollouts": steps}}, spec)
+    out = tmp / name
+    res = kuberl_run(manifest(tiny, tmp, name, **spec), out, "--seed", str(run_seed()))
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out, res.stdout
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One learning run and the measures that judge it. `thresholds` maps each measure to
+    the line it must beat: a gain or share must exceed it, a ratio (a name ending in _ratio)
+    must stay below it. `prepare` (tiny, tmp) makes what the run needs first and returns
+    the manifest sections that point at it."""
+
+    measure: Callable[[Path, Path, Path], dict[str, Measure]]  # (tiny, tmp, out)
+    spec: dict[str, Any] = field(default_factory=dict)
+    steps: int = 8
+    thresholds: dict[str, float] = field(default_factory=dict)
+    prepare: Callable[[Path, Path], dict[str, Any]] | None = None
+
+    def run(self, tiny: Path, tmp: Path) -> Outcome:
+        spec = _merge(self.spec, self.prepare(tiny, tmp)) if self.prepare else self.spec
+        out, stdout = _run(tiny, tmp, "run", self.steps, spec)
+        return Outcome(out=out, stdout=stdout, rows=metrics(out),
+                       measures=self.measure(tiny, tmp, out))
+
+    def failures(self, outcome: Outcome) -> list[str]:
+        bad = []
+        for name, line in self.thresholds.items():
+            m = outcome.measures[name]
+            ok = m.value < line if name.endswith("_ratio") else m.value > line
+            if not ok:
+                bad.append(f"{name} {m.value:.4f} (before {m.before:.4f}, after {m.after:.4f})"
+                           f" does not pass {line}")
+        return bad
+
+
+def reward_gain(tiny: Path, tmp: Path, out: Path) -> dict[str, Measure]:
+    prompts = eval_prompts(tiny)
+    before = expected_leading_one(tiny / "model", prompts)
+    after = expected_leading_one(final_model(out), prompts)
+    return {"reward_gain": Measure("reward_gain", before, after, after - before)}
+
+
+def grpo_teacher(tiny: Path, tmp: Path) -> dict[str, Any]:
+    """A teacher that starts its answers with "1" far more often than the student: the
+    student after GRPO on leading_one."""
+    teacher, _ = _run(tiny, tmp, "teacher", 12, {"reward": LEARNABLE})
+    return {"algorithm": {"teacherPath": str(final_model(teacher))}}
+
+
+def distillation(tiny: Path, tmp: Path, out: Path) -> dict[str, Measure]:
+    """The student (the tiny model) is distilled from grpo_teacher's model:
+    the KL to the teacher falls, and the student's expected leading_one reward - which the
+    distillation loss never sees - closes on the teacher's."""
+    prompts, teacher = eval_prompts(tiny), final_model(tmp / "teacher")
+    student, distilled = tiny / "model", final_model(out)
+    kl0, kl1 = first_token_kl(student, teacher, prompts), first_token_kl(distilled, teacher,
+                                                                          prompts)
+    r0, r1, rt = (expected_leading_one(m, prompts) for m in (student, distilled, teacher))
+    return {"teacher_kl_ratio": Measure("teacher_kl_ratio", kl0, kl1, kl1 / kl0),
+            "reward_share": Measure("reward_share", r0, r1, (r1 - r0) / (rt - r0))}
+
+
+SEVEN = "7"  # MIXED_SFT's demonstrations answer every problem with it
+
+
+def sevens(tiny: Path, tmp: Path) -> dict[str, Any]:
+    """Demonstrations of something the reward never asks for: every one of 256 training
+    problems answered SEVEN."""
+    lines = (tiny / "data" / "train.jsonl").read_text().splitlines()[:256]
+    demos = tmp / "sevens.jsonl"
+    demos.write_text("".join(json.dumps({"prompt": json.loads(line)["prompt"],
+                                         "label": SEVEN}) + "\n" for line in lines))
+    return {"data": {"sft": {"path": str(demos), "batchSize": 32}}}
+
+
+def demonstrations_nll(tiny: Path, tmp: Path, out: Path) -> dict[str, Measure]:
+    prompts = eval_prompts(tiny)
+    before = answer_nll(tiny / "model", prompts, SEVEN)
+    after = answer_nll(final_model(out), prompts, SEVEN)
+    return {"demo_nll_ratio": Measure("demo_nll_ratio", before, after, after / before)}
+
+
+def _algorithm(algorithm: dict[str, Any], **extra: Any) -> Scenario:
+    return Scenario(reward_gain, {"reward": LEARNABLE, "algorithm": algorithm, **extra},
+                    thresholds={"reward_gain": 0.1})
+
+
+# Every advantage estimator and policy-loss option (test_algorithms.py), and the default job
+# (GRPO, PPO clip, token-mean) colocated (test_local_run.py).
+ALGORITHMS: dict[str, Scenario] = {
+    "grpo-colocated": _algorithm({}, schedule={"saveInterval": 4}),
+    "dr_grpo": _algorithm({"advantageEstimator": "dr_grpo",
+                           "lossAggregation": "seq-mean-token-sum-norm"}),
+    "rloo": _algorithm({"advantageEstimator": "rloo"}),
+    "reinforce_plus_plus": _algorithm({"advantageEstimator": "reinforce_plus_plus",
+                                       "gamma": 0.99}),
+    "reinforce_plus_plus-kl_in_reward": _algorithm(
+        {"advantageEstimator": "reinforce_plus_plus", "klPenalty": "reward", "klCoef": 0.01}),
+    "reinforce_plus_plus_baseline": _algorithm(
+        {"advantageEstimator": "reinforce_plus_plus_baseline"}),
+    "gspo": _algorithm({"policyLoss": "gspo", "lossAggregation": "seq-mean-token-mean",
+                        "epsClip": 3e-4, "epsClipHigh": 4e-4}),
+    "ppo-shared-critic": _algorithm({"advantageEstimator": "ppo", "gamma": 1.0,
+                                     "gaeLambda": 0.95}, critic={"lr": 1e-3}),
+    # its own CPU "node", started from the policy's weights
+    "ppo-dedicated-critic": _algorithm(
+        {"advantageEstimator": "ppo", "klPenalty": "reward", "klCoef": 0.01},
+        critic={"placement": "dedicated", "gpusPerNode": 0, "lr": 1e-3}),
+    "dapo": _algorithm({"epsClipHigh": 0.28, "dynamicSamplingRounds": 3, "overlongBuffer": 2,
+                        "overlongPenalty": 0.5, "tisCap": 2.0, "klCoef": 0.01,
+                        "klLossType": "k3"}),
+}
+
+# On-policy distillation from a GRPO teacher (test_algorithms.py).
+DISTILLATION = Scenario(
+    distillation, {"reward": LEARNABLE,
+                   "algorithm": {"advantageEstimator": "on_policy_distillation", "lr": 2e-4}},
+    steps=16, thresholds={"teacher_kl_ratio": 0.7, "reward_share": 0.5}, prepare=grpo_teacher)
+
+# GRPO on the exact reward plus an SFT term on SEVEN demonstrations (test_algorithms.py).
+MIXED_SFT = Scenario(demonstrations_nll, {"algorithm": {"sftCoef": 1.0}},
+                     thresholds={"demo_nll_ratio": 0.5}, prepare=sevens)
+
+SCENARIOS: dict[str, Scenario] = {**ALGORITHMS, "on_policy_distillation": DISTILLATION,
+                                  "mixed-sft": MIXED_SFT}
