@@ -321,6 +321,13 @@ def decide(body: Mapping[str, Any], observed: Observed, now: datetime,
                              f"RayJob {b.ray_job_name} disappeared", refused, stalled=True)
     else:
         _track(b, job, current_attempt or 0, live_current, observed.raycluster, tun, refused)
+    if b.phase in TERMINAL_PHASES and b.old_phase not in TERMINAL_PHASES:
+        # The pass that finishes the job schedules its TTL: nothing else is due to wake the
+        # operator for it (the watch event of its own status patch may never come, and the
+        # next resync can be long after the expiry).
+        expiry = _ttl_expiry(b, job)
+        if expiry is not None:
+            b.wake(expiry)
     return b.finish(job)
 
 
@@ -437,19 +444,26 @@ def _terminal(b: _Builder, job: RLJob, current: Mapping[str, Any] | None) -> Non
     if (b.old_phase == "Failed" and current is not None
             and _dig(current, "status", "jobStatus") not in RAY_TERMINAL_JOB_STATUSES):
         b.actions.append(DeleteRayJob(str(_dig(current, "metadata", "name"))))
-    ttl = job.spec.ttl_seconds_after_finished
-    done = parse_time(b.completion_time)
-    if ttl is not None and done is not None:
-        # completionTime holds whole seconds (as Kubernetes writes times): the job finished
-        # somewhere in that second, so count from its end. Never early (a TTL of 1 s could
-        # otherwise fire 5 ms after the finish), at most 1 s late.
-        expiry = done + timedelta(seconds=ttl + 1)
+    expiry = _ttl_expiry(b, job)
+    if expiry is not None:
         if b.now >= expiry:
             b.actions.append(DeleteRLJob())
-            b.events.append(Event("Normal", "TTLExpired",
-                                  f"deleting the RLJob {ttl}s after it finished"))
+            b.events.append(Event("Normal", "TTLExpired", f"deleting the RLJob "
+                                  f"{job.spec.ttl_seconds_after_finished}s after it finished"))
         else:
             b.wake(expiry)
+
+
+def _ttl_expiry(b: _Builder, job: RLJob) -> datetime | None:
+    """When ttlSecondsAfterFinished deletes the finished job (None: no TTL, or not finished)."""
+    ttl = job.spec.ttl_seconds_after_finished
+    done = parse_time(b.completion_time)
+    if ttl is None or done is None:
+        return None
+    # completionTime holds whole seconds (as Kubernetes writes times): the job finished
+    # somewhere in that second, so count from its end. Never early (a TTL of 1 s could
+    # otherwise fire 5 ms after the finish), at most 1 s late.
+    return done + timedelta(seconds=ttl + 1)
 
 
 def _succeed(b: _Builder, message: str) -> None:

@@ -5,8 +5,10 @@ kmock 0.8 stores request bodies verbatim. On top of it this adds what a real API
 and the operator relies on: uid/resourceVersion/generation/creationTimestamp on create,
 generateName (Events use it), `/status` subresource semantics (status only through /status;
 a spec change bumps generation), and garbage collection of objects whose owners are gone.
-Plus one test hook: `hold(predicate)` parks matching requests until released, to kill the
-operator at an exact point of a create sequence.
+Plus two test hooks: `hold(predicate)` parks matching requests until released, to kill the
+operator at an exact point of a create sequence; `mute(resource, *types)` silences watch events
+of a resource, as a watch that goes idle without closing does, so that a test controls exactly
+what wakes the operator.
 
 Built on the notes of the kmock lab (kmock internals: objects, buses and requests are matched
 by identity, so a rewritten request must be swapped into `_requests`).
@@ -56,12 +58,22 @@ def _now() -> str:
 class Emulator(kmock.KubernetesEmulator):
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _holds: list[Hold] = attrs.field(factory=list, init=False)
+    _muted: dict[Any, frozenset[str]] = attrs.field(factory=dict, init=False)
 
     # ---------------------------------------------------------------- test hooks
     def hold(self, predicate: Predicate, when: str = "before") -> Hold:
         hold = Hold(predicate, when)
         self._holds.append(hold)
         return hold
+
+    def mute(self, resource: str, *types: str) -> None:
+        """Watch streams of `resource`, open or new, deliver no more events of these types
+        (ADDED, MODIFIED, DELETED; all when none is named). Lists still show everything."""
+        self._muted[kmock.resource(resource)] = frozenset(types)
+
+    def _mutes(self, resource: Any, event: dict[str, Any]) -> bool:
+        types = self._muted.get(resource)
+        return types is not None and (not types or event.get("type") in types)
 
     # ---------------------------------------------------------------- enrichment
     def _current(self, request: Any) -> Any:
@@ -172,9 +184,10 @@ class Emulator(kmock.KubernetesEmulator):
                        if res == request.resource and not o.deleted and matches(o.raw)]
         try:
             for event in initial:
-                yield event
+                if not self._mutes(request.resource, event):
+                    yield event
             async for event in bus.stream(since=mark):
-                if matches(event.get("object", {})):
+                if matches(event.get("object", {})) and not self._mutes(request.resource, event):
                     yield event
         finally:
             await bus.unmark(mark)

@@ -9,6 +9,7 @@ the restart-safety tests crash it. Timers are made short by flags.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import signal
 import socket
@@ -42,9 +43,12 @@ def _free_port() -> int:
 
 async def eventually(predicate: Callable[[], Any], timeout: float = 10.0,
                      what: str | Callable[[], Any] = "") -> Any:
+    """The predicate's first truthy result (it may return an awaitable), polled until `timeout`."""
     deadline = time.monotonic() + timeout
     while True:
         result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
         if result:
             return result
         if time.monotonic() > deadline:
@@ -54,7 +58,8 @@ async def eventually(predicate: Callable[[], Any], timeout: float = 10.0,
 
 
 class Operator:
-    """The operator process. `start()` waits until it watches RLJobs; `kill()` is SIGKILL."""
+    """The operator process. `start()` waits until it watches RLJobs and RayJobs; `kill()` is
+    SIGKILL."""
 
     def __init__(self, emu: Emulator, tmp: Path, extra: list[str]) -> None:
         self.emu = emu
@@ -73,7 +78,7 @@ class Operator:
         }))
 
     async def start(self) -> None:
-        watches = len(self._rljob_watches())
+        before = self._watches()
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
         args = [sys.executable, "-m", "kuberl_operator", "-n", NS, "--no-scanning", "-v",
                 "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port),
@@ -84,13 +89,25 @@ class Operator:
             log.write(f"\n===== start {' '.join(args[1:])}\n")
             self.proc = await asyncio.create_subprocess_exec(
                 *args, env=env, stdout=log, stderr=asyncio.subprocess.STDOUT)
-        await eventually(lambda: len(self._rljob_watches()) > watches or self._died(),
-                         timeout=20, what="the operator watches RLJobs")
+
+        def watching() -> bool:
+            return all(n > b for n, b in zip(self._watches(), before, strict=True))
+        try:
+            await eventually(lambda: watching() or self._died(), timeout=20,
+                             what="the operator watches RLJobs and RayJobs")
+        except AssertionError as exc:
+            # Killed, not left behind: the fixture that failed here never stops it, and it would
+            # keep on retrying the closed emulator. Its log says how far it got.
+            await self.kill()
+            raise AssertionError(f"{exc}; the operator's log:\n{self.output()}") from None
         assert not self._died(), self.output()
 
-    def _rljob_watches(self) -> list[Any]:
-        return [r for r in self.emu[kmock.action.WATCH]
-                if r.resource == kmock.resource(RLJOBS)]
+    def _watches(self) -> tuple[int, int]:
+        """Watch requests so far, of RLJobs and of RayJobs (a new operator makes one of each:
+        then it hears of every change to either)."""
+        watches = [r.resource for r in self.emu[kmock.action.WATCH]]
+        return (sum(1 for r in watches if r == kmock.resource(RLJOBS)),
+                sum(1 for r in watches if r == kmock.resource(RAYJOBS)))
 
     def _died(self) -> bool:
         return self.proc is not None and self.proc.returncode is not None
@@ -115,6 +132,13 @@ class Operator:
         async with aiohttp.ClientSession() as s, s.get(
                 f"http://127.0.0.1:{self.metrics_port}/metrics") as r:
             return await r.text()
+
+    async def reconciles(self) -> float:
+        """Passes that ended well so far (kuberl_operator_reconcile_total{result="success"})."""
+        for line in (await self.metrics()).splitlines():
+            if line.startswith('kuberl_operator_reconcile_total{result="success"}'):
+                return float(line.split()[-1])
+        return 0.0
 
     async def health(self) -> int:
         async with aiohttp.ClientSession() as s, s.get(
@@ -163,6 +187,20 @@ def rljob(emu: Emulator, name: str) -> dict[str, Any] | None:
 def status(emu: Emulator, name: str) -> dict[str, Any]:
     st: dict[str, Any] = (rljob(emu, name) or {}).get("status") or {}
     return st
+
+
+def history(emu: Emulator, name: str) -> list[dict[str, Any]]:
+    """Every stored version of the RLJob, oldest first; kept after it is deleted."""
+    key = (kmock.resource(RLJOBS), NS, name)
+    if key not in emu.objects:
+        return []
+    return [v.raw for v in emu.objects[key].history if v is not None]
+
+
+def phases(emu: Emulator, name: str) -> list[str]:
+    """The phases the RLJob went through, in order (a phase repeats when its status was
+    patched again): a phase that lasted too short to be polled still shows here."""
+    return [p for v in history(emu, name) if (p := (v.get("status") or {}).get("phase"))]
 
 
 def condition(emu: Emulator, name: str, type_: str) -> dict[str, Any]:

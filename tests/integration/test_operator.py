@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
+import kmock
 import pytest
 
 from kuberl_operator.render import names
@@ -21,10 +23,12 @@ from tests.integration.helpers import (
     eventually,
     get,
     heartbeat,
+    history,
     kuberay,
     make_cluster,
     manifest,
     patch,
+    phases,
     rayjobs,
     status,
     wait_phase,
@@ -34,6 +38,13 @@ pytestmark = pytest.mark.integration
 
 def reasons(emu: Emulator, name: str) -> list[str]:
     return [e["reason"] for e in events(emu, name)]
+
+
+async def passes_are(op: Operator, n: int) -> bool:
+    """Whether exactly `n` reconcile passes have ended well (more fails the test)."""
+    done = await op.reconciles()
+    assert done <= n, f"{done} passes, expected {n}"
+    return done == n
 
 
 CHILDREN = [("v1/serviceaccounts", "{}-head"), ("rbac.authorization.k8s.io/v1/roles", "{}-status"),
@@ -69,10 +80,16 @@ async def test_status_follows_kuberay_to_success(k8s: Emulator, operator: Operat
     await heartbeat(k8s, "j2", step=3)
     await wait_phase(k8s, "j2", "Running")
     assert condition(k8s, "j2", "Training")["status"] == "True"
-    text = await operator.metrics()
-    assert 'kuberl_rljob_status_phase{name="j2",namespace="default",phase="Running"} 1.0' in text
-    assert ('kuberl_rljob_condition{name="j2",namespace="default",status="True",'
-            'type="Training"} 1.0') in text
+    # The operator sets its gauges once the status patch has returned, so they may lag the
+    # status the test has just read.
+    gauges = ('kuberl_rljob_status_phase{name="j2",namespace="default",phase="Running"} 1.0',
+              'kuberl_rljob_condition{name="j2",namespace="default",status="True",'
+              'type="Training"} 1.0')
+
+    async def gauges_set() -> str | None:
+        text = await operator.metrics()
+        return text if all(g in text for g in gauges) else None
+    text = await eventually(gauges_set, what="the gauges show Running")
     assert 'kuberl_operator_reconcile_total{result="success"}' in text
     assert "kuberl_operator_reconcile_duration_seconds_bucket" in text
     assert await operator.health() == 200
@@ -200,25 +217,70 @@ async def test_ttl_deletes_the_finished_job(k8s: Emulator, operator: Operator) -
     await create(k8s, RLJOBS, manifest("j10", ttlSecondsAfterFinished=1))
     await wait_phase(k8s, "j10", "Provisioning")
     await kuberay(k8s, "j10-r0", "SUCCEEDED", "Complete")
-    await wait_phase(k8s, "j10", "Succeeded")
+    # Succeeded lasts 1-2 s before the TTL deletes the job: read it from the RLJob's stored
+    # versions, so a poll that comes late finds it too, instead of the job already gone.
+    await eventually(lambda: "Succeeded" in phases(k8s, "j10"),
+                     what=lambda: f"j10 phase Succeeded (phases {phases(k8s, 'j10')})")
     await eventually(lambda: get(k8s, RLJOBS, NS, "j10") is None, timeout=10,
-                     what="RLJob deleted by its TTL")
+                     what=lambda: f"RLJob deleted by its TTL (phases {phases(k8s, 'j10')})")
+    last = history(k8s, "j10")[-1]["status"]
+    assert last["phase"] == "Succeeded" and last["completionTime"]
+    await eventually(lambda: reasons(k8s, "j10") == ["Created", "Succeeded", "TTLExpired"],
+                     what=lambda: reasons(k8s, "j10"))
     # kmock-side GC (owner references) removes the children, as the real GC would.
     await eventually(lambda: all(get(k8s, r, NS, p.format("j10")) is None for r, p in CHILDREN))
+
+
+async def test_ttl_is_scheduled_by_the_pass_that_finishes(k8s: Emulator, tmp_path: Path) -> None:
+    """Once the job has finished, nothing else is due to wake the operator for it: resync is an
+    hour away and the RLJob's watch brings no changes (not even the echoes of the operator's own
+    status patches). The TTL must fire from the wake-up that the finishing pass set."""
+    k8s.mute(RLJOBS, "MODIFIED")
+    op = Operator(k8s, tmp_path, ["--resync-seconds", "3600"])
+    await op.start()
+    try:
+        await create(k8s, RLJOBS, manifest("j12", ttlSecondsAfterFinished=1))
+        # Exactly two passes: for the RLJob's ADDED, then for its new RayJob's ADDED.
+        await eventually(lambda: passes_are(op, 2), what="two passes")
+        assert status(k8s, "j12")["phase"] == "Provisioning"
+        await kuberay(k8s, "j12-r0", "SUCCEEDED", "Complete")  # the one event left: pass 3
+        await eventually(lambda: "Succeeded" in phases(k8s, "j12"),
+                         what=lambda: f"j12 phase Succeeded (phases {phases(k8s, 'j12')})")
+        await eventually(lambda: get(k8s, RLJOBS, NS, "j12") is None, timeout=10,
+                         what=lambda: f"RLJob deleted by its TTL (phases {phases(k8s, 'j12')})")
+    finally:
+        await op.stop()
+
+
+async def series(op: Operator, name: str) -> bool:
+    """Whether the operator's /metrics has series of the RLJob `name`."""
+    return f'name="{name}"' in await op.metrics()
 
 
 async def test_delete_leaves_gc_to_owner_references(k8s: Emulator, operator: Operator) -> None:
     await create(k8s, RLJOBS, manifest("j11"))
     await wait_phase(k8s, "j11", "Provisioning")
-    assert 'name="j11"' in await operator.metrics()
+    # The gauges are set once the status patch has returned, so they may lag the status.
+    await eventually(lambda: series(operator, "j11"), what="series of j11")
     await delete(k8s, RLJOBS, "j11")
     assert get(k8s, RLJOBS, NS, "j11") is None, "no finalizer holds the deletion"
     await eventually(lambda: all(get(k8s, r, NS, p.format("j11")) is None for r, p in CHILDREN))
 
     async def gone() -> bool:
-        return 'name="j11"' not in await operator.metrics()
-    for _ in range(100):
-        if await gone():
-            break
-        await asyncio.sleep(0.05)
-    assert await gone(), "series of a deleted RLJob are removed"
+        return not await series(operator, "j11")
+    await eventually(gone, what="series of a deleted RLJob are removed")
+
+
+async def test_deleted_during_a_pass_leaves_no_series(k8s: Emulator, operator: Operator) -> None:
+    """A pass that read the RLJob before it was deleted ends after the operator heard of the
+    deletion; the series it sets must not outlive the RLJob. (An invalid spec: no children, so
+    no later event of theirs wakes the operator to clean up.)"""
+    held = k8s.hold(lambda r: r.action == kmock.action.UPDATE and r.name == "j13"
+                    and r.resource == kmock.resource(RLJOBS))
+    await create(k8s, RLJOBS, manifest("j13", training={"nodes": 0}))
+    await eventually(lambda: held.hits, what="the first pass patches the status")
+    await delete(k8s, RLJOBS, "j13")
+    await asyncio.sleep(2 * RESYNC)  # time to hear of the deletion while the pass is held
+    held.release()  # the patch now finds the RLJob gone, and the pass goes on to its gauges
+    await asyncio.sleep(2 * RESYNC)  # that pass, and any after it, are over
+    assert not await series(operator, "j13"), "no series outlive the RLJob"

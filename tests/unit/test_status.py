@@ -434,6 +434,14 @@ def test_fresh_job_walkthrough() -> None:
     assert decide(b, done, t + timedelta(seconds=11), TUN).actions == (DeleteRLJob(),)
 
 
+def test_the_finishing_decision_schedules_the_ttl() -> None:
+    """The pass that finishes a job wakes the operator at the TTL's expiry itself: nothing
+    else is due to (its own status patch's watch event may never come, the resync is long)."""
+    b = body(running_status(), spec=spec(ttlSecondsAfterFinished=60))
+    d = decide(b, Observed(rayjobs=(rayjob(0, "SUCCEEDED", "Complete"),)), NOW, TUN)
+    assert d.phase == "Succeeded" and d.requeue_at == NOW + timedelta(seconds=61)
+
+
 def test_requeue_at_points_at_the_next_time_based_change() -> None:
     b = body(running_status(progress={"lastHeartbeatTime": ago(10)}, startTime=ago(100)),
              spec=spec(activeDeadlineSeconds=1000))

@@ -62,10 +62,11 @@ def register(registry: kopf.OperatorRegistry, config: Config, metrics: Metrics) 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     async def rljob_event(type: str | None, body: kopf.Body, **_: Any) -> None:
         key = (str(body.metadata.namespace), str(body.metadata.name))
-        if type == "DELETED":
-            controller().forget(key)
-            return
-        controller().known.add(key)
+        if type != "DELETED":
+            controller().known.add(key)
+        # A deleted RLJob is forgotten (wake-up, metrics) by the pass that finds it gone, which
+        # runs after any pass still in flight; forgotten here, that pass would set its metrics
+        # again as it ends, and nothing would remove them.
         controller().trigger(key)
 
     @kopf.on.event("ray.io", "v1", "rayjobs", labels={names.LABEL_JOB: kopf.PRESENT},
