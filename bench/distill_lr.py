@@ -49,6 +49,7 @@ async def run(lr: float, steps: int, every: int) -> list[tuple[int, float, float
         "data": {"prompts": data, "rolloutBatchSize": 16, "nSamplesPerPrompt": 8,
                  "maxPromptLen": 8, "maxResponseLen": 4},
         "training": {"backend": "fsdp", "gpusPerNode": 0, "microBatchSize": 64},
+        "rollout": {"engine": "reference"},
         "reward": {"type": "exact"},
         "algorithm": {"advantageEstimator": "on_policy_distillation", "lr": lr,
                       "teacherPath": str(teacher / "model")}}

@@ -41,14 +41,14 @@ def manifest(out: Path, args: argparse.Namespace) -> dict[str, Any]:
                      "microBatchSize": args.micro_batch},
         # The engine serves in the dtype the trainer sends (megatron: bf16, fsdp: its fp32
         # master weights), so the checksum check compares identical bytes.
-        "rollout": {"engine": "reference", "gpusPerEngine": 1, "gpusPerNode": 1,
+        "rollout": {"engine": "reference", "gpusPerEngine": 1,
                     "engineArgs": {"dtype": "bfloat16" if args.backend == "megatron"
                                    else "float32"}},
         "placement": args.placement,
         "schedule": {"numRollouts": args.steps},
     }
-    if args.placement == "disaggregated":
-        spec["rollout"]["gpus"] = 1
+    if args.placement == "disaggregated":  # (colocated engines take the training pods' GPUs)
+        spec["rollout"] |= {"gpus": 1, "gpusPerNode": 1}
     return {"apiVersion": "kuberl.dev/v1alpha1", "kind": "RLJob",
             "metadata": {"name": "gpu-loop"}, "spec": spec}
 

@@ -64,6 +64,7 @@ _validation = importlib.import_module("tests.unit.test_api_validation")
 admit: Callable[..., list[str]] = _admission.admit
 base: Callable[[], dict[str, Any]] = _validation.base
 BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = _validation.BAD_SPECS
+GOOD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None]]] = _validation.GOOD_SPECS
 
 pytestmark = pytest.mark.e2e
 
@@ -232,6 +233,24 @@ def test_invalid_manifests_refused_naming_the_field(k8s_cluster: Cluster,
     assert not failures, "\n".join(failures)
     listed = c.api().get(RLJOBS.format(ns=validation_ns))["items"]
     assert not [o["metadata"]["name"] for o in listed], "a refused manifest was stored"
+
+
+def test_near_misses_accepted(k8s_cluster: Cluster, validation_ns: str) -> None:
+    """The unit tier's near misses of the rules (tests/unit/test_api_validation.py GOOD_SPECS:
+    settings right beside a refused one, written at their defaults, or with the option they
+    need) are accepted by the real server too; nothing more is refused than the model refuses.
+    """
+    c = k8s_cluster
+    manifests = [_bad_manifest(f"ok-{case}", edit, validation_ns) for case, edit in GOOD_SPECS]
+    assert len({m["metadata"]["name"] for m in manifests}) == len(manifests)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda obj: kubectl_apply(c, obj), manifests))
+    refused = [f"{obj['metadata']['name']}: {proc.stderr.strip()}"
+               for obj, proc in zip(manifests, results, strict=True) if proc.returncode != 0]
+    assert not refused, "\n".join(refused)
+    for obj in manifests:
+        c.kubectl("delete", "rljob", obj["metadata"]["name"], "-n", validation_ns,
+                  "--wait=true")
 
 
 @pytest.mark.parametrize("name", ["a" * 41, "Math-GRPO", "1job", "job_1"])

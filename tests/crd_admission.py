@@ -110,6 +110,11 @@ def _cel_errors(schema: Schema, value: Any, old: Any, path: str) -> list[str]:
             if name in value:
                 sub_old = old.get(name) if isinstance(old, dict) else None
                 out += _cel_errors(prop, value[name], sub_old, f"{path}.{name}")
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        # Rules on list items run on each item (as on a create: transition rules on items of
+        # a list that is not a map-list have no old item to compare with).
+        for i, item in enumerate(value):
+            out += _cel_errors(schema["items"], item, None, f"{path}[{i}]")
     return out
 
 

@@ -48,7 +48,10 @@ def _describe(err: Any) -> tuple[str, str]:
     ctx = err.get("ctx") or {}
     cause = ctx.get("error")
     if isinstance(cause, FieldError):
-        return _path([*loc, *cause.field.split(".")]), f"{cause.problem} (got {cause.value!r})"
+        parts = cause.field.split(".")
+        if loc and loc[-1] == parts[0]:  # a field validator's: pydantic's loc names the field
+            parts = parts[1:]
+        return _path([*loc, *parts]), f"{cause.problem} (got {cause.value!r})"
     kind = err["type"]
     if kind == "missing":
         return _path(loc), "is required"

@@ -10,6 +10,7 @@ import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
 
 from kuberl_api.base import ApiModel, cel, cel_rules, check
 
@@ -69,8 +70,48 @@ def _mp_outside(training: str) -> str:
                        for p in ("tp", "pp", "cp"))
 
 
+def _at_defaults(path: str, model: type[ApiModel]) -> str:
+    """CEL: the section at `path` holds only `model`'s defaults. The API server fills in every
+    default before the rules run, so an untouched section reads as exactly these values."""
+    return "(" + " && ".join(_at_default(path, model, name)
+                             for name in model.model_fields) + ")"
+
+
+def _at_default(path: str, model: type[ApiModel], name: str) -> str:
+    """CEL: field `name` of `model`'s section at `path` holds its default."""
+    info = model.model_fields[name]
+    field = f"{path}.{info.alias or name}"
+    default = info.get_default(call_default_factory=True)
+    if default is None:
+        return f"!has({field})"
+    if isinstance(default, ApiModel):
+        return _at_defaults(field, type(default))
+    if isinstance(default, (dict, list)):
+        if default:
+            raise ValueError(f"{field}: only empty map or list defaults are supported")
+        return f"size({field}) == 0"
+    if isinstance(default, bool):
+        return f"{field} == {str(default).lower()}"
+    if isinstance(default, str):
+        return f"{field} == '{default}'"
+    return f"{field} == {default!r}"  # int or float: repr keeps a float a double (1.0, not 1)
+
+
+def _is_default(section: ApiModel, name: str) -> bool:
+    """Python's twin of `_at_default`."""
+    info = type(section).model_fields[name]
+    return bool(getattr(section, name) == info.get_default(call_default_factory=True))
+
+
+def _shown(value: object) -> object:
+    """A field's value for an error message: a section as the fields set away from defaults."""
+    return value.model_dump(by_alias=True, exclude_defaults=True) if isinstance(
+        value, ApiModel) else value
+
+
 DEFAULT_TRAINER_IMAGE = "ghcr.io/kuberl/trainer:0.1.0"
 DEFAULT_ROLLOUT_IMAGE = "ghcr.io/kuberl/rollout:0.1.0"
+DEFAULT_GPUS_PER_NODE = 8
 
 class Storage(ApiModel):
     """A PersistentVolumeClaim mounted into every pod of the job at `mountPath`."""
@@ -130,7 +171,9 @@ class ModelSpec(ApiModel):
 class EvalSet(ApiModel):
     name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9_]*[a-z0-9])?$")
     path: str = Field(min_length=1, max_length=MAX_STR, description="JSONL or Parquet file.")
-    n_samples_per_prompt: int = Field(1, ge=1, le=1024)
+    n_samples_per_prompt: int = Field(1, ge=1, le=1024, description="Samples per problem: 1 "
+                                      "is greedy, more sample at algorithm.temperature; the "
+                                      "set's score is their mean reward.")
 
 
 class SftData(ApiModel):
@@ -166,7 +209,9 @@ class DataSpec(ApiModel):
     max_prompt_len: int = Field(1024, ge=1, le=1048576, description="Tokens.")
     max_response_len: int = Field(1024, ge=1, le=1048576, description="Tokens.")
     storage: Storage | None = Field(None, description="PVC that holds the data.")
-    eval_sets: list[EvalSet] = Field(default_factory=list, max_length=16)
+    eval_sets: list[EvalSet] = Field(default_factory=list, max_length=16,
+                                     description="Held-out sets, evaluated every "
+                                     "schedule.evalInterval steps (both or neither).")
     sft: SftData | None = Field(None, description="Demonstrations for algorithm.sftCoef's "
                                 "NLL term, trained on beside every RL step.")
 
@@ -216,6 +261,23 @@ LossAggregation = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
 ]
 KlPenalty = Literal["loss", "reward"]
+# Estimators that discount token returns with algorithm.gamma (reinforce_plus_plus_baseline's
+# returns are undiscounted; see kuberl_trainer.algos.estimators).
+DISCOUNTED_ESTIMATORS = ("reinforce_plus_plus", "ppo")
+
+# Settings that only mean something beside another one; each is refused where it would be
+# ignored, so what a user wrote is what runs.
+KL_REWARD_NEEDS_COEF = "klPenalty: reward needs klCoef > 0"
+KL_TYPE_NEEDS_COEF = ("klLossType applies only with klCoef > 0 (it picks the estimator of the "
+                      "KL term klCoef weighs)")
+DUAL_CLIP_PPO_ONLY = ("epsClipC (dual clip) applies to policyLoss: ppo only (gspo clips the "
+                      "sequence ratio)")
+GAMMA_APPLIES = ("gamma applies to advantageEstimator " + " or ".join(DISCOUNTED_ESTIMATORS)
+                 + " only (the discount of their token returns)")
+GAE_LAMBDA_APPLIES = "gaeLambda applies to advantageEstimator: ppo only (GAE's lambda)"
+OVERLONG_PENALTY_APPLIES = ("overlongPenalty applies only with overlongBuffer (DAPO overlong "
+                            "shaping is off without it)")
+MIN_LR_APPLIES = "minLrRatio applies only when lrDecayStyle decays (linear or cosine)"
 
 
 class AlgorithmSpec(ApiModel):
@@ -232,6 +294,20 @@ class AlgorithmSpec(ApiModel):
             cel("(self.advantageEstimator == 'on_policy_distillation') == has(self.teacherPath)",
                 "teacherPath is required by advantageEstimator on_policy_distillation, and "
                 "only used by it", ".teacherPath"),
+            cel("self.klPenalty != 'reward' || self.klCoef > 0.0", KL_REWARD_NEEDS_COEF,
+                ".klPenalty"),
+            cel("self.klCoef > 0.0 || self.klLossType == 'low_var_kl'", KL_TYPE_NEEDS_COEF,
+                ".klLossType"),
+            cel("!has(self.epsClipC) || self.policyLoss == 'ppo'", DUAL_CLIP_PPO_ONLY,
+                ".epsClipC"),
+            cel(f"self.gamma == 1.0 || self.advantageEstimator in {list(DISCOUNTED_ESTIMATORS)}",
+                GAMMA_APPLIES, ".gamma"),
+            cel("self.gaeLambda == 0.95 || self.advantageEstimator == 'ppo'", GAE_LAMBDA_APPLIES,
+                ".gaeLambda"),
+            cel("self.overlongPenalty == 1.0 || has(self.overlongBuffer)",
+                OVERLONG_PENALTY_APPLIES, ".overlongPenalty"),
+            cel("self.minLrRatio == 0.0 || self.lrDecayStyle != 'constant'", MIN_LR_APPLIES,
+                ".minLrRatio"),
         )
     }
 
@@ -260,24 +336,29 @@ class AlgorithmSpec(ApiModel):
         "constant", description="LR after warmup: constant, or decayed (linear or cosine) to "
         "lr * minLrRatio at the run's last optimizer step.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR as a fraction of lr "
-                                "when lrDecayStyle decays.")
+                                "when lrDecayStyle decays (linear or cosine only).")
     eps_clip: float = Field(0.2, gt=0, le=10, description="PPO clip range (lower side).")
     eps_clip_high: float | None = Field(None, gt=0, le=10,
                                         description="Upper clip range (clip-higher); = epsClip.")
-    eps_clip_c: float | None = Field(None, gt=1, le=100, description="Dual-clip constant.")
+    eps_clip_c: float | None = Field(None, gt=1, le=100, description="Dual-clip constant "
+                                     "(policyLoss ppo): for negative advantages the loss is "
+                                     "also capped at -A * epsClipC; unset: off.")
     tis_cap: float | None = Field(
         None, gt=0, le=100, description="Truncated importance sampling: weight each token's "
         "policy loss by min(pi_old / pi_rollout, tisCap), correcting for the engines' own "
         "log-probs differing from the trainer's; unset: off.")
-    kl_coef: float = Field(0.0, ge=0, le=100, description="Weight of the KL term.")
-    kl_loss_type: KlType = "low_var_kl"
+    kl_coef: float = Field(0.0, ge=0, le=100, description="Weight of the KL term; 0: off.")
+    kl_loss_type: KlType = Field(
+        "low_var_kl", description="Estimator of the KL term (k1, k2, k3, low_var_kl); only "
+        "with klCoef > 0.")
     kl_penalty: KlPenalty = Field(
         "loss", description="Where klCoef applies: loss (a KL(policy || reference) term in "
-        "the loss) or reward (a per-token penalty in the rewards; token-level estimators).")
+        "the loss) or reward (a per-token penalty in the rewards; token-level estimators, "
+        "klCoef > 0).")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount of token-level returns "
-                         "(reinforce_plus_plus, ppo).")
-    gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE's lambda (ppo): 1 is the "
-                              "Monte-Carlo return, 0 the one-step TD error.")
+                         "(reinforce_plus_plus, ppo only).")
+    gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE's lambda (ppo only): 1 is "
+                              "the Monte-Carlo return, 0 the one-step TD error.")
     entropy_coef: float = Field(0.0, ge=0, le=100)
     sft_coef: float = Field(0.0, ge=0, le=100, description="Weight of an SFT (NLL) term on "
                             "data.sft's demonstrations, added to every optimizer step (mixed "
@@ -295,7 +376,8 @@ class AlgorithmSpec(ApiModel):
         "tokens of data.maxResponseLen the reward ramps down by up to overlongPenalty; "
         "unset: off.")
     overlong_penalty: float = Field(1.0, ge=0, le=100, description="The overlong shaping's "
-                                    "penalty at data.maxResponseLen.")
+                                    "penalty at data.maxResponseLen (with overlongBuffer "
+                                    "only).")
 
     @model_validator(mode="after")
     def _clip_order(self) -> AlgorithmSpec:
@@ -312,13 +394,69 @@ class AlgorithmSpec(ApiModel):
               + " or ".join(TOKEN_LEVEL_ESTIMATORS) + ")")
         return self
 
+    @model_validator(mode="after")
+    def _kl_settings_need_kl(self) -> AlgorithmSpec:
+        check(self.kl_penalty != "reward" or self.kl_coef > 0, "klPenalty", self.kl_penalty,
+              KL_REWARD_NEEDS_COEF)
+        check(self.kl_coef > 0 or self.kl_loss_type == "low_var_kl", "klLossType",
+              self.kl_loss_type, KL_TYPE_NEEDS_COEF)
+        return self
+
+    @model_validator(mode="after")
+    def _settings_of_other_options(self) -> AlgorithmSpec:
+        check(self.eps_clip_c is None or self.policy_loss == "ppo", "epsClipC", self.eps_clip_c,
+              DUAL_CLIP_PPO_ONLY)
+        check(self.gamma == 1.0 or self.advantage_estimator in DISCOUNTED_ESTIMATORS, "gamma",
+              self.gamma, GAMMA_APPLIES)
+        check(self.gae_lambda == 0.95 or self.advantage_estimator == "ppo", "gaeLambda",
+              self.gae_lambda, GAE_LAMBDA_APPLIES)
+        check(self.overlong_penalty == 1.0 or self.overlong_buffer is not None,
+              "overlongPenalty", self.overlong_penalty, OVERLONG_PENALTY_APPLIES)
+        check(self.min_lr_ratio == 0.0 or self.lr_decay_style != "constant", "minLrRatio",
+              self.min_lr_ratio, MIN_LR_APPLIES)
+        return self
+
+
+# Kubernetes refuses such tolerations when KubeRay creates the pods, which would leave the job
+# waiting for pods that never come; refused here instead, in Kubernetes' own terms.
+TOLERATION_EXISTS_HAS_NO_VALUE = ("value must be empty with operator Exists (it tolerates the "
+                                  "key's taints whatever their value)")
+TOLERATION_EQUAL_NEEDS_KEY = ("operator Equal needs a key (only operator Exists may leave key "
+                              "empty, to tolerate every taint)")
+TOLERATION_SECONDS_NO_EXECUTE = "tolerationSeconds applies only to effect NoExecute"
+
 
 class Toleration(ApiModel):
+    """A Kubernetes pod toleration, as in a pod spec."""
+
+    model_config = {
+        "json_schema_extra": cel_rules(
+            cel("self.operator != 'Exists' || !has(self.value) || self.value == ''",
+                TOLERATION_EXISTS_HAS_NO_VALUE, ".value"),
+            cel("self.operator != 'Equal' || (has(self.key) && self.key != '')",
+                TOLERATION_EQUAL_NEEDS_KEY, ".key"),
+            cel("!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+                TOLERATION_SECONDS_NO_EXECUTE, ".tolerationSeconds"),
+        )
+    }
+
     key: str | None = Field(None, max_length=316)
     operator: Literal["Exists", "Equal"] = "Equal"
     value: str | None = Field(None, max_length=63)
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = Field(None, ge=0)
+    toleration_seconds: int | None = Field(
+        None, ge=0, description="effect NoExecute only: how long the pod stays bound to a "
+        "node after the taint appears.")
+
+    @model_validator(mode="after")
+    def _valid_for_kubernetes(self) -> Toleration:
+        check(self.operator != "Exists" or not self.value, "value", self.value,
+              TOLERATION_EXISTS_HAS_NO_VALUE)
+        check(self.operator != "Equal" or bool(self.key), "key", self.key,
+              TOLERATION_EQUAL_NEEDS_KEY)
+        check(self.toleration_seconds is None or self.effect == "NoExecute",
+              "tolerationSeconds", self.toleration_seconds, TOLERATION_SECONDS_NO_EXECUTE)
+        return self
 
 
 class NodePool(ApiModel):
@@ -335,13 +473,37 @@ class Resources(ApiModel):
     memory: str | None = Field(None, max_length=64, pattern=QUANTITY_PATTERN)
 
 
+CP_NOT_SUPPORTED = "context parallelism (cp > 1) is not supported yet"
+EP_NOT_SUPPORTED = ("expert parallelism (ep > 1) is not supported yet: the megatron backend "
+                    "trains dense models (Qwen2, Qwen3, Llama 3)")
+
+
 class Parallelism(ApiModel):
     """Model parallel sizes; data parallelism is what is left of the training GPUs."""
 
+    model_config = {
+        "json_schema_extra": cel_rules(
+            # The megatron backend builds a context-parallel grid but never splits sequences
+            # over it; with no MoE model, there are no experts to spread.
+            cel(f"{_outside('self.cp', 1, MAX_PARALLEL)} || self.cp == 1", CP_NOT_SUPPORTED,
+                ".cp"),
+            cel(f"{_outside('self.ep', 1, MAX_PARALLEL)} || self.ep == 1", EP_NOT_SUPPORTED,
+                ".ep"),
+        )
+    }
+
     tp: int = Field(1, ge=1, le=MAX_PARALLEL, description="Tensor parallel size.")
     pp: int = Field(1, ge=1, le=MAX_PARALLEL, description="Pipeline parallel size.")
-    cp: int = Field(1, ge=1, le=MAX_PARALLEL, description="Context parallel size.")
-    ep: int = Field(1, ge=1, le=MAX_PARALLEL, description="Expert parallel size.")
+    cp: int = Field(1, ge=1, le=MAX_PARALLEL,
+                    description="Context parallel size; only 1 (not supported yet).")
+    ep: int = Field(1, ge=1, le=MAX_PARALLEL,
+                    description="Expert parallel size; only 1 (not supported yet).")
+
+    @model_validator(mode="after")
+    def _supported(self) -> Parallelism:
+        check(self.cp == 1, "cp", self.cp, CP_NOT_SUPPORTED)
+        check(self.ep == 1, "ep", self.ep, EP_NOT_SUPPORTED)
+        return self
 
 
 class TrainingSpec(ApiModel):
@@ -353,9 +515,8 @@ class TrainingSpec(ApiModel):
                 "parallelism.tp * pp * cp must divide the training GPU count"
                 " (nodes * gpusPerNode)", ".parallelism"),
             cel("self.backend == 'megatron' || (self.parallelism.tp == 1 && "
-                "self.parallelism.pp == 1 && self.parallelism.cp == 1 && "
-                "self.parallelism.ep == 1)",
-                "backend fsdp supports only data parallelism: tp, pp, cp and ep must be 1",
+                "self.parallelism.pp == 1)",
+                "backend fsdp supports only data parallelism: tp and pp must be 1",
                 ".parallelism"),
             cel("self.backend != 'megatron' || self.gpusPerNode > 0",
                 "backend megatron trains on GPUs: gpusPerNode must be at least 1 (use backend "
@@ -368,7 +529,7 @@ class TrainingSpec(ApiModel):
     backend: Literal["megatron", "fsdp"] = "megatron"
     image: str = Field(DEFAULT_TRAINER_IMAGE, min_length=1, max_length=MAX_STR)
     nodes: int = Field(1, ge=1, le=MAX_NODES, description="Training pods, one per node.")
-    gpus_per_node: int = Field(8, ge=0, le=MAX_GPUS_PER_NODE,
+    gpus_per_node: int = Field(DEFAULT_GPUS_PER_NODE, ge=0, le=MAX_GPUS_PER_NODE,
                                description="0 trains on CPU (one worker a pod).")
     parallelism: Parallelism = Field(default_factory=Parallelism)
     micro_batch_size: int = Field(1, ge=1, le=MAX_MICRO_BATCH,
@@ -397,9 +558,9 @@ class TrainingSpec(ApiModel):
         check(self.world_size % model_parallel == 0, "parallelism", p.model_dump(),
               f"tp * pp * cp = {model_parallel} must divide the training GPU count "
               f"nodes * gpusPerNode = {self.world_size}")
-        if self.backend == "fsdp":
-            check(model_parallel * p.ep == 1, "parallelism", p.model_dump(),
-                  "backend fsdp supports only data parallelism: tp, pp, cp and ep must be 1 "
+        if self.backend == "fsdp":  # (cp and ep are 1 for every backend: Parallelism)
+            check(p.tp == 1 and p.pp == 1, "parallelism", p.model_dump(),
+                  "backend fsdp supports only data parallelism: tp and pp must be 1 "
                   "(use backend megatron for model parallelism)")
         check(self.backend != "megatron" or self.gpus_per_node > 0, "gpusPerNode",
               self.gpus_per_node, "backend megatron trains on GPUs: gpusPerNode must be at "
@@ -408,6 +569,37 @@ class TrainingSpec(ApiModel):
               f"tensor parallelism must fit on one node: tp must be at most gpusPerNode "
               f"({self.gpus_per_node})")
         return self
+
+
+ENGINE_ARG_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
+# The engine server flags kuberl passes itself (kuberl_trainer.actors' engine command: SGLang's
+# and the reference engine's), with SGLang's aliases of them, and where each value comes from.
+# An engineArgs entry for one would be a second, conflicting value of the flag.
+KUBERL_ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
+    "model.path": ("model-path", "model"),
+    "model.tokenizer": ("tokenizer-path",),
+    "the Ray node the engine runs on: host 0.0.0.0, a free port": ("host", "port"),
+    "rollout.gpusPerEngine": ("tp-size", "tensor-parallel-size", "tp"),
+    "the run's seed and the engine's index": ("random-seed", "seed"),
+    "the rollout GPUs (cuda with GPUs, cpu without)": ("device",),
+    "the CPU cores the engine shares": ("torch-threads",),
+}
+KUBERL_ENGINE_FLAG_SOURCE = {flag: source for source, flags in KUBERL_ENGINE_FLAGS.items()
+                             for flag in flags}
+# The reference engine's own flags (kuberl_rollout.reference's argparse) that kuberl leaves to
+# the user; it refuses any other flag at start.
+REFERENCE_ENGINE_FLAGS = ("dtype", "weight-version", "max-batch-size", "batch-wait-ms",
+                          "weight-sync-timeout")
+ENGINE_ARG_NAMES = ("engineArgs keys are flag names without the leading '--': lowercase "
+                    "letters, digits and '-' (e.g. mem-fraction-static)")
+REFERENCE_ENGINE_ARGS = ("the reference engine takes only these engineArgs: "
+                         + ", ".join(REFERENCE_ENGINE_FLAGS))
+
+
+def _kuberl_flag_rule(source: str, flags: tuple[str, ...]) -> dict[str, str]:
+    listed = " or ".join(flags)
+    return cel(f"!self.exists(k, k in {list(flags)})",
+               f"engineArgs may not set {listed} (kuberl sets it from {source})")
 
 
 _ROLLOUT_GPUS_OUTSIDE = _outside("self.gpus", 0, MAX_ROLLOUT_GPUS)
@@ -420,54 +612,78 @@ class RolloutSpec(ApiModel):
                 f"{_outside('self.gpusPerEngine', 1, MAX_GPUS_PER_ENGINE)} || "
                 "self.gpus % self.gpusPerEngine == 0",
                 "gpus must be a multiple of gpusPerEngine", ".gpus"),
-            cel("!has(self.gpus) || self.gpus == 0 || self.gpusPerEngine <= self.gpusPerNode",
-                "an engine must fit on one node: gpusPerEngine must be at most gpusPerNode",
-                ".gpusPerEngine"),
-            cel(f"!has(self.gpus) || {_ROLLOUT_GPUS_OUTSIDE} || "
-                f"{_outside('self.gpusPerNode', 1, MAX_GPUS_PER_NODE)} || "
-                "self.gpus <= self.gpusPerNode || self.gpus % self.gpusPerNode == 0",
-                "gpus above one node must fill whole nodes (a multiple of gpusPerNode)",
-                ".gpus"),
+            # Keys that are malformed or kuberl's own are reported by the field's rules.
+            cel("self.engine != 'reference' || self.engineArgs.all(k, "
+                f"k in {list(REFERENCE_ENGINE_FLAGS + tuple(KUBERL_ENGINE_FLAG_SOURCE))} || "
+                f"!k.matches('{ENGINE_ARG_PATTERN}'))",
+                REFERENCE_ENGINE_ARGS, ".engineArgs"),
         )
     }
 
     engine: Literal["sglang", "reference"] = Field(
-        "sglang", description="sglang in clusters; reference is the project's HF engine.")
-    image: str = Field(DEFAULT_ROLLOUT_IMAGE, min_length=1, max_length=MAX_STR)
+        "sglang", description="sglang in clusters (needs rollout GPUs); reference is the "
+        "project's HF engine (CPU or GPU).")
+    image: str = Field(DEFAULT_ROLLOUT_IMAGE, min_length=1, max_length=MAX_STR,
+                       description="Image of the rollout pods (placement: disaggregated only).")
     gpus: int | None = Field(
         None, ge=0, le=MAX_ROLLOUT_GPUS,
         description="Total rollout GPUs. Colocated: defaults to (and must equal) the training "
-        "GPUs. Disaggregated: required.")
+        "GPUs. Disaggregated: required. 0: engines on CPU.")
     gpus_per_engine: int = Field(1, ge=1, le=MAX_GPUS_PER_ENGINE,
                                  description="Tensor parallel size of an engine.")
-    gpus_per_node: int = Field(8, ge=1, le=MAX_GPUS_PER_NODE,
-                               description="GPUs per rollout pod (disaggregated).")
+    gpus_per_node: int = Field(DEFAULT_GPUS_PER_NODE, ge=1, le=MAX_GPUS_PER_NODE,
+                               description="GPUs per rollout pod (placement: disaggregated "
+                               "only).")
     engines: int | None = Field(
-        None, ge=1, le=4096, description="Engine count when rollout runs on CPU (gpus: 0).")
+        None, ge=1, le=4096, description="Engine count when rollout runs on CPU (no rollout "
+        "GPUs) only; default 1. With GPUs the count is rollout GPUs / gpusPerEngine.")
     node_pool: NodePool = Field(default_factory=NodePool)
-    resources: Resources = Field(default_factory=Resources)
+    resources: Resources = Field(default_factory=Resources,
+                                 description="CPU and memory per rollout pod (placement: "
+                                 "disaggregated only).")
     engine_args: dict[str, str] = Field(
         default_factory=dict, max_length=64,
-        description="Extra engine server flags, e.g. {mem-fraction-static: '0.8'}.")
+        description="Extra engine server flags without the leading '--', e.g. "
+        "{mem-fraction-static: '0.8'}; not the flags kuberl sets itself (model-path, "
+        "tokenizer-path, host, port, tp-size, random-seed/seed, device, torch-threads). The "
+        "reference engine takes only " + ", ".join(REFERENCE_ENGINE_FLAGS) + ".",
+        json_schema_extra=cel_rules(
+            cel(f"self.all(k, k.matches('{ENGINE_ARG_PATTERN}'))", ENGINE_ARG_NAMES),
+            *(_kuberl_flag_rule(source, flags)
+              for source, flags in KUBERL_ENGINE_FLAGS.items())))
+
+    @field_validator("engine_args")
+    @classmethod
+    def _engine_arg_names(cls, args: dict[str, str]) -> dict[str, str]:
+        for key in args:
+            check(re.fullmatch(ENGINE_ARG_PATTERN, key) is not None, "engineArgs", key,
+                  ENGINE_ARG_NAMES)
+            source = KUBERL_ENGINE_FLAG_SOURCE.get(key)
+            check(source is None, "engineArgs", key,
+                  f"engineArgs may not set {key} (kuberl sets it from {source})")
+        return args
 
     @model_validator(mode="after")
     def _engine_layout(self) -> RolloutSpec:
-        if self.gpus is None or self.gpus == 0:
-            return self
-        check(self.gpus % self.gpus_per_engine == 0, "gpus", self.gpus,
-              f"rollout gpus must be a multiple of gpusPerEngine ({self.gpus_per_engine})")
-        check(self.gpus_per_engine <= self.gpus_per_node, "gpusPerEngine",
-              self.gpus_per_engine,
-              f"an engine must fit on one node: at most gpusPerNode ({self.gpus_per_node})")
-        check(self.gpus <= self.gpus_per_node or self.gpus % self.gpus_per_node == 0, "gpus",
-              self.gpus, f"rollout gpus above one node must fill whole nodes "
-              f"(a multiple of gpusPerNode = {self.gpus_per_node})")
+        if self.gpus:
+            check(self.gpus % self.gpus_per_engine == 0, "gpus", self.gpus,
+                  f"rollout gpus must be a multiple of gpusPerEngine ({self.gpus_per_engine})")
+        return self
+
+    @model_validator(mode="after")
+    def _reference_engine_flags(self) -> RolloutSpec:
+        if self.engine == "reference":
+            for key in self.engine_args:
+                check(key in REFERENCE_ENGINE_FLAGS, "engineArgs", key,
+                      f"the reference engine has no flag --{key} (allowed: "
+                      f"{', '.join(REFERENCE_ENGINE_FLAGS)})")
         return self
 
 
 class ScheduleSpec(ApiModel):
     num_rollouts: int = Field(100, ge=1, le=10_000_000, description="Training steps.")
-    eval_interval: int | None = Field(None, ge=1, description="Evaluate every N steps.")
+    eval_interval: int | None = Field(None, ge=1, description="Evaluate data.evalSets every "
+                                      "N steps (both or neither).")
     save_interval: int | None = Field(None, ge=1, description="Checkpoint every N steps.")
 
 
@@ -546,16 +762,24 @@ _BATCH_OUTSIDE = (
     f"{_outside('self.training.globalBatchSize', 1, MAX_GLOBAL_BATCH, optional=True)}")
 
 
+def _dedicated_only(field: str) -> str:
+    return (f"critic.{field} applies to placement: dedicated only (shared critics run on the "
+            "training pods)")
+
+
 class CriticSpec(ApiModel):
-    """The value model PPO trains alongside the policy (advantageEstimator: ppo)."""
+    """The value model PPO trains alongside the policy (advantageEstimator: ppo only)."""
 
     model_config = {
-        "json_schema_extra": cel_rules(
-            cel("self.placement == 'dedicated' || (self.nodes == 1 && "
-                "size(self.nodePool.nodeSelector) == 0 && size(self.nodePool.tolerations) == 0)",
-                "critic.nodes and critic.nodePool apply to placement: dedicated only (shared "
-                "critics run on the training pods)", ".placement"),
-        )
+        "json_schema_extra": cel_rules(*(
+            cel(f"self.placement == 'dedicated' || {test}", _dedicated_only(field), f".{field}")
+            for field, test in (
+                ("nodes", "self.nodes == 1"),
+                ("gpusPerNode", f"self.gpusPerNode == {DEFAULT_GPUS_PER_NODE}"),
+                ("nodePool", _at_defaults("self.nodePool", NodePool)),
+                ("resources", _at_defaults("self.resources", Resources)),
+                ("image", f"self.image == '{DEFAULT_TRAINER_IMAGE}'"),
+            )))
     }
 
     model_path: str | None = Field(
@@ -563,33 +787,104 @@ class CriticSpec(ApiModel):
         "from (an HF causal LM directory; a fresh scalar value head is added); default: "
         "model.path.")
     lr: float = Field(1e-5, gt=0, le=1, description="The value model's learning rate.")
-    value_clip: float | None = Field(
-        0.2, gt=0, le=1000, description="PPO value clipping: a value moves at most this far "
-        "from its rollout-time estimate per update; unset: off.")
+    # 0 rather than unset turns it off: the API server fills in the 0.2 default for an unset
+    # field, and the ConfigMap the trainer reads drops None values.
+    value_clip: float = Field(
+        0.2, ge=0, le=1000, description="PPO value clipping: a value moves at most this far "
+        "from its rollout-time estimate per update; 0: off.")
     placement: Literal["shared", "dedicated"] = Field(
         "shared", description="shared: one critic worker beside each training worker, on the "
         "training pods (sharing their GPUs); dedicated: pods of their own (nodes, "
-        "gpusPerNode, nodePool).")
-    image: str = Field(DEFAULT_TRAINER_IMAGE, min_length=1, max_length=MAX_STR)
+        "gpusPerNode, nodePool, resources, image).")
+    image: str = Field(DEFAULT_TRAINER_IMAGE, min_length=1, max_length=MAX_STR,
+                       description="Image of the dedicated critic pods.")
     nodes: int = Field(1, ge=1, le=MAX_NODES, description="Dedicated critic pods.")
-    gpus_per_node: int = Field(8, ge=0, le=MAX_GPUS_PER_NODE,
+    gpus_per_node: int = Field(DEFAULT_GPUS_PER_NODE, ge=0, le=MAX_GPUS_PER_NODE,
                                description="GPUs per dedicated critic pod; 0: CPU.")
-    node_pool: NodePool = Field(default_factory=NodePool)
-    resources: Resources = Field(default_factory=Resources)
+    node_pool: NodePool = Field(default_factory=NodePool,
+                                description="Where the dedicated critic pods run.")
+    resources: Resources = Field(default_factory=Resources,
+                                 description="CPU and memory per dedicated critic pod.")
 
     @model_validator(mode="after")
     def _shared_has_no_pods(self) -> CriticSpec:
-        check(self.placement == "dedicated" or (self.nodes == 1 and not self.node_pool.node_selector
-                                                 and not self.node_pool.tolerations),
-              "placement", self.placement,
-              "critic.nodes and critic.nodePool apply to placement: dedicated only (shared "
-              "critics run on the training pods)")
+        if self.placement == "shared":
+            for name in ("nodes", "gpus_per_node", "node_pool", "resources", "image"):
+                field = to_camel(name)
+                check(_is_default(self, name), field, _shown(getattr(self, name)),
+                      _dedicated_only(field))
         return self
+
+
+# Whether rollout runs on CPU (no rollout GPUs) or on GPUs, as CEL over the spec. A
+# disaggregated job without rollout.gpus is neither: the rule that requires it reports that.
+_ROLLOUT_ON_CPU = ("(has(self.rollout.gpus) ? self.rollout.gpus == 0 : "
+                   "(self.placement == 'colocate' && self.training.gpusPerNode == 0))")
+_ROLLOUT_ON_GPU = ("(has(self.rollout.gpus) ? self.rollout.gpus > 0 : "
+                   "(self.placement == 'colocate' && self.training.gpusPerNode > 0))")
+# Whether any pod of the job has GPUs: training, rollout, or a dedicated PPO critic.
+_HAS_GPU_PODS = (f"(self.training.gpusPerNode > 0 || !{_ROLLOUT_ON_CPU} || "
+                 "(self.algorithm.advantageEstimator == 'ppo' && self.critic.placement == "
+                 "'dedicated' && self.critic.gpusPerNode > 0))")
+
+MODE_ASYNC = ("mode: async is not supported yet (the training loop is synchronous); use "
+              "mode: sync")
+SGLANG_NEEDS_GPUS = "engine sglang needs GPUs (rollout on CPU): use engine: reference"
+ENGINES_ON_CPU_ONLY = ("rollout.engines applies only when rollout runs on CPU (no rollout "
+                       "GPUs); with GPUs the engine count is rollout GPUs / gpusPerEngine")
+CRITIC_PPO_ONLY = "critic applies to advantageEstimator: ppo only"
+EVAL_NEEDS_BOTH = ("schedule.evalInterval needs data.evalSets, and data.evalSets are evaluated "
+                   "only every schedule.evalInterval steps")
+NETWORK_NEEDS_GPUS = ("network settings apply to GPU pods; this job has none (training."
+                      "gpusPerNode is 0, and neither rollout nor a dedicated critic has GPUs)")
+ENGINE_FITS_NODE = ("an engine must fit on one node: rollout.gpusPerEngine must be at most "
+                    "rollout.gpusPerNode")
+ROLLOUT_WHOLE_NODES = ("rollout.gpus above one node must fill whole nodes (a multiple of "
+                       "rollout.gpusPerNode)")
+# What colocated engines take from the training pods instead of their own fields.
+COLOCATED_FROM_TRAINING = {
+    "image": "on training.image",
+    "resources": "within training.resources",
+    "gpus_per_node": "on training.gpusPerNode GPUs each",
+}
+NETWORK_FIELDS = ("env", "nccl_socket_ifname", "host_network", "rdma", "weight_sync_port")
+
+
+def _colocated_from_training(name: str) -> str:
+    return (f"rollout.{to_camel(name)} applies to placement: disaggregated only (colocated "
+            f"engines run in the training pods, {COLOCATED_FROM_TRAINING[name]})")
 
 
 class RLJobSpec(ApiModel):
     model_config = {
         "json_schema_extra": cel_rules(
+            cel("self.mode == 'sync'", MODE_ASYNC, ".mode"),
+            cel(f"!{_ROLLOUT_ON_CPU} || self.rollout.engine == 'reference'", SGLANG_NEEDS_GPUS,
+                ".rollout.engine"),
+            cel(f"!has(self.rollout.engines) || !{_ROLLOUT_ON_GPU}", ENGINES_ON_CPU_ONLY,
+                ".rollout.engines"),
+            *(cel(f"self.placement != 'colocate' || "
+                  f"{_at_default('self.rollout', RolloutSpec, name)}",
+                  _colocated_from_training(name), f".rollout.{to_camel(name)}")
+              for name in COLOCATED_FROM_TRAINING),
+            cel("self.placement != 'disaggregated' || !has(self.rollout.gpus) || "
+                "self.rollout.gpus == 0 || self.rollout.gpusPerEngine <= "
+                "self.rollout.gpusPerNode", ENGINE_FITS_NODE, ".rollout.gpusPerEngine"),
+            cel("self.placement != 'disaggregated' || !has(self.rollout.gpus) || "
+                f"{_outside('self.rollout.gpus', 0, MAX_ROLLOUT_GPUS)} || "
+                f"{_outside('self.rollout.gpusPerNode', 1, MAX_GPUS_PER_NODE)} || "
+                "self.rollout.gpus <= self.rollout.gpusPerNode || "
+                "self.rollout.gpus % self.rollout.gpusPerNode == 0",
+                ROLLOUT_WHOLE_NODES, ".rollout.gpus"),
+            cel("self.algorithm.advantageEstimator == 'ppo' || "
+                f"{_at_defaults('self.critic', CriticSpec)}", CRITIC_PPO_ONLY, ".critic"),
+            cel("!has(self.schedule.evalInterval) || size(self.data.evalSets) > 0",
+                EVAL_NEEDS_BOTH, ".schedule.evalInterval"),
+            cel("size(self.data.evalSets) == 0 || has(self.schedule.evalInterval)",
+                EVAL_NEEDS_BOTH, ".data.evalSets"),
+            *(cel(f"{_HAS_GPU_PODS} || {_at_default('self.network', NetworkSpec, name)}",
+                  NETWORK_NEEDS_GPUS, f".network.{to_camel(name)}")
+              for name in NETWORK_FIELDS),
             cel("self.placement != 'disaggregated' || has(self.rollout.gpus)",
                 "rollout.gpus is required when placement is disaggregated", ".rollout.gpus"),
             cel("self.placement != 'colocate' || !has(self.rollout.gpus) || "
@@ -675,7 +970,9 @@ class RLJobSpec(ApiModel):
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     critic: CriticSpec = Field(default_factory=CriticSpec)
     placement: Placement = "colocate"
-    mode: Literal["sync", "async"] = "sync"
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: generate, then train, then push weights, each step; async: "
+        "not supported yet.")
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     network: NetworkSpec = Field(default_factory=NetworkSpec)
@@ -725,18 +1022,60 @@ class RLJobSpec(ApiModel):
             return self.rollout.engines or 1
         return self.rollout_gpus // self.rollout.gpus_per_engine
 
+    @property
+    def has_gpu_pods(self) -> bool:
+        critic = (self.has_critic and self.critic.placement == "dedicated"
+                  and self.critic.gpus_per_node > 0)
+        return self.training.gpus_per_node > 0 or self.rollout_gpus > 0 or critic
+
     @model_validator(mode="after")
     def _cross_section(self) -> RLJobSpec:
+        check(self.mode == "sync", "mode", self.mode, MODE_ASYNC)
         if self.placement == "disaggregated":
             check(self.rollout.gpus is not None, "rollout.gpus", None,
                   "rollout.gpus is required when placement is disaggregated")
+            self._check_disaggregated()
         else:
             self._check_colocated()
+        self._check_rollout_devices()
         self._check_batches()
         self._check_mounts()
         self._check_algorithm()
         self._check_sft()
+        self._check_eval()
+        self._check_network()
         return self
+
+    def _check_disaggregated(self) -> None:
+        r = self.rollout
+        if not r.gpus:
+            return
+        check(r.gpus_per_engine <= r.gpus_per_node, "rollout.gpusPerEngine", r.gpus_per_engine,
+              f"{ENGINE_FITS_NODE} ({r.gpus_per_node})")
+        check(r.gpus <= r.gpus_per_node or r.gpus % r.gpus_per_node == 0, "rollout.gpus",
+              r.gpus, f"rollout.gpus above one node must fill whole nodes (a multiple of "
+              f"rollout.gpusPerNode = {r.gpus_per_node})")
+
+    def _check_rollout_devices(self) -> None:
+        on_cpu = self.rollout_gpus == 0
+        check(not on_cpu or self.rollout.engine == "reference", "rollout.engine",
+              self.rollout.engine, SGLANG_NEEDS_GPUS)
+        check(on_cpu or self.rollout.engines is None, "rollout.engines", self.rollout.engines,
+              ENGINES_ON_CPU_ONLY)
+
+    def _check_eval(self) -> None:
+        interval, sets = self.schedule.eval_interval, self.data.eval_sets
+        check(interval is None or bool(sets), "schedule.evalInterval", interval,
+              EVAL_NEEDS_BOTH)
+        check(not sets or interval is not None, "data.evalSets", [e.name for e in sets],
+              EVAL_NEEDS_BOTH)
+
+    def _check_network(self) -> None:
+        if self.has_gpu_pods:
+            return
+        for name in NETWORK_FIELDS:
+            check(_is_default(self.network, name), f"network.{to_camel(name)}",
+                  _shown(getattr(self.network, name)), NETWORK_NEEDS_GPUS)
 
     def _check_sft(self) -> None:
         sft = self.data.sft
@@ -753,6 +1092,8 @@ class RLJobSpec(ApiModel):
               f"nSamplesPerPrompt / globalBatchSize) = {parts}")
 
     def _check_algorithm(self) -> None:
+        check(self.has_critic or self.critic == CriticSpec(), "critic", _shown(self.critic),
+              CRITIC_PPO_ONLY)
         buffer = self.algorithm.overlong_buffer
         check(buffer is None or buffer <= self.data.max_response_len,
               "algorithm.overlongBuffer", buffer,
@@ -786,9 +1127,11 @@ class RLJobSpec(ApiModel):
                   f"colocated engines must tile a training node: gpusPerEngine must divide "
                   f"training.gpusPerNode = {per_node}")
         pool = self.rollout.node_pool
-        check(not pool.node_selector and not pool.tolerations, "rollout.nodePool",
-              pool.model_dump(exclude_defaults=True),
+        check(not pool.node_selector and not pool.tolerations, "rollout.nodePool", _shown(pool),
               "colocated rollout runs on the training pool: set training.nodePool only")
+        for name in COLOCATED_FROM_TRAINING:
+            check(_is_default(self.rollout, name), f"rollout.{to_camel(name)}",
+                  _shown(getattr(self.rollout, name)), _colocated_from_training(name))
 
     def _check_batches(self) -> None:
         samples = self.data.rollout_batch_size * self.data.n_samples_per_prompt

@@ -67,6 +67,20 @@ def both(*edits: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]],
     return edit
 
 
+def ppo(*edits: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    """`edits` on a PPO job (the critic section applies to it only)."""
+    return both(set_("algorithm.advantageEstimator", "ppo"), *edits)
+
+
+# Training and rollout on CPU (a job without a GPU pod).
+ON_CPU = both(set_("training", {"backend": "fsdp", "gpusPerNode": 0}),
+              set_("rollout.engine", "reference"))
+
+
+def pool(*tolerations: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+    return set_("training.nodePool", {"tolerations": list(tolerations)})
+
+
 # (id, edit of spec, field path both validators must name, words the message must contain)
 BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("unknown-field", set_("bogus", 1), "spec.bogus", ""),
@@ -97,8 +111,18 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
      "spec.algorithm.teacherPath", "only used"),
     ("critic-placement-enum", set_("critic.placement", "colocate"), "spec.critic.placement",
      "dedicated"),
-    ("critic-nodes-when-shared", set_("critic.nodes", 2), "spec.critic.placement",
+    ("critic-nodes-when-shared", ppo(set_("critic.nodes", 2)), "spec.critic.nodes",
      "dedicated only"),
+    ("critic-image-when-shared", ppo(set_("critic.image", "critic:1")), "spec.critic.image",
+     "dedicated only"),
+    ("critic-gpus-per-node-when-shared", ppo(set_("critic.gpusPerNode", 4)),
+     "spec.critic.gpusPerNode", "dedicated only"),
+    ("critic-resources-when-shared", ppo(set_("critic.resources", {"memory": "64Gi"})),
+     "spec.critic.resources", "dedicated only"),
+    ("critic-without-ppo", set_("critic.lr", 1e-4), "spec.critic", "ppo only"),
+    ("dedicated-critic-without-ppo", set_("critic.placement", "dedicated"), "spec.critic",
+     "ppo only"),
+    ("value-clip-negative", ppo(set_("critic.valueClip", -0.1)), "spec.critic.valueClip", ""),
     ("critic-lr-zero", set_("critic.lr", 0), "spec.critic.lr", ""),
     ("gae-lambda-above-one", set_("algorithm.gaeLambda", 1.01), "spec.algorithm.gaeLambda", ""),
     ("dedicated-critic-batch-split", both(set_("algorithm.advantageEstimator", "ppo"),
@@ -110,8 +134,26 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
      "gspo"),
     ("aggregation-enum", set_("algorithm.lossAggregation", "seq-sum"),
      "spec.algorithm.lossAggregation", "seq-mean-token-mean"),
-    ("kl-in-reward-needs-token-level", set_("algorithm.klPenalty", "reward"),
+    ("kl-in-reward-needs-token-level", both(set_("algorithm.klPenalty", "reward"),
+                                            set_("algorithm.klCoef", 0.01)),
      "spec.algorithm.klPenalty", "token-level"),
+    ("kl-in-reward-needs-coef", both(set_("algorithm.advantageEstimator", "reinforce_plus_plus"),
+                                     set_("algorithm.klPenalty", "reward")),
+     "spec.algorithm.klPenalty", "needs klCoef > 0"),
+    ("kl-type-without-kl", set_("algorithm.klLossType", "k2"), "spec.algorithm.klLossType",
+     "only with klCoef > 0"),
+    ("dual-clip-with-gspo", both(set_("algorithm.policyLoss", "gspo"),
+                                 set_("algorithm.epsClipC", 3)),
+     "spec.algorithm.epsClipC", "policyLoss: ppo only"),
+    ("gamma-without-discounted-returns", set_("algorithm.gamma", 0.99), "spec.algorithm.gamma",
+     "reinforce_plus_plus or ppo only"),
+    ("gae-lambda-without-ppo", both(set_("algorithm.advantageEstimator", "reinforce_plus_plus"),
+                                    set_("algorithm.gaeLambda", 0.9)),
+     "spec.algorithm.gaeLambda", "ppo only"),
+    ("overlong-penalty-without-buffer", set_("algorithm.overlongPenalty", 0.5),
+     "spec.algorithm.overlongPenalty", "only with overlongBuffer"),
+    ("min-lr-ratio-with-constant-lr", set_("algorithm.minLrRatio", 0.1),
+     "spec.algorithm.minLrRatio", "lrDecayStyle decays"),
     ("tis-cap-zero", set_("algorithm.tisCap", 0), "spec.algorithm.tisCap", ""),
     ("gamma-above-one", set_("algorithm.gamma", 1.5), "spec.algorithm.gamma", ""),
     ("overlong-buffer-above-budget", both(set_("data.maxResponseLen", 64),
@@ -127,6 +169,13 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("lr-zero", set_("algorithm.lr", 0), "spec.algorithm.lr", ""),
     ("tp-not-dividing-gpus", set_("training.parallelism", {"tp": 3}),
      "spec.training.parallelism", "divide"),
+    ("cp-not-supported", set_("training.parallelism.cp", 2), "spec.training.parallelism.cp",
+     "not supported yet"),
+    ("ep-not-supported", set_("training.parallelism.ep", 2), "spec.training.parallelism.ep",
+     "not supported yet"),
+    ("ep-with-fsdp", both(set_("training.backend", "fsdp"), set_("training.parallelism.ep", 2)),
+     "spec.training.parallelism.ep", "not supported yet"),
+    ("mode-async", set_("mode", "async"), "spec.mode", "not supported yet"),
     ("megatron-on-cpu", both(set_("training.backend", "megatron"),
                              set_("training.gpusPerNode", 0)),
      "spec.training.gpusPerNode", "backend megatron trains on GPUs"),
@@ -146,6 +195,35 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
      "spec.rollout.gpusPerEngine", "divide"),
     ("colocate-with-rollout-pool", set_("rollout.nodePool", {"nodeSelector": {"pool": "x"}}),
      "spec.rollout.nodePool", "training.nodePool"),
+    ("colocate-with-rollout-image", set_("rollout.image", "rollout:1"), "spec.rollout.image",
+     "disaggregated only"),
+    ("colocate-with-rollout-resources", set_("rollout.resources", {"memory": "64Gi"}),
+     "spec.rollout.resources", "disaggregated only"),
+    ("colocate-with-rollout-gpus-per-node", set_("rollout.gpusPerNode", 4),
+     "spec.rollout.gpusPerNode", "disaggregated only"),
+    ("engines-with-rollout-gpus", set_("rollout.engines", 2), "spec.rollout.engines",
+     "only when rollout runs on CPU"),
+    ("disaggregated-engines-with-gpus", disagg(gpus=8, engines=2), "spec.rollout.engines",
+     "only when rollout runs on CPU"),
+    ("sglang-on-cpu", set_("training", {"backend": "fsdp", "gpusPerNode": 0}),
+     "spec.rollout.engine", "needs GPUs"),
+    ("disaggregated-sglang-on-cpu", disagg(gpus=0, engines=2), "spec.rollout.engine",
+     "needs GPUs"),
+    ("engine-arg-with-dashes", set_("rollout.engineArgs", {"--mem-fraction-static": "0.8"}),
+     "spec.rollout.engineArgs", "without the leading '--'"),
+    ("engine-arg-kuberl-sets", set_("rollout.engineArgs", {"tp-size": "2"}),
+     "spec.rollout.engineArgs", "rollout.gpusPerEngine"),
+    ("engine-arg-model-path", set_("rollout.engineArgs", {"model-path": "/models/other"}),
+     "spec.rollout.engineArgs", "model.path"),
+    ("engine-arg-seed", both(ON_CPU, set_("rollout.engineArgs", {"seed": "1"})),
+     "spec.rollout.engineArgs", "seed"),
+    ("reference-engine-unknown-flag", both(ON_CPU, set_("rollout.engineArgs",
+                                                        {"mem-fraction-static": "0.8"})),
+     "spec.rollout.engineArgs", "reference engine"),
+    ("eval-interval-without-sets", set_("schedule.evalInterval", 10),
+     "spec.schedule.evalInterval", "needs data.evalSets"),
+    ("eval-sets-without-interval", set_("data.evalSets", [{"name": "a", "path": "/data/a.jsonl"}]),
+     "spec.data.evalSets", "evaluated only every"),
     ("global-batch-not-dividing", set_("training.globalBatchSize", 100),
      "spec.training.globalBatchSize", "divide"),
     ("micro-batch-not-splitting", set_("training.microBatchSize", 3),
@@ -180,6 +258,14 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("zero-batch", set_("data.rolloutBatchSize", 0), "spec.data.rolloutBatchSize", ""),
     ("toleration-operator", set_("training.nodePool", {"tolerations": [{"operator": "Maybe"}]}),
      "spec.training.nodePool.tolerations[0].operator", "Exists"),
+    ("toleration-exists-with-value", pool({"key": "gpu", "operator": "Exists", "value": "a"}),
+     "spec.training.nodePool.tolerations[0].value", "operator Exists"),
+    ("toleration-equal-without-key", pool({"value": "a", "effect": "NoSchedule"}),
+     "spec.training.nodePool.tolerations[0].key", "needs a key"),
+    ("toleration-seconds-without-no-execute",
+     pool({"key": "gpu", "operator": "Exists"},
+          {"key": "gpu", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 60}),
+     "spec.training.nodePool.tolerations[1].tolerationSeconds", "NoExecute"),
     ("privileged-port", set_("network.weightSyncPort", 80), "spec.network.weightSyncPort", ""),
     ("rdma-without-resource", set_("network.rdma", {"count": 1}), "spec.network.rdma.resource",
      ""),
@@ -189,6 +275,16 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
      "C identifiers"),
     ("env-name-leading-digit", set_("network.env", {"1NCCL": "1"}), "spec.network.env",
      "C identifiers"),
+    ("network-env-on-cpu-job", both(ON_CPU, set_("network.env", {"NCCL_DEBUG": "INFO"})),
+     "spec.network.env", "GPU pods"),
+    ("nccl-ifname-on-cpu-job", both(ON_CPU, set_("network.ncclSocketIfname", "eth0")),
+     "spec.network.ncclSocketIfname", "GPU pods"),
+    ("host-network-on-cpu-job", both(ON_CPU, set_("network.hostNetwork", True)),
+     "spec.network.hostNetwork", "GPU pods"),
+    ("rdma-on-cpu-job", both(ON_CPU, set_("network.rdma", {"resource": "rdma/ib"})),
+     "spec.network.rdma", "GPU pods"),
+    ("weight-sync-port-on-cpu-job", both(ON_CPU, set_("network.weightSyncPort", 31000)),
+     "spec.network.weightSyncPort", "GPU pods"),
 ]
 
 # A divisor of a cross-field rule at 0, below its minimum. The API server still runs the CEL
@@ -232,9 +328,9 @@ OVERFLOWS: list[tuple[str, Callable[[dict[str, Any]], None], str, str, str]] = [
     # tp (1) no longer fits on a node of fewer than 0 GPUs: that rule compares, and says so
     ("gpus-per-node-huge-negative", set_("training", {"nodes": 3, "gpusPerNode": -HUGE}),
      "spec.training.gpusPerNode", "spec.training.parallelism.tp", f"{GE} 0"),
-    ("tp-huge", set_("training.parallelism", {"tp": HUGE, "cp": 2}),
+    ("tp-huge", set_("training.parallelism", {"tp": HUGE, "pp": 2}),
      "spec.training.parallelism.tp", "", f"{LE} {MAX_PARALLEL}"),
-    ("pp-huge", set_("training.parallelism", {"pp": HUGE, "cp": 2}),
+    ("pp-huge", set_("training.parallelism", {"pp": HUGE, "tp": 2}),
      "spec.training.parallelism.pp", "", f"{LE} {MAX_PARALLEL}"),
     ("cp-huge", set_("training.parallelism", {"cp": HUGE, "pp": 2}),
      "spec.training.parallelism.cp", "", f"{LE} {MAX_PARALLEL}"),
@@ -367,6 +463,55 @@ def test_rules_evaluate_with_every_operand_at_its_maximum(parallel: int,
     edit(obj["spec"])
     problems = admit(SCHEMA, obj)  # raises where a CEL rule fails to evaluate
     assert not [p for p in problems if "maximum" in p or "minimum" in p], problems
+
+
+# Near misses of the rules above, which both validators accept.
+GOOD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
+    # the engine-per-node rules are about rollout pods: colocated engines fit a training node
+    ("colocated-engine-spans-a-training-node",
+     both(set_("training.gpusPerNode", 16), set_("rollout.gpus", 16),
+          set_("rollout.gpusPerEngine", 16))),
+    ("critic-written-at-its-defaults-without-ppo", set_("critic", {"lr": 1e-5,
+                                                                   "placement": "shared"})),
+    ("dedicated-critic-pool-with-ppo", ppo(set_("critic", {
+        "placement": "dedicated", "nodes": 2, "gpusPerNode": 4, "image": "critic:1",
+        "resources": {"memory": "64Gi"}, "nodePool": {"nodeSelector": {"pool": "a"}}}))),
+    ("value-clip-off", ppo(set_("critic.valueClip", 0))),
+    ("kl-settings-with-kl", both(set_("algorithm.advantageEstimator", "reinforce_plus_plus"),
+                                 set_("algorithm.klCoef", 0.01),
+                                 set_("algorithm.klPenalty", "reward"),
+                                 set_("algorithm.klLossType", "k1"),
+                                 set_("algorithm.gamma", 0.99))),
+    ("ppo-gae", ppo(set_("algorithm.gamma", 0.99), set_("algorithm.gaeLambda", 1.0),
+                    set_("algorithm.epsClipC", 3))),
+    ("decaying-lr", both(set_("algorithm.lrDecayStyle", "cosine"),
+                         set_("algorithm.minLrRatio", 0.1))),
+    ("overlong-shaping", both(set_("algorithm.overlongBuffer", 64),
+                              set_("algorithm.overlongPenalty", 0.5))),
+    ("eval-sets-and-interval", both(set_("data.evalSets", [{"name": "a", "path": "/d/a.jsonl"}]),
+                                    set_("schedule.evalInterval", 10))),
+    ("cpu-rollout-engines", both(ON_CPU, set_("rollout.engines", 2),
+                                 set_("rollout.engineArgs", {"dtype": "bfloat16"}))),
+    ("sglang-engine-args", set_("rollout.engineArgs", {"mem-fraction-static": "0.8",
+                                                       "chunked-prefill-size": "4096"})),
+    ("network-on-a-cpu-job-with-a-gpu-critic",
+     both(ON_CPU, ppo(set_("critic", {"placement": "dedicated", "gpusPerNode": 1})),
+          set_("network.env", {"NCCL_DEBUG": "INFO"}))),
+    ("network-with-gpu-rollout-only",
+     both(set_("training", {"backend": "fsdp", "gpusPerNode": 0}),
+          disagg(gpus=8, gpusPerEngine=2), set_("network.hostNetwork", True))),
+    ("tolerations-kubernetes-accepts", pool(
+        {"operator": "Exists"}, {"key": "gpu", "operator": "Exists", "value": ""},
+        {"key": "gpu", "value": "a", "effect": "NoSchedule"},
+        {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
+         "tolerationSeconds": 300})),
+]
+
+
+@pytest.mark.parametrize(("case", "edit"), GOOD_SPECS, ids=[c[0] for c in GOOD_SPECS])
+def test_near_misses_are_valid_for_both(case: str, edit: Any) -> None:
+    parse(_manifest(edit))
+    assert admit(SCHEMA, _manifest(edit)) == []
 
 
 def test_at_least_twenty_distinct_bad_manifests() -> None:

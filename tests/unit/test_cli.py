@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kuberl_cli.main import main
 
 GOOD = """\
@@ -30,6 +32,20 @@ def test_validate_names_file_and_field(tmp_path: Path, capsys: Any) -> None:
     assert main(["validate", str(f)]) == 1
     err = capsys.readouterr().err
     assert str(f) in err and "spec.model.revision" in err
+
+
+@pytest.mark.parametrize(("section", "field"), [
+    ("mode: async", "spec.mode"),
+    ("training: {backend: megatron, parallelism: {ep: 2}}", "spec.training.parallelism.ep"),
+])
+def test_validate_refuses_what_is_not_supported_yet(tmp_path: Path, capsys: Any, section: str,
+                                                    field: str) -> None:
+    f = tmp_path / "job.yaml"
+    f.write_text(GOOD + f"  {section}\n")
+    assert main(["validate", str(f)]) == 1
+    err = capsys.readouterr().err
+    problem = next(line for line in err.splitlines() if f"{field}:" in line)
+    assert "not supported yet" in problem, err
 
 
 def test_missing_file(tmp_path: Path, capsys: Any) -> None:

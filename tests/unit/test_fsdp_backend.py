@@ -44,6 +44,7 @@ def make_spec(model_dir: str, *, mbs: int = 2, gbs: int = B, lr: float = 1e-2,
                  "nSamplesPerPrompt": 2, **({"sft": sft} if sft else {})},
         "training": {"backend": "fsdp", "gpusPerNode": 0, "microBatchSize": mbs,
                      "globalBatchSize": gbs},
+        "rollout": {"engine": "reference"},  # on CPU
         "algorithm": {"lr": lr, **algorithm},
     })
 

@@ -46,6 +46,7 @@ def spec(**algorithm: Any) -> RLJobSpec:
         "data": {"prompts": "/data/p.jsonl", "rolloutBatchSize": 4, "nSamplesPerPrompt": 8},
         "training": {"backend": "fsdp", "gpusPerNode": 0, "microBatchSize": 4,
                      "globalBatchSize": 16},
+        "rollout": {"engine": "reference"},  # on CPU
         "schedule": {"numRollouts": 10},
         "algorithm": {"lr": 1e-3, **algorithm},
     })

@@ -12,6 +12,8 @@ from kuberl_api.runtime import RESOURCE_CRITIC, RESOURCE_ROLLOUT, RESOURCE_TRAIN
 from kuberl_operator.render import render_children
 from kuberl_trainer.placement import cpu_threads, layout, local_resources
 
+CPU_ROLLOUT = {"engine": "reference", "gpus": 0}  # sglang needs GPUs
+
 
 def job(**spec: Any) -> Any:
     body = {"model": {"path": "/m"}, "data": {"prompts": "/d.jsonl"}} | spec
@@ -37,7 +39,7 @@ def test_disaggregated_gpu_job() -> None:
 
 def test_cpu_job_fits_a_two_core_box() -> None:
     spec = job(placement="disaggregated", training={"gpusPerNode": 0, "backend": "fsdp"},
-               rollout={"gpus": 0, "engines": 2}).spec
+               rollout={"engine": "reference", "gpus": 0, "engines": 2}).spec
     lay = layout(spec)
     assert not lay.on_gpu and lay.train_workers == 1 and lay.engines == 2
     assert lay.train_actor.num_cpus + 2 * lay.engine_actor.num_cpus <= 2
@@ -49,13 +51,13 @@ def test_cpu_job_fits_a_two_core_box() -> None:
     {"placement": "disaggregated", "training": {"gpusPerNode": 8},
      "rollout": {"gpus": 16, "gpusPerEngine": 4}},
     {"placement": "disaggregated", "training": {"gpusPerNode": 0, "backend": "fsdp"},
-     "rollout": {"gpus": 0, "engines": 3}},
+     "rollout": {"engine": "reference", "gpus": 0, "engines": 3}},
     {"training": {"nodes": 2, "gpusPerNode": 8}, "algorithm": {"advantageEstimator": "ppo"}},
     {"placement": "disaggregated", "training": {"gpusPerNode": 8},
      "rollout": {"gpus": 8, "gpusPerEngine": 4}, "algorithm": {"advantageEstimator": "ppo"},
      "critic": {"placement": "dedicated", "nodes": 2, "gpusPerNode": 4}},
-    {"training": {"gpusPerNode": 0, "backend": "fsdp"}, "rollout": {"gpus": 0},
-     "algorithm": {"advantageEstimator": "ppo"},
+    {"training": {"gpusPerNode": 0, "backend": "fsdp"},
+     "rollout": {"engine": "reference", "gpus": 0}, "algorithm": {"advantageEstimator": "ppo"},
      "critic": {"placement": "dedicated", "gpusPerNode": 0}},
 ])
 def test_rendered_pods_hold_every_actor(spec: dict[str, Any]) -> None:
@@ -97,10 +99,10 @@ def test_dedicated_critic_has_gpus_of_its_own() -> None:
 
 
 def test_local_run_advertises_the_critic() -> None:
-    spec = job(training={"gpusPerNode": 0, "backend": "fsdp"}, rollout={"gpus": 0},
+    spec = job(training={"gpusPerNode": 0, "backend": "fsdp"}, rollout=CPU_ROLLOUT,
                algorithm={"advantageEstimator": "ppo"}).spec
     assert local_resources(spec) == {RESOURCE_TRAIN: 1, RESOURCE_ROLLOUT: 1, RESOURCE_CRITIC: 1}
-    plain = job(training={"gpusPerNode": 0, "backend": "fsdp"}, rollout={"gpus": 0}).spec
+    plain = job(training={"gpusPerNode": 0, "backend": "fsdp"}, rollout=CPU_ROLLOUT).spec
     assert RESOURCE_CRITIC not in local_resources(plain)
 
 

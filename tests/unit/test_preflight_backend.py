@@ -24,6 +24,7 @@ def spec(model: Path, backend: str = "megatron", **parallelism: int) -> RLJobSpe
         "data": {"prompts": "/data/p.jsonl", "rolloutBatchSize": 8},
         "training": {"backend": backend, "gpusPerNode": 8 if backend == "megatron" else 0,
                      "parallelism": parallelism or {"tp": 1}},
+        "rollout": {"engine": "sglang" if backend == "megatron" else "reference"},
     })
 
 

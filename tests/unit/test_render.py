@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kuberl_api import RLJob, load, loads
+from kuberl_api import InvalidRLJob, RLJob, load, loads
 from kuberl_operator.render import names, render_children
 from kuberl_operator.render.nccl import SHM_PATH, SHM_VOLUME
 from kuberl_operator.render.pod import GPU_RESOURCE
@@ -253,10 +253,16 @@ def test_images_per_group(make_rljob: MakeJob) -> None:
 
 
 def test_worker_groups_sit_on_their_node_pools(make_rljob: MakeJob) -> None:
-    p = pods(make_rljob(spec=DISAGG))
+    unreachable = {"key": "node.kubernetes.io/unreachable", "operator": "Exists",
+                   "effect": "NoExecute", "tolerationSeconds": 300}
+    training = {**DISAGG["training"], "nodePool": {
+        **GPU_POOL, "tolerations": [*GPU_POOL["tolerations"], unreachable]}}
+    p = pods(make_rljob(spec={**DISAGG, "training": training}))
     assert p["train"]["nodeSelector"] == {"pool": "h100"}
     assert p["train"]["tolerations"] == [
-        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
+         "tolerationSeconds": 300}]
     assert p["rollout"]["nodeSelector"] == {"pool": "l40s"}
     assert p["rollout"]["tolerations"] == [
         {"key": "dedicated", "operator": "Equal", "value": "rollout", "effect": "NoSchedule"}]
@@ -282,7 +288,7 @@ def test_cpu_job_has_no_gpus_and_one_actor_slot_per_pod(make_rljob: MakeJob) -> 
     job = make_rljob(spec={
         "placement": "disaggregated",
         "training": {"nodes": 2, "gpusPerNode": 0, "backend": "fsdp"},
-        "rollout": {"gpus": 0, "engines": 3},
+        "rollout": {"engine": "reference", "gpus": 0, "engines": 3},
     })
     g = groups(job)
     assert g["train"]["resources"] == {names.RESOURCE_TRAIN: "1"}
@@ -296,7 +302,7 @@ def test_cpu_job_has_no_gpus_and_one_actor_slot_per_pod(make_rljob: MakeJob) -> 
 
 def test_colocated_cpu_job_spreads_engines_over_train_pods(make_rljob: MakeJob) -> None:
     job = make_rljob(spec={"training": {"nodes": 2, "gpusPerNode": 0, "backend": "fsdp"},
-                           "rollout": {"engines": 3}})
+                           "rollout": {"engine": "reference", "engines": 3}})
     assert groups(job)["train"]["resources"] == {
         names.RESOURCE_TRAIN: "1", names.RESOURCE_ROLLOUT: "2"}
 
@@ -449,6 +455,17 @@ def test_configmap_round_trips_to_an_equal_spec(example: Path) -> None:
     assert back.status is None
 
 
+def test_value_clip_off_survives_the_configmap(make_rljob: MakeJob) -> None:
+    """critic.valueClip 0 (off) reaches the trainer: the ConfigMap drops None values, so "off"
+    must be a value, not an unset field that would come back as the 0.2 default."""
+    job = make_rljob(spec={"algorithm": {"advantageEstimator": "ppo"},
+                           "critic": {"valueClip": 0}})
+    cm = by_kind(render_children(job))["ConfigMap"]
+    assert yaml.safe_load(cm["data"][names.CONFIG_KEY])["spec"]["critic"]["valueClip"] == 0
+    back = loads(cm["data"][names.CONFIG_KEY])
+    assert back.spec.critic.value_clip == 0 and back.spec == job.spec
+
+
 def test_configmap_holds_defaults_explicitly(make_rljob: MakeJob) -> None:
     cm = by_kind(render_children(make_rljob()))["ConfigMap"]
     doc = yaml.safe_load(cm["data"][names.CONFIG_KEY])
@@ -547,7 +564,11 @@ def test_shared_critic_rides_the_training_pods(make_rljob: MakeJob) -> None:
     assert sorted(g) == ["rollout", "train"]
     assert g["train"]["resources"][names.RESOURCE_CRITIC] == \
         g["train"]["resources"][names.RESOURCE_TRAIN] == "8"
-    # without ppo the critic section is inert: no critic resources, no critic pods
-    plain = groups(make_rljob(spec={**DISAGG, "critic": {"placement": "dedicated"}}))
+    # without ppo there is no critic: no critic resources, no critic pods (and a critic
+    # section is refused, see test_api_validation's critic-without-ppo)
+    plain = groups(make_rljob(spec=DISAGG))
     assert sorted(plain) == ["rollout", "train"]
     assert names.RESOURCE_CRITIC not in plain["train"]["resources"]
+    with pytest.raises(InvalidRLJob, match=r"spec\.critic: critic applies to "
+                                            r"advantageEstimator: ppo only"):
+        make_rljob(spec={**DISAGG, "critic": {"placement": "dedicated"}})

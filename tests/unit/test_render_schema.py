@@ -21,10 +21,11 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yam
 
 EXTRA_SPECS: dict[str, Obj] = {
     "defaults": {},
-    "cpu-colocated": {"training": {"nodes": 2, "gpusPerNode": 0, "backend": "fsdp"}},
+    "cpu-colocated": {"training": {"nodes": 2, "gpusPerNode": 0, "backend": "fsdp"},
+                      "rollout": {"engine": "reference"}},
     "cpu-disaggregated": {"placement": "disaggregated",
                           "training": {"gpusPerNode": 0, "backend": "fsdp"},
-                          "rollout": {"gpus": 0, "engines": 2}},
+                          "rollout": {"engine": "reference", "gpus": 0, "engines": 2}},
     "small-rollout-pod": {"placement": "disaggregated", "rollout": {"gpus": 2}},
 }
 

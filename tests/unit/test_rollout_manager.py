@@ -30,6 +30,7 @@ class TableEngine(EngineClient):
         self.labels, self.tok = labels, tokenizer
         self.always_right: set[str] = set()  # prompts answered right whatever the seed
         self.calls: list[list[Mapping[str, Any]]] = []
+        self.prompts_sent: list[list[int]] = []
         self.urls_used: list[str] = []
 
     async def generate_batch(self, prompts: Sequence[Sequence[int]],
@@ -40,13 +41,14 @@ class TableEngine(EngineClient):
         await asyncio.sleep(0)  # the next chunk is dispatched while this one is in flight
         self.outstanding[url] -= len(prompts)
         self.calls.append(list(params))
+        self.prompts_sent += [list(ids) for ids in prompts]
         self.urls_used.append(url)
         out = []
         for ids, p in zip(prompts, params, strict=True):
             prompt = self.tok.decode(list(ids))
             right = (p["sampling_seed"] % 2 == 0 or p["temperature"] == 0
                      or prompt in self.always_right)
-            text = self.labels[prompt] if right else "0"
+            text = self.labels.get(prompt, "0") if right else "0"  # cut prompts: unknown
             toks = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
             out.append(GenerateResult(output_ids=toks, text=text, finish_reason="stop",
                                       prompt_tokens=len(ids), completion_tokens=len(toks),
@@ -56,6 +58,7 @@ class TableEngine(EngineClient):
 
 
 def setup(tmp_path: Path, ref_logprobs: Any = None, values: Any = None, sft: bool = False,
+          eval_samples: int = 1, max_prompt_len: int = 1024,
           **algorithm: Any) -> tuple[RolloutManager, TableEngine]:
     rows = [{"prompt": f"{a}+{a}=", "label": str(2 * a)} for a in range(10, 20)]
     data = tmp_path / "d.jsonl"
@@ -64,11 +67,15 @@ def setup(tmp_path: Path, ref_logprobs: Any = None, values: Any = None, sft: boo
                   "spec": {"model": {"path": "/m"},
                            "data": {"prompts": str(data), "rolloutBatchSize": 2,
                                     "nSamplesPerPrompt": 4, "maxResponseLen": 4,
-                                    "evalSets": [{"name": "add", "path": str(data)}],
+                                    "maxPromptLen": max_prompt_len,
+                                    "evalSets": [{"name": "add", "path": str(data),
+                                                  "nSamplesPerPrompt": eval_samples}],
                                     **({"sft": {"path": str(data), "batchSize": 4}} if sft
                                        else {})},
                            "reward": {"type": "exact"}, "algorithm": algorithm,
-                           "training": {"backend": "fsdp", "gpusPerNode": 0}}}).spec
+                           "schedule": {"evalInterval": 1},
+                           "training": {"backend": "fsdp", "gpusPerNode": 0},
+                           "rollout": {"engine": "reference"}}}).spec
     tok = build_tokenizer()
     engine = TableEngine({r["prompt"]: r["label"] for r in rows}, tok)
     from kuberl_trainer.rewards import load
@@ -129,6 +136,35 @@ def test_evaluate_is_greedy(tmp_path: Path) -> None:
     out = asyncio.run(mgr.evaluate(step=0))
     assert out == {"eval_add_reward": 1.0}
     assert all(p["temperature"] == 0.0 for call in engine.calls for p in call)
+
+
+def test_evaluate_samples_n_per_prompt_at_the_jobs_temperature(tmp_path: Path) -> None:
+    """evalSets[].nSamplesPerPrompt > 1: that many samples of each problem at
+    algorithm.temperature (each with its own seed), and the reward is their mean."""
+    mgr, engine = setup(tmp_path, eval_samples=3, temperature=0.7)
+    out = asyncio.run(mgr.evaluate(step=0))
+    params = [p for call in engine.calls for p in call]
+    assert len(params) == 10 * 3  # every problem of the set, 3 times
+    assert {p["temperature"] for p in params} == {0.7}
+    assert len({p["sampling_seed"] for p in params}) == len(params)
+    # the table engine answers right exactly on even seeds
+    expected = sum(p["sampling_seed"] % 2 == 0 for p in params) / len(params)
+    assert out == {"eval_add_reward": pytest.approx(expected)}
+    assert 0.0 < expected < 1.0  # sampled, not greedy (greedy answers are all right)
+
+
+def test_prompts_keep_their_last_max_prompt_len_tokens(tmp_path: Path) -> None:
+    mgr, engine = setup(tmp_path, max_prompt_len=2)
+    rollout = asyncio.run(mgr.generate(step=0))
+    tok = engine.tok
+    full = {tuple(tok(f"{a}+{a}=", add_special_tokens=False)["input_ids"])
+            for a in range(10, 20)}
+    assert all(len(ids) == 6 for ids in full)
+    assert len(engine.prompts_sent) == 8
+    for sent in engine.prompts_sent:
+        assert any(list(ids[-2:]) == sent for ids in full), sent  # the last 2 tokens
+    # the trained rows start with the same cut prompt
+    assert sorted(rollout.batch.input_ids[:, :2].tolist()) == sorted(engine.prompts_sent)
 
 
 def test_pack_aligns_tokens_with_positions() -> None:

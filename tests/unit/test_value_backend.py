@@ -13,6 +13,7 @@ import torch
 
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.backends.base import TrainBatch
+from kuberl_trainer.backends.tokens import response_mask
 from kuberl_trainer.backends.value import ValueBackend
 from tests.unit.tiny_lm import VOCAB, save_tiny_qwen2
 
@@ -29,6 +30,7 @@ def spec(model_dir: str, *, mbs: int = 2, **critic: Any) -> RLJobSpec:
         "model": {"path": model_dir},
         "data": {"prompts": "/p.jsonl", "rolloutBatchSize": B // 2, "nSamplesPerPrompt": 2},
         "training": {"backend": "fsdp", "gpusPerNode": 0, "microBatchSize": mbs},
+        "rollout": {"engine": "reference"},  # on CPU
         "algorithm": {"advantageEstimator": "ppo"},
         "critic": {"lr": 1e-2, **critic},
     })
@@ -68,7 +70,7 @@ def test_values_come_from_the_prefix_and_only_on_the_response(model_dir: str) ->
 
 
 def test_training_moves_values_to_the_returns(model_dir: str) -> None:
-    b = ValueBackend(spec(model_dir, valueClip=None), rank=0, world_size=1, device="cpu")
+    b = ValueBackend(spec(model_dir, valueClip=0), rank=0, world_size=1, device="cpu")
     data = batch()
     mask = data.loss_mask.bool()
     assert data.returns is not None
@@ -90,6 +92,17 @@ def test_value_clip_holds_values_near_their_rollout_estimates(model_dir: str) ->
     assert m["vf_clipfrac"] == 0.0  # nothing clipped before the first update
     m2 = clipped.train_step(data)  # same rollout-time values: now beyond the 0.01 band
     assert m2["vf_clipfrac"] > 0.5, m2
+    # valueClip 0 is off: the same two updates clip nothing, and the loss is the plain
+    # squared error (the loss of a 0-wide band would hold every value at its estimate)
+    free = ValueBackend(spec(model_dir, valueClip=0), rank=0, world_size=1, device="cpu")
+    free.train_step(data)
+    values = free.values(data)
+    m3 = free.train_step(data)
+    assert m3["vf_clipfrac"] == 0.0, m3
+    assert data.returns is not None
+    mask = response_mask(data.loss_mask).bool()
+    plain = 0.5 * (values - data.returns)[mask].square().mean()
+    assert m3["value_loss"] == pytest.approx(float(plain), rel=1e-4)
 
 
 def test_micro_batches_match_the_whole_batch(model_dir: str) -> None:

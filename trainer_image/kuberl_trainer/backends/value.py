@@ -72,8 +72,9 @@ class ValueBackend(FSDPBackend):
         assert mb.values is not None and mb.returns is not None
         mask = response_mask(mb.loss_mask)
         values = self._values(self.model, mb)
+        # critic.valueClip 0 turns clipping off (the spec has no "unset": see CriticSpec)
         per_token, stats = value_loss.value_loss(values, mb.values, mb.returns, mask,
-                                                 self.spec.critic.value_clip)
+                                                 self.spec.critic.value_clip or None)
         partial = aggregation.partial_sum(per_token, mask, "token-mean")
         on = mask.bool()
         n = on.sum().clamp(min=1)

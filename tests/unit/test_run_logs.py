@@ -1,0 +1,70 @@
+"""Where a run's logs go: locally the actors' output goes to <output-dir>/logs/ and an error
+names the file to read; in a cluster it stays in the pods' logs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kuberl_trainer.run import Options
+from kuberl_trainer.session import Session, tail
+
+
+def opts(tmp_path: Path, address: str | None = None, in_cluster: bool = False) -> Options:
+    return Options(address=address, in_cluster=in_cluster, output_dir=tmp_path / "out",
+                   checkpoint_dir=tmp_path / "ckpt", prometheus_port=0, tensorboard=None,
+                   seed=0)
+
+
+def test_local_runs_log_to_the_output_dir_and_cluster_runs_to_stdout(tmp_path: Path) -> None:
+    assert opts(tmp_path).log_dir == tmp_path / "out" / "logs"
+    assert opts(tmp_path, address="auto").log_dir is None
+    assert opts(tmp_path, address="auto", in_cluster=True).log_dir is None
+
+
+def test_tail_reads_the_last_lines_of_a_long_file(tmp_path: Path) -> None:
+    log = tmp_path / "engine-0.log"
+    log.write_text("".join(f"line {i}\n" for i in range(100_000)))
+    assert tail(log, 3) == ["line 99997", "line 99998", "line 99999"]
+    empty = tmp_path / "empty.log"
+    empty.write_text("")
+    assert tail(empty, 3) == []
+
+
+class _Engines:
+    """What Session.explain asks of an EngineGroup."""
+
+    def __init__(self, log: Path | None) -> None:
+        self.log = log
+
+    def dead(self) -> dict[str, int]:
+        return {"http://10.0.0.1:30000": -9}
+
+    def log_of(self, url: str) -> Path | None:
+        return self.log
+
+
+def explain(tmp_path: Path, exc: BaseException, engines: _Engines | None,
+            address: str | None = None) -> str:
+    session = Session.__new__(Session)  # only what explain reads: no Ray, no job
+    session.opts, session.engines = opts(tmp_path, address), engines  # type: ignore[assignment]
+    return session.explain(exc)
+
+
+def test_an_engine_death_names_its_log_and_quotes_its_end(tmp_path: Path) -> None:
+    log = tmp_path / "engine-0.log"
+    log.write_text("".join(f"routine {i}\n" for i in range(50)) + "Traceback: out of memory\n")
+    text = explain(tmp_path, RuntimeError("\x1b[36mray::X\x1b[39m failed"), _Engines(log))
+    first, *rest = text.splitlines()
+    assert first == ("engine died: http://10.0.0.1:30000 exited with code -9 "
+                     "(ray::X failed)")  # Ray's colours stripped
+    assert str(log) in rest[0]
+    assert rest[-1] == "  Traceback: out of memory" and len(rest) == 1 + 20
+
+
+def test_other_errors_point_to_the_logs_on_a_local_run_only(tmp_path: Path) -> None:
+    local = explain(tmp_path, ValueError("bad"), None)
+    assert local == f"ValueError: bad\n(the engines' and training workers' logs: " \
+                    f"{tmp_path / 'out' / 'logs'}/)"
+    assert explain(tmp_path, ValueError("bad"), None, address="auto") == "ValueError: bad"
+    # In a cluster an engine has no log file here: the error alone (its pod has the log).
+    assert explain(tmp_path, OSError("x"), _Engines(None), address="auto").count("\n") == 0
