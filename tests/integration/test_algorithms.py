@@ -16,7 +16,6 @@ from tests.integration import learning
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
-STEPS = learning.ALGORITHMS["rloo"].steps
 EXTRA_KEYS: dict[str, tuple[str, ...]] = {
     "dr_grpo": (),
     "rloo": (),
@@ -38,7 +37,7 @@ COMMON = ("reward_mean", "advantage_mean", "advantage_std", "pg_loss", "pg_clipf
 def test_algorithm_trains_and_raises_reward(tiny: Path, tmp_path: Path, name: str) -> None:
     scenario = learning.ALGORITHMS[name]
     outcome = scenario.run(tiny, tmp_path)
-    assert [r["step"] for r in outcome.rows] == list(range(STEPS))
+    assert [r["step"] for r in outcome.rows] == list(range(scenario.steps))
     missing = {k for k in (*COMMON, *EXTRA_KEYS[name]) for r in outcome.rows if k not in r}
     assert not missing, missing
     assert not scenario.failures(outcome), (scenario.failures(outcome), name)

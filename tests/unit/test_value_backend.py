@@ -1,4 +1,4 @@
-"""PPO's value model (backends/value.py): built from a causal LM with a fresh scalar head,
+"""PPO's value model (backends/value.py): built from a causal LM with a fresh (zero) scalar head,
 values aligned with the policy's log-probs, trained by the clipped value loss, micro-batch
 invariant, saved and loaded exactly."""
 
@@ -52,9 +52,21 @@ def batch(seed: int = 0) -> TrainBatch:
                       advantages=zeros, rollout_logprobs=zeros, returns=returns)
 
 
+def test_a_fresh_value_head_starts_at_zero(model_dir: str) -> None:
+    """Every first estimate is 0, so PPO's first advantages are the plain returns, not a
+    random head's noise; training moves them off 0."""
+    b = ValueBackend(spec(model_dir), rank=0, world_size=1, device="cpu")
+    data = batch()
+    assert torch.all(b.values(data) == 0)
+    b.train_step(dataclasses.replace(data, values=b.values(data)))
+    assert torch.any(b.values(data) != 0)
+
+
 def test_values_come_from_the_prefix_and_only_on_the_response(model_dir: str) -> None:
     b = ValueBackend(spec(model_dir), rank=0, world_size=1, device="cpu")
     data = batch()
+    for _ in range(2):  # off the zero-initialised head, so that values depend on the input
+        b.train_step(dataclasses.replace(data, values=b.values(data)))
     v = b.values(data)
     assert v.shape == (B, T) and torch.all(v[data.loss_mask == 0] == 0)
     # The value at a response token depends only on the tokens before it: change the token

@@ -2,7 +2,11 @@
 
 It is built from an HF causal-LM directory (``critic.modelPath``, default ``model.path``) as
 ``AutoModelForTokenClassification`` with one label: the same backbone weights, the LM head
-dropped and a fresh linear value head (HF initialises it small, so first estimates are near 0).
+dropped and a fresh linear value head that starts at zero, so every first estimate is 0 and
+PPO's first advantages are the plain returns. (HF's random head, at the model's
+initializer_range over unnormalised hidden states, gave estimates of +-1 on the tiny model:
+GAE then mixed the head's noise into every advantage, and the policy learnt nothing until the
+critic caught up, ~6 steps. A saved value model, e.g. a checkpoint's critic/, keeps its head.)
 Everything else - parallel modes, micro-batching, optimizer and LR schedule, checkpoints - is
 the fsdp backend's; only the model, the loss and the learning rate differ.
 
@@ -12,6 +16,8 @@ exactly where the policy's logits for token ``t`` come from. Position 0 has no p
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -23,7 +29,21 @@ from kuberl_trainer.backends.base import TrainBatch
 from kuberl_trainer.backends.fsdp import FSDPBackend, build_model
 from kuberl_trainer.backends.tokens import response_mask
 
-VALUE_HEAD_SEED = 0
+
+class _ValueModel:
+    """``AutoModelForTokenClassification`` whose parameters missing from the checkpoint (the
+    fresh value head of a causal-LM directory) start at zero."""
+
+    @staticmethod
+    def from_pretrained(path: str, **kwargs: Any) -> PreTrainedModel:
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            path, output_loading_info=True, **kwargs)
+        fresh = set(info["missing_keys"])
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name in fresh:
+                    param.zero_()
+        return model  # type: ignore[no-any-return]
 
 
 class ValueBackend(FSDPBackend):
@@ -37,13 +57,11 @@ class ValueBackend(FSDPBackend):
         return Objective(aggregation="token-mean")  # (only its units: the value loss's mean)
 
     def _build_trainable(self) -> PreTrainedModel:
-        # The fresh head's initial weights come from a fixed seed: every rank and every run
-        # (a restart from the policy's weights, a test) starts from the same value model,
-        # and the global RNG the rest of the run draws from is left as it was.
+        # HF draws the fresh head's random init before it is zeroed: the global RNG the rest
+        # of the run draws from is left as it was.
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(VALUE_HEAD_SEED)
             return build_model(self.model_path, self.device, self.mode, trainable=True,
-                               auto_class=AutoModelForTokenClassification, num_labels=1)
+                               auto_class=_ValueModel, num_labels=1)
 
     def _build_reference(self) -> PreTrainedModel | None:
         return None
