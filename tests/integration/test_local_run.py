@@ -81,6 +81,30 @@ RESUMABLE = {
 }
 
 
+# What the actors write (engine INFO lines, HF progress bars, Ray's colours and warnings) and
+# must not reach the terminal of a local run: it goes to <output-dir>/logs/.
+NOISE = ("\x1b[", "Loading weights", "Writing model shards", "FutureWarning", "updated ",
+         " INFO ", "pid=")
+
+
+def assert_terminal_is_clean(res: subprocess.CompletedProcess[str], out: Path,
+                             roles: tuple[str, ...], runs: int = 1) -> None:
+    """The terminal of a finished local run: where the logs are, the step table and the
+    summary, nothing else; the actors' routine output is in their log files (appended to by
+    each of `runs` runs into `out`)."""
+    terminal = res.stdout + res.stderr
+    assert res.stdout.startswith(f"logs: {out / 'logs'}/ "), res.stdout[:300]
+    assert "step  reward" in res.stdout and "reward: first-" in res.stdout
+    for noise in NOISE:
+        assert noise not in terminal, (noise, terminal[-3000:])
+    assert res.stderr == "", res.stderr[-3000:]
+    engine = (out / "logs" / "engine-0.log").read_text()
+    assert "updated " in engine and "weight_version" in engine
+    assert engine.count("==== ") == runs  # one header per run: reruns append, never truncate
+    for role in roles:
+        assert "rank 0/1 on cpu" in (out / "logs" / f"{role}-0.log").read_text(), role
+
+
 @pytest.mark.parametrize("name", RESUMABLE)
 def test_resume_replays_the_uninterrupted_run(tiny: Path, tmp_path: Path, name: str) -> None:
     extra, keys = RESUMABLE[name]
@@ -94,6 +118,9 @@ def test_resume_replays_the_uninterrupted_run(tiny: Path, tmp_path: Path, name: 
                     **extra)
     res = kuberl_run(rest, tmp_path / "b")
     assert res.returncode == 0, res.stderr[-3000:]
+    # A resumed run loads and saves checkpoints: the terminal still shows only the table.
+    assert_terminal_is_clean(res, tmp_path / "b", roles=("train", "critic") if extra
+                             else ("train",), runs=2)
     a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
     assert [r["step"] for r in b] == list(range(6))
     for ra, rb in zip(a[3:], b[3:], strict=True):
@@ -131,9 +158,10 @@ def test_engine_death_fails_the_run_with_its_error(tiny: Path, tmp_path: Path) -
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "the run never started"
             time.sleep(0.5)
-        engines = subprocess.run(["pgrep", "-f", f"kuberl_rollout.reference --model-path {tiny}"],
-                                 capture_output=True, text=True).stdout.split()
-        assert engines
+        engines = [pid for pid in subprocess.run(
+            ["pgrep", "-f", f"kuberl_rollout.reference --model-path {tiny}"],
+            capture_output=True, text=True).stdout.split() if descends(int(pid), proc.pid)]
+        assert engines  # this run's (its local Ray is the driver's child), not another test's
         os.kill(int(engines[0]), signal.SIGKILL)
         _, err = proc.communicate(timeout=180)
     finally:
@@ -141,3 +169,19 @@ def test_engine_death_fails_the_run_with_its_error(tiny: Path, tmp_path: Path) -
             proc.kill()
     assert proc.returncode == 1
     assert "engine" in err and "error:" in err
+    # The error names the dead engine's log file and quotes its end (the log itself stays off
+    # the terminal until then).
+    assert f"{out / 'logs'}/engine-" in err and "weight_version" in err, err[-3000:]
+    assert "\x1b[" not in err
+
+
+def descends(pid: int, ancestor: int) -> bool:
+    """Whether process `pid` is `ancestor` or one of its descendants (Linux /proc)."""
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:  # /proc/PID/stat: "pid (comm) state ppid ..."; comm may hold spaces
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kuberl_trainer.engine_client import EngineError
 from kuberl_trainer.run import Options
 from kuberl_trainer.session import Session, tail
 
@@ -30,14 +31,21 @@ def test_tail_reads_the_last_lines_of_a_long_file(tmp_path: Path) -> None:
     assert tail(empty, 3) == []
 
 
-class _Engines:
-    """What Session.explain asks of an EngineGroup."""
+URL = "http://10.0.0.1:30000"
 
-    def __init__(self, log: Path | None) -> None:
-        self.log = log
+
+class _Engines:
+    """What Session.explain asks of an EngineGroup: one engine, seen dead from the
+    `alive_looks`-th look on (never, when None)."""
+
+    def __init__(self, log: Path | None, alive_looks: int | None = 0) -> None:
+        self.log, self.alive_looks, self.looks = log, alive_looks, 0
 
     def dead(self) -> dict[str, int]:
-        return {"http://10.0.0.1:30000": -9}
+        self.looks += 1
+        if self.alive_looks is None or self.looks <= self.alive_looks:
+            return {}
+        return {URL: -9}
 
     def log_of(self, url: str) -> Path | None:
         return self.log
@@ -68,3 +76,23 @@ def test_other_errors_point_to_the_logs_on_a_local_run_only(tmp_path: Path) -> N
     assert explain(tmp_path, ValueError("bad"), None, address="auto") == "ValueError: bad"
     # In a cluster an engine has no log file here: the error alone (its pod has the log).
     assert explain(tmp_path, OSError("x"), _Engines(None), address="auto").count("\n") == 0
+
+
+def test_a_dropped_connection_waits_a_moment_for_the_engine_to_be_seen_dead(
+        tmp_path: Path) -> None:
+    """The client sees the socket close before the killed server's exit can be reaped."""
+    log = tmp_path / "engine-0.log"
+    log.write_text("updated 51 tensors, weight_version 3\n")
+    engines = _Engines(log, alive_looks=1)
+    text = explain(tmp_path, EngineError(URL, "ServerDisconnectedError"), engines)
+    assert text.startswith(f"engine died: {URL} exited with code -9") and engines.looks == 2
+
+
+def test_an_engine_that_answers_with_an_error_is_not_waited_for(tmp_path: Path) -> None:
+    log = tmp_path / "engine-0.log"
+    log.write_text("ERROR kuberl.reference: POST /generate failed\nTraceback: boom\n")
+    engines = _Engines(log, alive_looks=None)
+    text = explain(tmp_path, EngineError(URL, "internal error", status=500), engines)
+    assert engines.looks == 1
+    assert text.splitlines()[0] == f"engine {URL} (HTTP 500): internal error"
+    assert text.splitlines()[-1] == "  Traceback: boom" and str(log) in text

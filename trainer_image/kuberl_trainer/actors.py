@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -37,6 +38,32 @@ def node_ip() -> str:
     return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
 
 
+def log_to_file(path: str | None, what: str) -> None:
+    """Send this actor process's stdout and stderr to `path` (appended; a resumed run adds to
+    it), or leave them alone when None.
+
+    Locally (`kuberl run` without --address) the run's terminal is for the step table, and
+    Ray would forward every line an actor writes there: its routine logs belong in the run's
+    output folder instead. Done on the file descriptors, not sys.stdout, so C++ libraries
+    (gloo, NCCL), warnings and child processes (an engine server) write there too. In a
+    cluster (None) they stay on stdout, where `kubectl logs` finds them.
+    """
+    if path is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    print(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {what} (pid {os.getpid()})", flush=True)
+
+
+def log_path(log_dir: str | None, name: str) -> str | None:
+    """`log_dir`/`name`.log, or None (no log directory: output stays on stdout)."""
+    return None if log_dir is None else str(Path(log_dir) / f"{name}.log")
+
+
 def torch_threads(sharing: int) -> int:
     """Threads for a CPU actor sharing its machine with `sharing - 1` actors of its role;
     KUBERL_TORCH_THREADS overrides (see placement.cpu_threads)."""
@@ -45,9 +72,15 @@ def torch_threads(sharing: int) -> int:
 
 
 class TrainWorker:
-    """One training process: joins the trainers' default process group, owns a Backend."""
+    """One training process: joins the trainers' default process group, owns a Backend.
+    `log_dir`: where its output goes, as `<role>-<rank>.log` (see log_to_file)."""
 
-    def __init__(self, spec_json: str, rank: int, world_size: int, sharing: int = 1) -> None:
+    role = "train"  # the log file's name
+
+    def __init__(self, spec_json: str, rank: int, world_size: int, sharing: int = 1,
+                 log_dir: str | None = None) -> None:
+        log_to_file(log_path(log_dir, f"{self.role}-{rank}"),
+                    f"{type(self).__name__} rank {rank}/{world_size}")
         self.spec = RLJobSpec.model_validate_json(spec_json)
         self.rank, self.world_size = rank, world_size
         self.device = "cuda" if torch.cuda.is_available() and self.on_gpu() else "cpu"
@@ -152,9 +185,12 @@ async def _send_tensors(urls: list[str], buckets: Any, weight_version: int) -> N
 
 
 class EngineServer:
-    """Runs one engine HTTP server as a child process of this actor (on the actor's pod)."""
+    """Runs one engine HTTP server as a child process of this actor (on the actor's pod).
+    `log_file`: where the actor's and the server's output go (see log_to_file)."""
 
-    def __init__(self, spec_json: str, index: int, seed: int, sharing: int = 1) -> None:
+    def __init__(self, spec_json: str, index: int, seed: int, sharing: int = 1,
+                 log_file: str | None = None) -> None:
+        log_to_file(log_file, f"engine {index}")
         self.spec = RLJobSpec.model_validate_json(spec_json)
         self.index, self.seed, self.sharing = index, seed, sharing
         self.proc: subprocess.Popen[bytes] | None = None
@@ -171,6 +207,7 @@ class EngineServer:
         device = cmd[cmd.index("--device") + 1] if "--device" in cmd else "its GPUs"
         print(f"engine {self.index} ({self.spec.rollout.engine}) on {device} "
               f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')})", flush=True)
+        # The server inherits this actor's stdout and stderr: its log file, when it has one.
         self.proc = subprocess.Popen(cmd, stdout=sys.stdout, stderr=sys.stderr, env=env)
         self.url = f"http://{node_ip()}:{port}"
         return self.url
@@ -246,15 +283,16 @@ def placed(shape: ActorShape, count: int, what: str) -> list[dict[str, Any]]:
 class TrainGroup:
     """The training workers, driven together: data-parallel shards of every batch.
     `one_machine`: every actor shares the driver's machine (a local run), so CPU workers
-    split its cores."""
+    split its cores. `log_dir`: where their output goes (train-<rank>.log)."""
 
-    def __init__(self, spec: RLJobSpec, layout: Layout, *, one_machine: bool = False) -> None:
+    def __init__(self, spec: RLJobSpec, layout: Layout, *, one_machine: bool = False,
+                 log_dir: Path | None = None) -> None:
         n = layout.train_workers
         # A shared critic's share of each bundle is reserved here with its training worker's.
         self.pg = reserve([layout.train_bundle() for _ in range(n)], "training")
         self.workers = start_workers(TrainWorker, spec, [
             in_bundle(layout.train_actor, self.pg, rank) for rank in range(n)],
-            sharing=n if one_machine else 1)
+            sharing=n if one_machine else 1, log_dir=log_dir)
         coords: list[tuple[int, int, bool]] = ray.get(
             [w.data_parallel_coords.remote() for w in self.workers])
         # Megatron packs micro-batches, so its ranks finish together when their token counts
@@ -302,13 +340,15 @@ class TrainGroup:
 
 
 def start_workers(worker: type, spec: RLJobSpec, options: list[dict[str, Any]], *,
-                  sharing: int) -> list[Any]:
+                  sharing: int, log_dir: Path | None = None) -> list[Any]:
     """One `worker` actor per entry of `options` (ranks in order), joined into one
-    torch.distributed group (rank 0's address) with their backends built."""
+    torch.distributed group (rank 0's address) with their backends built; their output goes
+    to files in `log_dir` when given."""
     cls: Any = ray.remote(worker)
     spec_json = spec.model_dump_json(by_alias=True)
     n = len(options)
-    workers = [cls.options(**opts).remote(spec_json, rank, n, sharing)
+    logs = None if log_dir is None else str(log_dir.resolve())  # an actor's cwd need not be ours
+    workers = [cls.options(**opts).remote(spec_json, rank, n, sharing, logs)
                for rank, opts in enumerate(options)]
     addr, port = ray.get(workers[0].address.remote())
     ray.get([w.setup.remote(addr, port) for w in workers])
@@ -331,20 +371,31 @@ def combine_rank_metrics(results: Sequence[dict[str, float]]) -> dict[str, float
 
 
 class EngineGroup:
+    """The engine actors and their servers' URLs. `log_dir`: where each engine's output goes
+    (engine-<index>.log), read back by `log_tail` to explain an engine's death."""
+
     def __init__(self, spec: RLJobSpec, layout: Layout, seed: int, *,
-                 one_machine: bool = False) -> None:
+                 one_machine: bool = False, log_dir: Path | None = None) -> None:
         cls: Any = ray.remote(EngineServer)
         spec_json = spec.model_dump_json(by_alias=True)
         opts = placed(layout.engine_actor, layout.engines, "engine")
         sharing = layout.engines if one_machine else 1
-        self.actors = [cls.options(**opts[i]).remote(spec_json, i, seed + i, sharing)
-                       for i in range(layout.engines)]
+        self.logs: list[Path | None] = [
+            None if log_dir is None else log_dir / f"engine-{i}.log"
+            for i in range(layout.engines)]
+        self.actors = [cls.options(**opts[i]).remote(
+            spec_json, i, seed + i, sharing, None if log is None else str(log.resolve()))
+            for i, log in enumerate(self.logs)]
         self.urls: list[str] = ray.get([a.start.remote(spec.model.path) for a in self.actors])
 
     def dead(self) -> dict[str, int]:
         """Engines whose server process exited, with the exit code."""
         codes: list[Any] = ray.get([a.poll.remote() for a in self.actors])
         return {url: c for url, c in zip(self.urls, codes, strict=True) if c is not None}
+
+    def log_of(self, url: str) -> Path | None:
+        """The log file of the engine serving `url` (None in a cluster: pod logs)."""
+        return self.logs[self.urls.index(url)] if url in self.urls else None
 
     def stop(self) -> None:
         ray.get([a.stop.remote() for a in self.actors])

@@ -9,6 +9,7 @@ directory of each trainer checkpoint.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import ray
 import torch
@@ -30,6 +31,8 @@ CRITIC_DIR = "critic"
 
 class CriticWorker(TrainWorker):
     """One value-model rank (its backend is ``backends.value.ValueBackend``)."""
+
+    role = "critic"  # its log file: critic-<rank>.log
 
     def on_gpu(self) -> bool:
         c = self.spec.critic
@@ -53,7 +56,7 @@ class CriticGroup:
     """The critic workers, driven together (data-parallel shards, like ``TrainGroup``)."""
 
     def __init__(self, spec: RLJobSpec, layout: Layout, trainers: TrainGroup, *,
-                 one_machine: bool = False) -> None:
+                 one_machine: bool = False, log_dir: Path | None = None) -> None:
         shape = layout.critic_actor
         if shape is None:
             raise ValueError("the job has no critic (advantageEstimator is not ppo)")
@@ -63,7 +66,7 @@ class CriticGroup:
             [shape.bundle() for _ in range(n)], "critic")
         self.workers = start_workers(CriticWorker, spec,
                                      [in_bundle(shape, pg, rank) for rank in range(n)],
-                                     sharing=n if one_machine else 1)
+                                     sharing=n if one_machine else 1, log_dir=log_dir)
 
     def _shards(self, batch: TrainBatch) -> list[TrainBatch]:
         return batch.split(len(self.workers))

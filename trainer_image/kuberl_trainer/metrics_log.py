@@ -4,6 +4,7 @@ numbers as Prometheus gauges, and TensorBoard when it is installed and asked for
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,8 @@ class MetricsLog:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:  # tensorboard is optional
-                print("tensorboard is not installed; skipping --tensorboard")
+                print("warning: tensorboard is not installed; skipping --tensorboard",
+                      file=sys.stderr)
             else:
                 self._tb = SummaryWriter(str(tensorboard_dir))
 
@@ -41,7 +43,7 @@ class MetricsLog:
             try:
                 import wandb
             except ImportError:  # wandb is optional
-                print("wandb is not installed; skipping --wandb")
+                print("warning: wandb is not installed; skipping --wandb", file=sys.stderr)
             else:
                 self._wandb = wandb.init(project=wandb_project, name=run_name,
                                          dir=str(out_dir))

@@ -35,6 +35,12 @@ class Options:
     seed: int
     wandb_project: str | None = None
 
+    @property
+    def log_dir(self) -> Path | None:
+        """Where the engines' and training workers' output goes on a local run (the terminal
+        is for the step table); None in a cluster, where it stays in the pods' logs."""
+        return None if self.address or self.in_cluster else self.output_dir / "logs"
+
 
 def options(job: RLJob, args: argparse.Namespace) -> Options:
     out = Path(args.output_dir or Path("out") / job.name)
@@ -55,6 +61,8 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
     from kuberl_trainer.session import Session  # ray/torch load only after the checks
 
     session = Session(job, opts, checked)
+    if opts.log_dir is not None:
+        print(f"logs: {opts.log_dir}/ (engines, training workers)", flush=True)
     stop = _install_sigterm()
     try:
         session.start()

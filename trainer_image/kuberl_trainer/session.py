@@ -8,6 +8,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
+import time
+import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -32,6 +36,9 @@ if TYPE_CHECKING:
 
 LOG = logging.getLogger("kuberl.run")
 ENGINE_START_TIMEOUT_S = 600.0
+LOG_TAIL_LINES = 20  # of a dead engine's log, with the error that names it
+DEATH_LOOKS, DEATH_LOOK_INTERVAL_S = 6, 0.5  # see Session._dead_engines
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its exceptions' headers
 
 
 class Session:
@@ -49,17 +56,27 @@ class Session:
 
     # ------------------------------------------------------------------ lifetime
     def start(self) -> None:
+        _quiet_ray()
+        logs = self.opts.log_dir
         if self.opts.address:
             ray.init(address=self.opts.address, log_to_driver=True)
         else:  # a local Ray sized to this job's actors (see placement.local_resources)
+            if logs is not None:
+                logs.mkdir(parents=True, exist_ok=True)
+            # Ray's own INFO lines ("Started a local Ray instance") are not for the terminal;
+            # its warnings are. HF's progress bars would only fill the actors' log files.
             ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
                      resources=local_resources(self.spec), log_to_driver=True,
-                     runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+                     logging_level=logging.WARNING,
+                     runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
+                                               "HF_HUB_DISABLE_PROGRESS_BARS": "1"}})
         lay = layout(self.spec)
         local = not self.opts.address
-        self.engines = EngineGroup(self.spec, lay, seed=self.opts.seed, one_machine=local)
-        self.trainers = TrainGroup(self.spec, lay, one_machine=local)
-        self.critic = (CriticGroup(self.spec, lay, self.trainers, one_machine=local)
+        self.engines = EngineGroup(self.spec, lay, seed=self.opts.seed, one_machine=local,
+                                   log_dir=logs)
+        self.trainers = TrainGroup(self.spec, lay, one_machine=local, log_dir=logs)
+        self.critic = (CriticGroup(self.spec, lay, self.trainers, one_machine=local,
+                                   log_dir=logs)
                        if self.spec.has_critic else None)
         self.client = EngineClient(self.engines.urls)
         self.aio.run_until_complete(self.client.wait_healthy(timeout_s=ENGINE_START_TIMEOUT_S))
@@ -143,13 +160,45 @@ class Session:
 
     # ------------------------------------------------------------------ errors
     def explain(self, exc: BaseException) -> str:
-        dead = self.engines.dead() if self.engines is not None else {}
+        """The error line for `exc`: which engine died, with the end of its log, or the error
+        itself; on a local run, where the actors' logs are."""
+        dead = self._dead_engines(exc)
         if dead:
             codes = ", ".join(f"{url} exited with code {c}" for url, c in dead.items())
-            return f"engine died: {codes} ({exc})"
-        if isinstance(exc, EngineError):
-            return str(exc)
-        return f"{type(exc).__name__}: {exc}"
+            return ANSI.sub("", f"engine died: {codes} ({exc})") + "".join(
+                self._engine_log(url) for url in dead)
+        if isinstance(exc, EngineError):  # alive but failing: its log says why
+            return ANSI.sub("", str(exc)) + self._engine_log(exc.url)
+        logs = self.opts.log_dir
+        return ANSI.sub("", f"{type(exc).__name__}: {exc}") + (
+            f"\n(the engines' and training workers' logs: {logs}/)" if logs is not None
+            else "")
+
+    def _dead_engines(self, exc: BaseException) -> dict[str, int]:
+        """Engines whose server exited, with the code. A dying engine drops its connections
+        a moment before its process is seen to exit: after an error without an answer, look
+        a few times."""
+        if self.engines is None:
+            return {}
+        looks = DEATH_LOOKS if isinstance(exc, EngineError) and not exc.answered else 1
+        for look in range(looks):
+            try:
+                dead = self.engines.dead()
+            except Exception:  # explaining an error must not raise another (a dead actor)
+                return {}
+            if dead or look == looks - 1:
+                return dead
+            time.sleep(DEATH_LOOK_INTERVAL_S)
+        return {}
+
+    def _engine_log(self, url: str) -> str:
+        """The last lines of the log of the engine at `url`, naming the file (on a local run;
+        in a cluster its output is in its pod's log: nothing)."""
+        path = self.engines.log_of(url) if self.engines is not None else None
+        if path is None or not path.exists():
+            return ""
+        return f"\nlast lines of {path} ({url}):\n" + "\n".join(
+            f"  {line}" for line in tail(path, LOG_TAIL_LINES))
 
     def close(self) -> None:
         try:
@@ -161,6 +210,29 @@ class Session:
             self.aio.close()
             if ray.is_initialized():
                 ray.shutdown()
+
+
+def _quiet_ray() -> None:
+    """Keep what Ray prints on its own about itself off the run's output.
+
+    Its lines forwarded from actors come uncoloured (RAY_COLOR_PREFIX=0: a terminal is not
+    always where they land; pod logs keep the escape codes verbatim). Its FutureWarning that
+    actors asking for no GPU will one day see every GPU is dropped rather than answered with
+    the switch it suggests, RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0: each worker reads that from
+    its own environment, so set here it would change what actors see on a local run (whose
+    Ray inherits it) but not in a cluster (whose pods' Ray does not), and the two should
+    place GPUs alike (placement.colocated_engine_devices describes today's behaviour).
+    """
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    warnings.filterwarnings("ignore", message="Tip: In future versions of Ray",
+                            category=FutureWarning)
+
+
+def tail(path: Path, lines: int, max_bytes: int = 64 << 10) -> list[str]:
+    """The last `lines` lines of a text file that may be long (read from its end)."""
+    with path.open("rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
+        return f.read().decode(errors="replace").splitlines()[-lines:]
 
 
 class _Watchers:

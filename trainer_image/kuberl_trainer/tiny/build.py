@@ -105,7 +105,8 @@ def _build(out: Path, config: BuildConfig, log: Callable[[str], None]) -> dict[s
     losses = sft.train(model, tokenizer, train, steps=config.sft_steps,
                        batch_size=config.sft_batch_size, lr=config.sft_lr, seed=config.seed)
     sft_seconds = time.perf_counter() - sft_start
-    model.save_pretrained(str(out / MODEL_DIR))
+    with _no_progress_bars():  # a bar for one 3 MB file is noise in `make demo`'s output
+        model.save_pretrained(str(out / MODEL_DIR))
     # The model directory alone is a complete HF checkpoint: model.path needs no tokenizer.
     tok.save(tokenizer, out / MODEL_DIR)
 
@@ -141,6 +142,19 @@ def _threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        if before:
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
 
 
 def _write_json(path: Path, record: dict[str, Any]) -> None:
