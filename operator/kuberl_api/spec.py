@@ -644,7 +644,8 @@ class RolloutSpec(ApiModel):
     engine_args: dict[str, str] = Field(
         default_factory=dict, max_length=64,
         description="Extra engine server flags without the leading '--', e.g. "
-        "{mem-fraction-static: '0.8'}; not the flags kuberl sets itself (model-path, "
+        "{mem-fraction-static: '0.8'}; an empty value passes a switch alone (e.g. "
+        "enable-memory-saver: ''); not the flags kuberl sets itself (model-path, "
         "tokenizer-path, host, port, tp-size, random-seed/seed, device, torch-threads). The "
         "reference engine takes only " + ", ".join(REFERENCE_ENGINE_FLAGS) + ".",
         json_schema_extra=cel_rules(
@@ -733,6 +734,16 @@ class NetworkSpec(ApiModel):
             f"self.all(k, k.matches('{ENV_NAME_PATTERN}'))",
             "network.env names must be C identifiers: letters, digits and '_', not starting "
             "with a digit (e.g. NCCL_DEBUG)")))
+
+    def variables(self) -> dict[str, str]:
+        """The environment of GPU processes: `env`, then the typed fields, which win over a
+        same-named free-form entry (the typed field is the documented way; silently
+        preferring `env` would make `ncclSocketIfname` a no-op). The operator renders them
+        into the GPU pods; `kuberl run` gives them to its local Ray's workers."""
+        values = dict(self.env)
+        if self.nccl_socket_ifname:
+            values["NCCL_SOCKET_IFNAME"] = self.nccl_socket_ifname
+        return values
 
     @field_validator("env")
     @classmethod

@@ -232,7 +232,7 @@ def _algorithm(algorithm: dict[str, Any], steps: int = 8, **extra: Any) -> Scena
 # Every advantage estimator and policy-loss option (test_algorithms.py), and the default job
 # (GRPO, PPO clip, token-mean) colocated (test_local_run.py).
 ALGORITHMS: dict[str, Scenario] = {
-    "grpo-colocated": _algorithm({}, schedule={"saveInterval": 4}),
+    "grpo-colocated": _algorithm({}, schedule={"saveInterval": 3}),
     "dr_grpo": _algorithm({"advantageEstimator": "dr_grpo",
                            "lossAggregation": "seq-mean-token-sum-norm"}),
     "rloo": _algorithm({"advantageEstimator": "rloo"}),

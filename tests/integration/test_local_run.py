@@ -29,8 +29,9 @@ def test_colocated_run_learns_and_writes_metrics(tiny: Path, tmp_path: Path) -> 
     failures = learning.ALGORITHMS["grpo-colocated"].failures(outcome)
     assert not failures, failures
     assert "step  reward" in outcome.stdout  # the per-step table a person watches
+    # saved every 3 steps and at the end; checkpoint.keep (2) pruned step_3
     assert sorted(p.name for p in (outcome.out / "checkpoints").iterdir()) == [
-        "step_4", "step_8"]
+        "step_6", "step_8"]
 
 
 def test_disaggregated_engines_hold_the_trainers_weights(tiny: Path, tmp_path: Path) -> None:
@@ -135,6 +136,7 @@ def test_resume_replays_the_uninterrupted_run(tiny: Path, tmp_path: Path, name: 
     (lambda t: {"model": {"path": str(t / "data")}}, "spec.model.path"),
     (lambda t: {"reward": {"type": "custom", "function": "no_such_module:score"}},
      "no_such_module"),
+    (lambda t: {"suspend": True}, "spec.suspend"),  # held, as the operator would hold it
 ])
 def test_bad_input_fails_before_ray_starts(tiny: Path, tmp_path: Path, edit: Any,
                                            expect: str) -> None:

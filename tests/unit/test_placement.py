@@ -10,7 +10,7 @@ import pytest
 from kuberl_api import parse
 from kuberl_api.runtime import RESOURCE_CRITIC, RESOURCE_ROLLOUT, RESOURCE_TRAIN
 from kuberl_operator.render import render_children
-from kuberl_trainer.placement import cpu_threads, layout, local_resources
+from kuberl_trainer.placement import cpu_threads, layout, local_resources, weight_sync_port
 
 CPU_ROLLOUT = {"engine": "reference", "gpus": 0}  # sglang needs GPUs
 
@@ -124,3 +124,17 @@ def test_colocated_engines_take_their_slice_of_each_node() -> None:
     assert colocated_engine_devices(0, 1, 1) == [0]
     with pytest.raises(ValueError, match="gpusPerEngine 3"):
         colocated_engine_devices(0, 3, 8)
+
+
+def test_weight_sync_listens_on_the_declared_port_in_a_cluster() -> None:
+    """The train pods declare network.weightSyncPort (rendered as a containerPort): in a
+    cluster the rendezvous listens there; on one machine on a free port (0)."""
+    spec = job(placement="disaggregated", rollout={"gpus": 8},
+               network={"weightSyncPort": 31000}).spec
+    assert weight_sync_port(spec, one_machine=False) == 31000
+    assert weight_sync_port(spec, one_machine=True) == 0
+    ports = [p["containerPort"] for group in render_children(job(
+        placement="disaggregated", rollout={"gpus": 8}, network={"weightSyncPort": 31000}
+    ))[-1]["spec"]["rayClusterSpec"]["workerGroupSpecs"] if group["groupName"] == "train"
+        for c in group["template"]["spec"]["containers"] for p in c.get("ports", [])]
+    assert ports == [31000]

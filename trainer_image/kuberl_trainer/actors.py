@@ -22,7 +22,13 @@ import torch
 
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.backends.base import Backend, TrainBatch, make_backend
-from kuberl_trainer.placement import ActorShape, Layout, colocated_engine_devices, cpu_threads
+from kuberl_trainer.placement import (
+    ActorShape,
+    Layout,
+    colocated_engine_devices,
+    cpu_threads,
+    weight_sync_port,
+)
 from kuberl_trainer.sharding import DataParallelLayout
 
 SYNC_TIMEOUT_S = 300.0
@@ -122,8 +128,9 @@ class TrainWorker:
         return self.backend.data_parallel_coords()
 
     def push_weights(self, engine_urls: list[str], weight_version: int,
-                     bucket_bytes: int) -> float:
-        """Rank 0 broadcasts its weights to every engine; returns seconds spent. Every rank
+                     bucket_bytes: int, sync_port: int = 0) -> float:
+        """Rank 0 broadcasts its weights to every engine (the group's rendezvous on
+        `sync_port`, or a free port when 0); returns seconds spent. Every rank
         must iterate the buckets: with sharded weights (FSDP2) each full tensor is gathered
         collectively, so the other ranks take part and drop what they gathered."""
         started = time.perf_counter()
@@ -141,11 +148,12 @@ class TrainWorker:
             # until the consumer releases it and the producer collects).
             torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
             return time.perf_counter() - started
-        self._weight_sender(engine_urls).run_until_complete(
+        self._weight_sender(engine_urls, sync_port).run_until_complete(
             self._sender.send(buckets, weight_version=str(weight_version)))
         return time.perf_counter() - started
 
-    def _weight_sender(self, engine_urls: list[str]) -> asyncio.AbstractEventLoop:
+    def _weight_sender(self, engine_urls: list[str],
+                       sync_port: int) -> asyncio.AbstractEventLoop:
         """The trainer-to-engines group is built once and kept: an NCCL communicator takes
         seconds to set up, a broadcast over it milliseconds."""
         from kuberl_trainer.engine_client import EngineClient
@@ -155,7 +163,7 @@ class TrainWorker:
             self._aio = asyncio.new_event_loop()
             client = EngineClient(engine_urls, request_timeout_s=SYNC_TIMEOUT_S + 30)
             self._sender = DistributedWeightSender(
-                client, master_address=node_ip(), master_port=free_port(),
+                client, master_address=node_ip(), master_port=sync_port or free_port(),
                 backend="nccl" if self.device == "cuda" else "gloo",
                 group_name="kuberl_weight_sync", timeout_s=SYNC_TIMEOUT_S)
             self._aio.run_until_complete(self._sender.connect())
@@ -227,8 +235,11 @@ class EngineServer:
             cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
                    "--host", "0.0.0.0", "--port", str(port), "--tp-size",
                    str(r.gpus_per_engine), "--random-seed", str(self.seed)]
+        if self.spec.model.tokenizer:  # the engines detokenize the text rewards are read from
+            cmd += ["--tokenizer-path", self.spec.model.tokenizer]
         for key, value in sorted(r.engine_args.items()):
-            cmd += [f"--{key}", value]
+            # An empty value is a switch (SGLang's store_true flags: enable-memory-saver: "")
+            cmd += [f"--{key}", value] if value else [f"--{key}"]
         return cmd
 
     def poll(self) -> int | None:
@@ -288,6 +299,7 @@ class TrainGroup:
     def __init__(self, spec: RLJobSpec, layout: Layout, *, one_machine: bool = False,
                  log_dir: Path | None = None) -> None:
         n = layout.train_workers
+        self.sync_port = weight_sync_port(spec, one_machine)
         # A shared critic's share of each bundle is reserved here with its training worker's.
         self.pg = reserve([layout.train_bundle() for _ in range(n)], "training")
         self.workers = start_workers(TrainWorker, spec, [
@@ -330,8 +342,8 @@ class TrainGroup:
         return self.layout.gather(present, rows, batch.input_ids.shape)
 
     def push_weights(self, engine_urls: list[str], version: int, bucket_bytes: int) -> float:
-        seconds = ray.get([w.push_weights.remote(engine_urls, version, bucket_bytes)
-                           for w in self.workers])
+        seconds = ray.get([w.push_weights.remote(engine_urls, version, bucket_bytes,
+                                                 self.sync_port) for w in self.workers])
         return float(seconds[0])
 
     def checksums(self) -> dict[str, str]:

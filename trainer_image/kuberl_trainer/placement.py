@@ -140,3 +140,10 @@ def colocated_engine_devices(index: int, gpus_per_engine: int, gpus_per_node: in
                          f"{gpus_per_node} GPUs")
     local = index % (gpus_per_node // gpus_per_engine)
     return list(range(local * gpus_per_engine, (local + 1) * gpus_per_engine))
+
+
+def weight_sync_port(spec: RLJobSpec, one_machine: bool) -> int:
+    """The port the trainer-to-engines group's rendezvous listens on: in a cluster the one the
+    train pods declare (network.weightSyncPort: what NetworkPolicies and host networking are
+    written against); on one machine 0, a free port, so that runs side by side never collide."""
+    return 0 if one_machine else spec.network.weight_sync_port

@@ -53,6 +53,10 @@ def options(job: RLJob, args: argparse.Namespace) -> Options:
 
 def run(job: RLJob, args: argparse.Namespace) -> int:
     opts = options(job, args)
+    if job.spec.suspend:  # the operator holds such a job; run here, it must not start either
+        print("error: spec.suspend is true: the job is held; set it to false to run it",
+              file=sys.stderr)
+        return 1
     try:
         checked = preflight.check(job.spec)        # before Ray starts: files, keys, rewards
     except preflight.PreflightError as exc:

@@ -69,7 +69,8 @@ class Session:
                      resources=local_resources(self.spec), log_to_driver=True,
                      logging_level=logging.WARNING,
                      runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
-                                               "HF_HUB_DISABLE_PROGRESS_BARS": "1"}})
+                                               "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+                                               **self.spec.network.variables()}})
         lay = layout(self.spec)
         local = not self.opts.address
         self.engines = EngineGroup(self.spec, lay, seed=self.opts.seed, one_machine=local,

@@ -38,13 +38,8 @@ def shm_mount() -> dict[str, Any]:
 
 
 def nccl_env(network: NetworkSpec) -> list[dict[str, Any]]:
-    """spec.network.env sorted by name, then the typed fields, which win over a same-named
-    free-form entry (the typed field is the documented way; silently preferring `env` would
-    make `ncclSocketIfname` a no-op)."""
-    values = dict(sorted(network.env.items()))
-    if network.nccl_socket_ifname:
-        values["NCCL_SOCKET_IFNAME"] = network.nccl_socket_ifname
-    return [{"name": k, "value": v} for k, v in values.items()]
+    """The GPU containers' env entries: NetworkSpec.variables(), sorted by name."""
+    return [{"name": k, "value": v} for k, v in sorted(network.variables().items())]
 
 
 def device_resources(network: NetworkSpec) -> dict[str, str]:
