@@ -148,6 +148,18 @@ def test_bad_input_fails_before_ray_starts(tiny: Path, tmp_path: Path, edit: Any
     assert "Ray" not in res.stderr and time.monotonic() - started < 60
 
 
+def test_engine_that_cannot_start_fails_the_run_at_once(tiny: Path, tmp_path: Path) -> None:
+    """An engine server that exits while starting (here: a flag value it refuses) ends the
+    run with its exit code and its log's last lines, not after the 600 s start timeout."""
+    job = manifest(tiny, tmp_path, "nostart", rollout={"engineArgs": {"max-batch-size": "lots"}})
+    started = time.monotonic()
+    res = kuberl_run(job, tmp_path / "out", timeout=300)
+    assert res.returncode == 1
+    assert "exited with code 2" in res.stderr, res.stderr[-3000:]
+    assert "invalid int value: 'lots'" in res.stderr  # argparse's words, from the engine log
+    assert time.monotonic() - started < 120
+
+
 def test_engine_death_fails_the_run_with_its_error(tiny: Path, tmp_path: Path) -> None:
     job = manifest(tiny, tmp_path, "dies", placement="disaggregated",
                    rollout={"gpus": 0, "engines": 2}, schedule={"numRollouts": 200})

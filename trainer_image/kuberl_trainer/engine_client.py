@@ -330,13 +330,20 @@ class EngineClient:
         settle = every_answer if in_step else first_error
         return await settle(one(u, b) for u, b in zip(self.urls, bodies, strict=True))
 
-    async def wait_healthy(self, timeout_s: float = 120.0, interval_s: float = 0.2) -> None:
+    async def wait_healthy(self, timeout_s: float = 120.0, interval_s: float = 0.2,
+                           exited: Callable[[], Mapping[str, int]] | None = None) -> None:
         """Until every engine answers GET /health with 200; EngineError naming the engines
-        still unhealthy (and why) after timeout_s."""
+        still unhealthy (and why) after timeout_s. `exited` (engine URL -> exit code of its
+        server process) ends the wait at once when a server dies while starting (a bad flag,
+        a model it cannot load), instead of after the whole timeout."""
         deadline = time.monotonic() + timeout_s
         waiting = set(self.urls)
         last: dict[str, str] = {}
         while waiting:
+            gone = exited() if exited is not None else {}
+            if gone:
+                url, code = sorted(gone.items())[0]
+                raise EngineError(url, f"exited with code {code} while starting")
             for url in sorted(waiting):
                 try:
                     await self.request(url, "GET", "/health",

@@ -80,7 +80,8 @@ class Session:
                                    log_dir=logs)
                        if self.spec.has_critic else None)
         self.client = EngineClient(self.engines.urls)
-        self.aio.run_until_complete(self.client.wait_healthy(timeout_s=ENGINE_START_TIMEOUT_S))
+        self.aio.run_until_complete(self.client.wait_healthy(
+            timeout_s=ENGINE_START_TIMEOUT_S, exited=self.engines.dead))
         d = self.spec.data
         self.source = PromptSource(d.prompts, d.input_key, d.label_key, seed=self.opts.seed)
         self.sft_source = (PromptSource(d.sft.path, d.input_key, d.label_key,
