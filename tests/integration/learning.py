@@ -163,8 +163,13 @@ class Scenario:
     def run(self, tiny: Path, tmp: Path) -> Outcome:
         spec = _merge(self.spec, self.prepare(tiny, tmp)) if self.prepare else self.spec
         out, stdout = _run(tiny, tmp, "run", self.steps, spec)
-        return Outcome(out=out, stdout=stdout, rows=metrics(out),
-                       measures=self.measure(tiny, tmp, out))
+        outcome = Outcome(out=out, stdout=stdout, rows=metrics(out),
+                          measures=self.measure(tiny, tmp, out))
+        # what `pytest -rP` shows of a passing test: the margins on this machine
+        print(f"learning (seed {run_seed()}): " + ", ".join(
+            f"{m.name} {m.value:.4f} ({m.before:.4f} -> {m.after:.4f})"
+            for m in outcome.measures.values()))
+        return outcome
 
     def failures(self, outcome: Outcome) -> list[str]:
         bad = []
