@@ -229,9 +229,18 @@ def demonstrations_nll(tiny: Path, tmp: Path, out: Path) -> dict[str, Measure]:
     return {"demo_nll_ratio": Measure("demo_nll_ratio", before, after, after / before)}
 
 
+# The tiny model starts at an expected reward of 0.595, so the largest possible gain is 0.405.
+# A test asks for half of it: 0.2. Over 8 seeds (bench/learning_margins.py, RESULTS.md
+# "Learning-test margins") every scenario below closed almost all of it: means 0.394-0.403,
+# standard deviations 0.0005-0.0125, worst run 0.374 (ppo-dedicated-critic); the nearest mean
+# lies 15.5 standard deviations above 0.2. A run that does not learn gains ~0 (lr 1e-9:
+# 0.0000), so the line sits between the two with room on both sides.
+MIN_REWARD_GAIN = 0.2
+
+
 def _algorithm(algorithm: dict[str, Any], steps: int = 8, **extra: Any) -> Scenario:
     return Scenario(reward_gain, {"reward": LEARNABLE, "algorithm": algorithm, **extra},
-                    steps=steps, thresholds={"reward_gain": 0.1})
+                    steps=steps, thresholds={"reward_gain": MIN_REWARD_GAIN})
 
 
 # Every advantage estimator and policy-loss option (test_algorithms.py), and the default job
@@ -264,15 +273,20 @@ ALGORITHMS: dict[str, Scenario] = {
                         "klLossType": "k3"}),
 }
 
-# On-policy distillation from a GRPO teacher (test_algorithms.py).
+# On-policy distillation from a GRPO teacher (test_algorithms.py). Over 8 seeds the student's
+# first-token KL to the teacher fell to 0.0022 of its start on average (sd 0.0026, worst
+# 0.007; the line, 0.1, is 37 sd away), and it closed 0.992 of the reward gap to the teacher
+# (sd 0.008, worst 0.975; the line, 0.8, is 23 sd away).
 DISTILLATION = Scenario(
     distillation, {"reward": LEARNABLE,
                    "algorithm": {"advantageEstimator": "on_policy_distillation", "lr": 2e-4}},
-    steps=16, thresholds={"teacher_kl_ratio": 0.7, "reward_share": 0.5}, prepare=grpo_teacher)
+    steps=16, thresholds={"teacher_kl_ratio": 0.1, "reward_share": 0.8}, prepare=grpo_teacher)
 
 # GRPO on the exact reward plus an SFT term on SEVEN demonstrations (test_algorithms.py).
+# The demonstrated answer's NLL on held-out prompts fell from 15.5 to 0.0008 of it on average
+# over 8 seeds (sd 0.0002, worst 0.0011); the line, 0.05 (P("7", EOS) above 0.46), is far off.
 MIXED_SFT = Scenario(demonstrations_nll, {"algorithm": {"sftCoef": 1.0}},
-                     thresholds={"demo_nll_ratio": 0.5}, prepare=sevens)
+                     thresholds={"demo_nll_ratio": 0.05}, prepare=sevens)
 
 SCENARIOS: dict[str, Scenario] = {**ALGORITHMS, "on_policy_distillation": DISTILLATION,
                                   "mixed-sft": MIXED_SFT}
