@@ -20,7 +20,7 @@ test: lint unit integration e2e
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy operator trainer_image rollout_image
+	$(BIN)/mypy operator trainer_image rollout_image wire
 	$(BIN)/mypy --strict e2e
 	$(BIN)/lint-imports
 	$(BIN)/hadolint Dockerfile.trainer Dockerfile.rollout Dockerfile.operator

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-for sub in ("operator", "trainer_image", "rollout_image"):
+for sub in ("operator", "trainer_image", "rollout_image", "wire"):
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
 

@@ -6,7 +6,7 @@ fsdp backend) for a few PPO steps and prints a table: reward, value loss, explai
 step-time split, and which GPU each actor saw. Then it checks the value model on CUDA against
 CPU (same weights, same batch). Needs 2 GPUs for the dedicated run.
 
-    PYTHONPATH=operator:trainer_image:rollout_image python3 bench/gpu_ppo_check.py \\
+    PYTHONPATH=operator:trainer_image:rollout_image:wire python3 bench/gpu_ppo_check.py \\
         --tiny out/tiny --steps 6
 """
 

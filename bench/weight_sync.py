@@ -18,7 +18,7 @@ Prints GB per sync, seconds per sync (median), full and raw GB/s and their ratio
 then seconds per sync extrapolated to Qwen2.5-7B / -32B (bf16) at the largest measured shape's
 bandwidth, and writes everything to OUT/weight_sync.json. Needs 2 GPUs and megatron-core:
 
-    PYTHONPATH=operator:trainer_image:rollout_image python3 bench/weight_sync.py \\
+    PYTHONPATH=operator:trainer_image:rollout_image:wire python3 bench/weight_sync.py \\
         --shapes qwen2.5-0.5b,qwen2.5-1.5b --out /tmp/ws
     ... --bucket-mb 128,512,2048                  # sweep the bucket size
 
@@ -133,7 +133,7 @@ class Engine:
         self.log = log
         log.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=device)
-        paths = [str(ROOT / sub) for sub in ("operator", "trainer_image", "rollout_image")]
+        paths = [str(ROOT / sub) for sub in ("operator", "trainer_image", "rollout_image", "wire")]
         env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         cmd = [sys.executable, "-m", "kuberl_rollout.reference", "--model-path", str(model_dir),
                "--host", HOST, "--port", str(self.port), "--device", "cuda",
@@ -183,7 +183,7 @@ def raw_peer(device: str, port: int, jobs: Any, results: Any) -> None:
     assert not torch.cuda.is_initialized()
     os.environ["CUDA_VISIBLE_DEVICES"] = device
     torch.cuda.set_device(0)
-    from kuberl_trainer.weight_sync.group import new_group
+    from kuberl_wire.group import new_group
 
     group = new_group("nccl", HOST, port, 1, 2, RAW_GROUP, GROUP_TIMEOUT_S)
     try:
@@ -217,7 +217,7 @@ class RawPeer:
 
     def connect(self) -> None:
         """Rendezvous with the peer (both ends block until both have joined)."""
-        from kuberl_trainer.weight_sync.group import new_group
+        from kuberl_wire.group import new_group
 
         self.group = in_thread(new_group, "nccl", HOST, self.port, 0, 2, RAW_GROUP,
                                GROUP_TIMEOUT_S, timeout_s=GROUP_TIMEOUT_S,
@@ -333,7 +333,7 @@ class FullSync:
     def exact(self, backend: Any) -> bool:
         """The engine holds the last version and, for every name the trainer sends, the
         trainer's bytes."""
-        from kuberl_trainer.weight_sync.codec import tensor_sha256
+        from kuberl_wire.codec import tensor_sha256
 
         get = self.client.request
         sums = self.runner.run(get(self.url, "GET", "/get_weights_checksum", timeout_s=900))

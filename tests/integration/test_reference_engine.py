@@ -23,8 +23,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kuberl_trainer.engine_client import EngineClient, EngineError, SamplingParams
-from kuberl_trainer.weight_sync.codec import tensor_sha256
 from kuberl_trainer.weight_sync.sender import DistributedWeightSender, bucketize, send_tensors
+from kuberl_wire.codec import tensor_sha256
 from tests.integration.tiny_model import EOS_ID, build_tiny_model, build_tokenizer
 
 pytestmark = pytest.mark.integration

@@ -21,8 +21,8 @@ from typing import Any
 
 from kuberl_rollout.reference import sampling as ref_sampling, server as ref_server
 from kuberl_trainer.engine_client import SamplingParams, generate_request
-from kuberl_trainer.weight_sync import protocol
-from kuberl_trainer.weight_sync.plan import TensorMeta
+from kuberl_wire import protocol
+from kuberl_wire.plan import TensorMeta
 
 SGLANG_CHECKED = "0.5.3rc2+ (sgl-project/sglang main, see commits in the module docstring)"
 

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kuberl_trainer.weight_sync import codec, protocol
-from kuberl_trainer.weight_sync.dtypes import dtype_to_str, str_to_dtype
-from kuberl_trainer.weight_sync.plan import TensorMeta, iter_buckets, plan_buckets
 from kuberl_trainer.weight_sync.sender import _with_last, bucketize, tensor_meta
+from kuberl_wire import codec, protocol
+from kuberl_wire.dtypes import dtype_to_str, str_to_dtype
+from kuberl_wire.plan import TensorMeta, iter_buckets, plan_buckets
 
 
 def meta(name: str, nbytes: int) -> TensorMeta:

@@ -172,7 +172,7 @@ class TrainWorker:
 
     def checksums(self) -> dict[str, str]:
         """sha256 of every weight as the engines receive it (for sync checks); collective."""
-        from kuberl_trainer.weight_sync.codec import tensor_sha256
+        from kuberl_wire.codec import tensor_sha256
 
         return {name: tensor_sha256(t) for bucket in self.backend.named_tensor_buckets(1 << 26)
                 for name, t in bucket}

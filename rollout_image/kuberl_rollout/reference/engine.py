@@ -29,7 +29,7 @@ from kuberl_rollout.reference.sampling import (
     check_finish,
     choose_tokens,
 )
-from kuberl_trainer.weight_sync.codec import tensor_sha256
+from kuberl_wire.codec import tensor_sha256
 
 LOG = logging.getLogger("kuberl.reference")
 

@@ -1,7 +1,7 @@
 """Engine side of weight sync for the reference engine (runs on the engine's worker thread).
 
 - /init_weights_update_group: join the trainer's group as rank `rank_offset` through the same
-  helper the trainer uses (kuberl_trainer.weight_sync.group), so both ends build identical
+  helper the trainer uses (kuberl_wire.group), so both ends build identical
   stores and process groups.
 - /update_weights_from_distributed: allocate empty tensors for the announced names, dtypes and
   shapes, receive them by broadcast from rank 0 in the announced order, then copy them into the
@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from kuberl_rollout.reference.engine import ReferenceEngine
-from kuberl_trainer.weight_sync import codec
-from kuberl_trainer.weight_sync.dtypes import str_to_dtype
-from kuberl_trainer.weight_sync.group import WeightSyncGroup, new_group
-from kuberl_trainer.weight_sync.protocol import FLATTENED
+from kuberl_wire import codec
+from kuberl_wire.dtypes import str_to_dtype
+from kuberl_wire.group import WeightSyncGroup, new_group
+from kuberl_wire.protocol import FLATTENED
 
 LOG = logging.getLogger("kuberl.reference")
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
@@ -123,7 +123,7 @@ class Receiver:
         if body.get("load_format") is not None:
             raise ValueError("load_format must be null: the reference engine reads "
                              "MultiprocessingSerializer or torch.save payloads "
-                             "(kuberl_trainer.weight_sync.codec)")
+                             "(kuberl_wire.codec)")
         if len(payloads) != 1:
             raise ValueError(f"expected 1 serialized entry (tensor parallel size 1), got "
                              f"{len(payloads)}")

@@ -31,10 +31,10 @@ from typing import Any, TypeVar
 import torch
 
 from kuberl_trainer.engine_client import EngineClient, first_error
-from kuberl_trainer.weight_sync import codec, protocol
-from kuberl_trainer.weight_sync.dtypes import dtype_to_str
-from kuberl_trainer.weight_sync.group import WeightSyncGroup, new_group
-from kuberl_trainer.weight_sync.plan import TensorMeta, iter_buckets
+from kuberl_wire import codec, protocol
+from kuberl_wire.dtypes import dtype_to_str
+from kuberl_wire.group import WeightSyncGroup, new_group
+from kuberl_wire.plan import TensorMeta, iter_buckets
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 R = TypeVar("R")

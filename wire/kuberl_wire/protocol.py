@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kuberl_trainer.weight_sync.plan import TensorMeta
+from kuberl_wire.plan import TensorMeta
 
 
 def init_weights_update_group(*, master_address: str, master_port: int, rank_offset: int,
