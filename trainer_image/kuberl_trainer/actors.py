@@ -135,18 +135,24 @@ class TrainWorker:
         collectively, so the other ranks take part and drop what they gathered."""
         started = time.perf_counter()
         buckets = self.backend.named_tensor_buckets(bucket_bytes)
+        if self.spec.placement == "colocate" and self.device == "cuda":
+            # Trainer and engine share GPUs, and NCCL refuses two ranks on one device: pass
+            # CUDA IPC handles through /update_weights_from_tensor instead, as SGLang takes
+            # them, each engine TP rank's from the training rank on its GPU; the engine
+            # copies straight from the trainer's memory. Collective: every rank takes part.
+            from kuberl_trainer.weight_sync.colocated import push_colocated
+
+            tp = self.spec.rollout.gpus_per_engine
+            push_colocated(
+                buckets, rank=self.rank, world_size=self.world_size,
+                gpu=(node_ip(), int(ray.get_gpu_ids()[0])), engine_urls=engine_urls,
+                engine_devices=[colocated_engine_devices(i, tp, self.spec.training.gpus_per_node)
+                                for i in range(len(engine_urls))],
+                weight_version=str(weight_version))
+            return time.perf_counter() - started
         if self.rank != 0:
             for _ in buckets:
                 pass
-            return time.perf_counter() - started
-        if self.spec.placement == "colocate" and self.device == "cuda":
-            # Trainer and engine share a GPU, and NCCL refuses two ranks on one device: pass
-            # CUDA IPC handles through /update_weights_from_tensor instead, as SGLang takes
-            # them; the engine copies straight from the trainer's memory.
-            asyncio.run(_send_tensors(engine_urls, buckets, weight_version))
-            # Free the buckets the engines have let go of (torch keeps memory shared by IPC
-            # until the consumer releases it and the producer collects).
-            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
             return time.perf_counter() - started
         self._weight_sender(engine_urls, sync_port).run_until_complete(
             self._sender.send(buckets, weight_version=str(weight_version)))
@@ -165,7 +171,8 @@ class TrainWorker:
             self._sender = DistributedWeightSender(
                 client, master_address=node_ip(), master_port=sync_port or free_port(),
                 backend="nccl" if self.device == "cuda" else "gloo",
-                group_name="kuberl_weight_sync", timeout_s=SYNC_TIMEOUT_S)
+                group_name="kuberl_weight_sync", timeout_s=SYNC_TIMEOUT_S,
+                tp_sizes=[self.spec.rollout.gpus_per_engine] * len(engine_urls))
             self._aio.run_until_complete(self._sender.connect())
         assert self._aio is not None
         return self._aio
@@ -182,14 +189,6 @@ class TrainWorker:
 
     def load(self, path: str) -> None:
         self.backend.load(path)
-
-
-async def _send_tensors(urls: list[str], buckets: Any, weight_version: int) -> None:
-    from kuberl_trainer.engine_client import EngineClient
-    from kuberl_trainer.weight_sync.sender import send_tensors
-
-    async with EngineClient(urls) as client:
-        await send_tensors(client, buckets, weight_version=str(weight_version), shared=True)
 
 
 class EngineServer:

@@ -64,3 +64,31 @@ def memory_occupation(tags: Sequence[str] | None = None) -> dict[str, Any]:
 
 def abort_request(rid: str | None = None, *, abort_all: bool = False) -> dict[str, Any]:
     return {"rid": rid or "", "abort_all": abort_all}
+
+
+# How generation is paused around a weight update: "retract" sends running requests back to the
+# waiting queue and frees their KV cache, so the flush that follows succeeds and they resume
+# after /continue_generation, recomputed with the new weights ("in_place" keeps them running,
+# and SGLang's flush then fails; "abort" ends them).
+PAUSE_MODE = "retract"
+
+
+def pause_generation(mode: str = PAUSE_MODE) -> dict[str, Any]:
+    return {"mode": mode}
+
+
+def continue_generation() -> dict[str, Any]:
+    return {}
+
+
+def rank_offsets(tp_sizes: Sequence[int]) -> tuple[int, list[int]]:
+    """The weight-update group's size and each engine's `rank_offset`: the trainer is rank 0,
+    then every TP process of every engine, in engine order (SGLang joins TP rank r of an
+    engine as `rank_offset + r`)."""
+    if any(tp < 1 for tp in tp_sizes):
+        raise ValueError(f"tensor parallel sizes must be at least 1, got {list(tp_sizes)}")
+    offsets, at = [], 1
+    for tp in tp_sizes:
+        offsets.append(at)
+        at += tp
+    return at, offsets

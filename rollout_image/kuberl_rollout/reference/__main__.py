@@ -24,6 +24,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0,
                    help="seeds requests that carry no sampling_seed (SGLang: --random-seed)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="tensor parallel size: this many processes (GPUs 0..N-1 of those "
+                        "visible, with --device cuda), each a member of the weight-update "
+                        "group as SGLang's TP workers are (see kuberl_rollout.reference.tp)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--weight-version", default="default", help="initial weight_version")
     p.add_argument("--max-batch-size", type=int, default=256)
@@ -45,20 +49,31 @@ def main(argv: list[str] | None = None) -> None:
 
     from kuberl_rollout.reference.engine import ReferenceEngine
     from kuberl_rollout.reference.server import Server
+    from kuberl_rollout.reference.tp import Peers, RankArgs, rank_device
 
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
+    if args.device == "cuda" and args.tp_size > torch.cuda.device_count():
+        raise SystemExit(f"--tp-size {args.tp_size} needs {args.tp_size} GPUs; this process "
+                         f"sees {torch.cuda.device_count()}")
+    # The peers load their copies while this rank loads its own.
+    peers = Peers(RankArgs(args.model_path, args.tokenizer_path, args.device, args.dtype,
+                           args.seed, args.weight_version, args.weight_sync_timeout,
+                           args.torch_threads), args.tp_size)
     engine = ReferenceEngine(args.model_path, tokenizer_path=args.tokenizer_path,
-                             device=args.device, dtype=args.dtype, seed=args.seed,
-                             weight_version=args.weight_version)
+                             device=rank_device(args.device, 0), dtype=args.dtype,
+                             seed=args.seed, weight_version=args.weight_version)
     server = Server(engine, max_batch_size=args.max_batch_size,
                     batch_wait_s=args.batch_wait_ms / 1000,
-                    weight_sync_timeout_s=args.weight_sync_timeout)
+                    weight_sync_timeout_s=args.weight_sync_timeout,
+                    peers=peers if args.tp_size > 1 else None)
+    peers.wait_ready()
     logging.getLogger("kuberl.reference").info(
         "serving %s on http://%s:%d (%s, %s)", args.model_path, args.host, args.port,
         args.device, args.dtype)
     web.run_app(server.app(), host=args.host, port=args.port, print=None,
                 access_log=None, handler_cancellation=True)
+    peers.stop()
     # The worker thread may sit in a collective or a long batch; don't let interpreter
     # shutdown wait for it once the server has stopped.
     logging.shutdown()

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from aiohttp import web
 
@@ -26,6 +26,7 @@ from kuberl_rollout.reference import weights
 from kuberl_rollout.reference.batcher import Batcher
 from kuberl_rollout.reference.engine import EngineBusy, GenRequest, ReferenceEngine
 from kuberl_rollout.reference.sampling import parse_sampling
+from kuberl_rollout.reference.tp import Peers
 
 LOG = logging.getLogger("kuberl.reference")
 T = TypeVar("T")
@@ -91,8 +92,12 @@ def _per_item(value: Any, n: int, name: str) -> list[Any]:
 
 class Server:
     def __init__(self, engine: ReferenceEngine, *, max_batch_size: int = 256,
-                 batch_wait_s: float = 0.005, weight_sync_timeout_s: float = 300.0) -> None:
+                 batch_wait_s: float = 0.005, weight_sync_timeout_s: float = 300.0,
+                 peers: Peers | None = None) -> None:
         self.engine = engine
+        # Tensor parallel ranks 1..N-1 (tp.py): every weight and memory operation runs on
+        # them too, in step with rank 0's.
+        self.peers = peers
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.batcher = Batcher(engine.generate, self.worker, max_batch_size=max_batch_size,
                                max_wait_s=batch_wait_s)
@@ -228,40 +233,61 @@ class Server:
         # No prefix cache to flush: every batch builds its KV cache from scratch.
         return web.Response(text="Cache flushed.\n")
 
-    async def checksums(self, _: web.Request) -> web.Response:
-        return web.json_response(await self.on_worker(self.engine.checksums))
+    def _on_all_ranks(self, op: str, local: Callable[[Any], T], body: Any) -> T:
+        """`local(body)` here and `op` on the peer ranks (worker thread); rank 0's result."""
+        if self.peers is None:
+            return local(body)
+        return cast(T, self.peers.run(op, body, local)[0])
+
+    async def checksums(self, request: web.Request) -> web.Response:
+        """Rank 0's {name: sha256}; with ?all_ranks=true, {"tp_ranks": [one per TP rank]}
+        (a kuberl extension: weights must be exact on every TP process after a sync)."""
+        if request.query.get("all_ranks", "").lower() not in ("1", "true"):
+            return web.json_response(await self.on_worker(self.engine.checksums))
+
+        def local(_: Any) -> dict[str, str]:
+            return self.engine.checksums()
+
+        def every_rank() -> list[Any]:
+            return [local(None)] if self.peers is None else self.peers.run("checksums", None,
+                                                                             local)
+        return web.json_response({"tp_ranks": await self.on_worker(every_rank)})
 
     # ---- memory -----------------------------------------------------------------------------
 
     async def release_memory(self, request: web.Request) -> web.Response:
         tags = (await _body(request)).get("tags")
-        await self.on_worker(self.engine.release, tags)
+        await self.on_worker(self._on_all_ranks, "release", self.engine.release, tags)
         return web.json_response({"success": True, "message": f"released {tags or 'all'}"})
 
     async def resume_memory(self, request: web.Request) -> web.Response:
         tags = (await _body(request)).get("tags")
-        await self.on_worker(self.engine.resume, tags)
+        await self.on_worker(self._on_all_ranks, "resume", self.engine.resume, tags)
         return web.json_response({"success": True, "message": f"resumed {tags or 'all'}"})
 
     # ---- weight sync ------------------------------------------------------------------------
 
-    async def _weight_op(self, fn: Callable[..., str], *args: Any) -> web.Response:
+    async def _weight_op(self, op: str, fn: Callable[[Any], str], body: Any) -> web.Response:
         try:
-            message = await self.on_worker(fn, *args)
+            message = await self.on_worker(self._on_all_ranks, op, fn, body)
         except (ValueError, KeyError, EngineBusy, RuntimeError) as exc:
             LOG.warning("weight operation failed: %s", exc)
             return web.json_response({"success": False, "message": str(exc)}, status=400)
         return web.json_response({"success": True, "message": message})
 
     async def init_group(self, request: web.Request) -> web.Response:
-        return await self._weight_op(self.receiver.init_group, await _body(request))
+        return await self._weight_op("init_group", self.receiver.init_group,
+                                     await _body(request))
 
     async def update_distributed(self, request: web.Request) -> web.Response:
-        return await self._weight_op(self.receiver.update_from_distributed,
+        return await self._weight_op("update_from_distributed",
+                                     self.receiver.update_from_distributed,
                                      await _body(request))
 
     async def update_tensor(self, request: web.Request) -> web.Response:
-        return await self._weight_op(self.receiver.update_from_tensor, await _body(request))
+        return await self._weight_op("update_from_tensor", self.receiver.update_from_tensor,
+                                     await _body(request))
 
     async def destroy_group(self, request: web.Request) -> web.Response:
-        return await self._weight_op(self.receiver.destroy_group, await _body(request))
+        return await self._weight_op("destroy_group", self.receiver.destroy_group,
+                                     await _body(request))

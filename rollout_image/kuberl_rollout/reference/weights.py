@@ -1,16 +1,21 @@
 """Engine side of weight sync for the reference engine (runs on the engine's worker thread).
 
-- /init_weights_update_group: join the trainer's group as rank `rank_offset` through the same
-  helper the trainer uses (kuberl_wire.group), so both ends build identical
-  stores and process groups.
+One Receiver per tensor-parallel rank (see tp.py): each joins the group and takes its own part
+of every update, as each of SGLang's TP workers does.
+
+- /init_weights_update_group: join the trainer's group as rank `rank_offset + tp_rank` (SGLang:
+  every TP process of an engine is a member) through the same helper the trainer uses
+  (kuberl_wire.group), so both ends build identical stores and process groups.
 - /update_weights_from_distributed: allocate empty tensors for the announced names, dtypes and
   shapes, receive them by broadcast from rank 0 in the announced order, then copy them into the
   model by HF name. Tensors are always received, even if a name is wrong, so the collective
   stays in step with the trainer; the error is reported after. With `load_format:
   "flattened_bucket"` (as SGLang takes it) the bucket comes as one broadcast of its tensors'
   flattened concatenation, received into one buffer and viewed as the tensors.
-- /update_weights_from_tensor: decode the payload (CUDA IPC handles or shared memory as SGLang's
-  MultiprocessingSerializer writes them, or torch.save bytes; see weight_sync.codec) and copy.
+- /update_weights_from_tensor: decode entry `tp_rank` of `serialized_named_tensors` (one per TP
+  rank, as SGLang's TP worker indexes it: CUDA IPC handles or shared memory as SGLang's
+  MultiprocessingSerializer writes them, torch.save bytes, or with `load_format:
+  "flattened_bucket"` slime's flattened buckets; see kuberl_wire.codec) and copy.
 `weight_version`, when given, becomes the engine's version once the update has succeeded.
 """
 
@@ -56,8 +61,10 @@ def _field(body: Mapping[str, Any], key: str, kind: type) -> Any:
 
 
 class Receiver:
-    def __init__(self, engine: ReferenceEngine, *, timeout_s: float = 300.0) -> None:
+    def __init__(self, engine: ReferenceEngine, *, tp_rank: int = 0,
+                 timeout_s: float = 300.0) -> None:
         self.engine = engine
+        self.tp_rank = tp_rank
         self.timeout_s = timeout_s
         self.groups: dict[str, WeightSyncGroup] = {}
 
@@ -70,7 +77,8 @@ class Receiver:
         if old is not None:  # a restarted trainer re-initialises under the same name
             old.destroy()
         group = new_group(backend, _field(body, "master_address", str),
-                          _field(body, "master_port", int), _field(body, "rank_offset", int),
+                          _field(body, "master_port", int),
+                          _field(body, "rank_offset", int) + self.tp_rank,
                           _field(body, "world_size", int), name, self.timeout_s)
         self.groups[name] = group
         return f"joined {name!r} as rank {group.rank}/{group.world_size} ({backend})"
@@ -120,15 +128,18 @@ class Receiver:
 
     def update_from_tensor(self, body: Mapping[str, Any]) -> str:
         payloads = _field(body, "serialized_named_tensors", list)
-        if body.get("load_format") is not None:
-            raise ValueError("load_format must be null: the reference engine reads "
-                             "MultiprocessingSerializer or torch.save payloads "
-                             "(kuberl_wire.codec)")
-        if len(payloads) != 1:
-            raise ValueError(f"expected 1 serialized entry (tensor parallel size 1), got "
-                             f"{len(payloads)}")
+        load_format = body.get("load_format")
+        if load_format not in (None, FLATTENED):
+            raise ValueError(f"load_format {load_format!r} is not supported by the reference "
+                             f"engine (null or {FLATTENED!r})")
+        if len(payloads) <= self.tp_rank:
+            # SGLang's TP worker indexes the list by its rank (an IndexError there).
+            raise ValueError(f"serialized_named_tensors has {len(payloads)} entries; tensor "
+                             f"parallel rank {self.tp_rank} reads entry {self.tp_rank} (one "
+                             "entry per TP rank, each from the trainer rank on that GPU)")
         started = time.perf_counter()
-        named = codec.decode_named_tensors(payloads[0])
+        named = codec.decode_named_tensors(payloads[self.tp_rank],
+                                           flattened=load_format == FLATTENED)
         count = self.engine.load_weights(named)
         # The tensors may be the trainer's memory (IPC handles): it may reuse them as soon as
         # we answer, so the copies must be done by then.

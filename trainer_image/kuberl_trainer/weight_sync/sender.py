@@ -1,15 +1,22 @@
 """Trainer side of weight sync: push HF-named tensors to every engine.
 
 Disaggregated (`DistributedWeightSender`), per the contract in docs/trainer-contracts.md:
-  connect: POST /init_weights_update_group to engine i (rank 1 + i) concurrently with building
-           the group locally as rank 0 - it is a rendezvous, neither side returns alone;
-  send:    per bucket, POST /update_weights_from_distributed {names, dtypes, shapes} to every
-           engine concurrently, broadcast the bucket's tensors from rank 0 in the announced
-           order, then wait for every POST to answer; the last bucket carries weight_version
-           and flush_cache, so an engine reports the new version only once fully updated;
+  connect: POST /init_weights_update_group to every engine concurrently with building the group
+           locally as rank 0 - it is a rendezvous, neither side returns alone. The group holds
+           the trainer and every TP process of every engine: 1 + sum(TP sizes) ranks, engine
+           i's TP rank r at `rank_offset_i + r` (protocol.rank_offsets);
+  send:    inside `paused` (below): per bucket, POST /update_weights_from_distributed {names,
+           dtypes, shapes} to every engine concurrently, broadcast the bucket's tensors from
+           rank 0 in the announced order, then wait for every POST to answer; the last bucket
+           carries weight_version, so an engine reports the new version only once fully updated;
   close:   POST /destroy_weights_update_group, then drop the local group.
-Colocated (`send_tensors`): POST /update_weights_from_tensor with the tensors by reference
-(CUDA IPC handles, `codec.encode_shared`) or by value.
+Colocated (`send_tensors`): inside `paused`, POST /update_weights_from_tensor with one entry per
+TP rank of each engine, the tensors by reference (CUDA IPC handles, `codec.encode_shared`) or by
+value.
+
+`paused`: SGLang asserts that the cache flush accompanying an update succeeds, and a flush fails
+while requests run; so every update is wrapped as slime wraps it: /pause_generation (retract),
+/flush_cache until it succeeds, the buckets with flush_cache false, /continue_generation.
 
 An engine's error answer to a bucket (a wrong name, say: it has received the tensors) is raised
 once every engine has answered that bucket, so all of them took part in the same broadcasts and
@@ -24,13 +31,13 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
-from kuberl_trainer.engine_client import EngineClient, first_error
+from kuberl_trainer.engine_client import EngineClient, EngineError, first_error
 from kuberl_wire import codec, protocol
 from kuberl_wire.dtypes import dtype_to_str
 from kuberl_wire.group import WeightSyncGroup, new_group
@@ -103,6 +110,37 @@ def flatten_bucket(bucket: NamedTensors, device: torch.device) -> list[torch.Ten
     return [torch.cat([t.detach().reshape(-1).to(device) for _, t in bucket])]
 
 
+FLUSH_TIMEOUT_S = 60.0
+
+
+async def flush_when_idle(client: EngineClient, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+    """POST /flush_cache to every engine until each succeeds (SGLang answers 400 while
+    requests are still running or queued: retracting them takes a scheduler iteration)."""
+    async def one(url: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await client.request(url, "POST", "/flush_cache", timeout_s=timeout_s)
+                return
+            except EngineError as exc:
+                if exc.status != 400 or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.05)
+
+    await first_error(one(u) for u in client.urls)
+
+
+@contextlib.asynccontextmanager
+async def paused(client: EngineClient) -> AsyncIterator[None]:
+    """Generation paused and caches flushed for the body (a weight update); generation
+    continues only if the body succeeded: engines with half-updated weights stay paused until
+    the next complete update (a restarted trainer's first)."""
+    await client.post_all("/pause_generation", protocol.pause_generation())
+    await flush_when_idle(client)
+    yield
+    await client.post_all("/continue_generation", protocol.continue_generation())
+
+
 def _with_last(items: Iterable[B]) -> Iterator[tuple[B, bool]]:
     """Yield (bucket, is_last) with one bucket of lookahead, keeping the input a stream."""
     it = iter(items)
@@ -122,8 +160,13 @@ class DistributedWeightSender:
     def __init__(self, client: EngineClient, *, master_address: str, master_port: int,
                  backend: str = "gloo", group_name: str = "kuberl_weight_sync",
                  timeout_s: float = 300.0, weight_version: int = 0,
-                 flatten: bool = True) -> None:
+                 flatten: bool = True, tp_sizes: Sequence[int] | None = None) -> None:
         self.client = client
+        # Each engine's tensor parallel size: how many ranks it brings to the group.
+        self.tp_sizes = list(tp_sizes) if tp_sizes is not None else [1] * len(client.urls)
+        if len(self.tp_sizes) != len(client.urls):
+            raise ValueError(f"{len(self.tp_sizes)} TP sizes for {len(client.urls)} engines")
+        self.world_size, self.rank_offsets = protocol.rank_offsets(self.tp_sizes)
         # One broadcast per bucket instead of one per tensor: a model has hundreds of small
         # tensors (norms, biases), and each broadcast costs tens of microseconds to launch on
         # both sides whatever its size.
@@ -138,17 +181,13 @@ class DistributedWeightSender:
         # NCCL broadcasts need the tensors on this process's GPU.
         self.device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
 
-    @property
-    def world_size(self) -> int:
-        return 1 + len(self.client.urls)
-
     async def connect(self) -> None:
         if self.group is not None:
             raise RuntimeError("already connected")
         bodies = [protocol.init_weights_update_group(
             master_address=self.master_address, master_port=self.master_port,
-            rank_offset=1 + i, world_size=self.world_size, group_name=self.group_name,
-            backend=self.backend) for i in range(len(self.client.urls))]
+            rank_offset=offset, world_size=self.world_size, group_name=self.group_name,
+            backend=self.backend) for offset in self.rank_offsets]
         local = in_daemon_thread(new_group, self.backend, self.master_address,
                                  self.master_port, 0, self.world_size, self.group_name,
                                  self.timeout_s)
@@ -159,8 +198,8 @@ class DistributedWeightSender:
         assert isinstance(group, WeightSyncGroup)
         self.group = group
 
-    async def send(self, buckets: Iterable[NamedTensors], *, weight_version: str | None = None,
-                   flush_cache: bool = True) -> SyncStats:
+    async def send(self, buckets: Iterable[NamedTensors], *, weight_version: str | None = None
+                   ) -> SyncStats:
         """Push every bucket; the engines' weight_version becomes `weight_version`, default
         the next integer. Returns sizes and time for throughput metrics."""
         group = self.group
@@ -169,26 +208,34 @@ class DistributedWeightSender:
         version = weight_version if weight_version is not None else str(self.weight_version + 1)
         start = time.perf_counter()
         n_buckets = n_tensors = n_bytes = 0
-        for bucket, last in _with_last(buckets):
-            metas = [tensor_meta(name, t) for name, t in bucket]
-            flat = self.flatten and len({t.dtype for _, t in bucket}) == 1
-            tensors = flatten_bucket(bucket, self.device) if flat else [
-                t.detach().to(self.device).contiguous() for _, t in bucket]
-            body = protocol.update_weights_from_distributed(
-                metas, group_name=self.group_name, weight_version=version if last else None,
-                flush_cache=flush_cache and last, flattened=flat)
-            await first_error([
-                self.client.post_all("/update_weights_from_distributed", body,
-                                     timeout_s=self.timeout_s + 30, in_step=True),
-                in_daemon_thread(group.broadcast, tensors, 0),
-            ])
-            n_buckets += 1
-            n_tensors += len(metas)
-            n_bytes += sum(m.nbytes for m in metas)
+        async with paused(self.client):
+            for bucket, last in _with_last(buckets):
+                sizes = await self._send_bucket(group, bucket, version if last else None)
+                n_buckets += 1
+                n_tensors += len(bucket)
+                n_bytes += sizes
         if weight_version is None:
             self.weight_version += 1
         return SyncStats(weight_version=version, buckets=n_buckets, tensors=n_tensors,
                          bytes=n_bytes, seconds=time.perf_counter() - start)
+
+    async def _send_bucket(self, group: WeightSyncGroup, bucket: NamedTensors,
+                           version: str | None) -> int:
+        """Announce and broadcast one bucket; returns its bytes. No cache flush per bucket:
+        `paused` flushed once before the first."""
+        metas = [tensor_meta(name, t) for name, t in bucket]
+        flat = self.flatten and len({t.dtype for _, t in bucket}) == 1
+        tensors = flatten_bucket(bucket, self.device) if flat else [
+            t.detach().to(self.device).contiguous() for _, t in bucket]
+        body = protocol.update_weights_from_distributed(
+            metas, group_name=self.group_name, weight_version=version, flush_cache=False,
+            flattened=flat)
+        await first_error([
+            self.client.post_all("/update_weights_from_distributed", body,
+                                 timeout_s=self.timeout_s + 30, in_step=True),
+            in_daemon_thread(group.broadcast, tensors, 0),
+        ])
+        return sum(m.nbytes for m in metas)
 
     async def close(self) -> None:
         """Ask engines to leave the group, then drop ours (engine errors still raise)."""
@@ -211,25 +258,36 @@ class DistributedWeightSender:
             group.destroy()
 
 
+async def post_tensor_bucket(client: EngineClient, entries: Sequence[Sequence[str]], *,
+                             weight_version: str | None) -> None:
+    """One bucket of a colocated update: engine i gets ``entries[i]``, its serialized tensors
+    for each of its TP ranks (entry r read by TP rank r, handles to tensors on that rank's
+    GPU). ``weight_version`` on the last bucket only. Call inside `paused`."""
+    bodies = [protocol.update_weights_from_tensor(list(per_rank), weight_version=weight_version,
+                                                  flush_cache=False) for per_rank in entries]
+    # in_step: engines may still be reading the bucket by reference when another answers an
+    # error, so it must stay alive (not be raised past) until every engine answered.
+    await client.post_all("/update_weights_from_tensor", bodies, per_engine=True, in_step=True)
+
+
 async def send_tensors(client: EngineClient, buckets: Iterable[NamedTensors], *,
-                       weight_version: str, flush_cache: bool = True,
-                       shared: bool = False) -> SyncStats:
-    """Colocated path: each bucket is serialized (codec) and POSTed to every engine's
-    /update_weights_from_tensor; the last bucket carries weight_version and flush_cache.
-    ``shared``: by reference (CUDA IPC handles; the bucket stays alive until every engine has
-    answered), else by value."""
+                       weight_version: str, shared: bool = False,
+                       tp_sizes: Sequence[int] | None = None) -> SyncStats:
+    """Colocated path from one process: every TP entry of every engine refers to this
+    process's tensors (one GPU, or shared CPU memory). ``shared``: by reference (the bucket
+    stays alive until every engine has answered), else by value. A trainer with a GPU per
+    engine TP rank routes per rank instead (actors.TrainWorker)."""
     encode = codec.encode_shared if shared else codec.encode_named_tensors
+    sizes = list(tp_sizes) if tp_sizes is not None else [1] * len(client.urls)
     start = time.perf_counter()
     n_buckets = n_tensors = n_bytes = 0
-    for bucket, last in _with_last(buckets):
-        body = protocol.update_weights_from_tensor(
-            [encode(bucket)], weight_version=weight_version if last else None,
-            flush_cache=flush_cache and last)
-        # in_step: engines may still be reading the bucket by reference when another answers
-        # an error, so it must stay alive (not be raised past) until every engine answered.
-        await client.post_all("/update_weights_from_tensor", body, in_step=True)
-        n_buckets += 1
-        n_tensors += len(bucket)
-        n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+    async with paused(client):
+        for bucket, last in _with_last(buckets):
+            entry = encode(bucket)
+            await post_tensor_bucket(client, [[entry] * tp for tp in sizes],
+                                     weight_version=weight_version if last else None)
+            n_buckets += 1
+            n_tensors += len(bucket)
+            n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
     return SyncStats(weight_version=weight_version, buckets=n_buckets, tensors=n_tensors,
                      bytes=n_bytes, seconds=time.perf_counter() - start)

@@ -1,0 +1,138 @@
+"""The colocated update across training ranks: each engine TP rank gets handles to the copy of
+the weights on its own GPU, from the training rank there (routing.py).
+
+A collective over the trainers' default process group, bucket by bucket, since exporting a
+bucket is itself collective (FSDP gathers full tensors on every rank). Every rank serializes
+its bucket by reference (CUDA IPC handles naming the GPU by UUID, codec.encode_shared); rank 0
+gathers them, POSTs each engine its entries, and broadcasts the outcome. A rank keeps a bucket
+alive until rank 0 has broadcast that every engine has answered for it: with one bucket of
+lookahead (the last carries weight_version) that is at most two buckets per rank.
+
+Collective order, the same on every rank: status(pause), gather(0), gather(1), status(0),
+gather(2), status(1), ..., gather(n-1), status(n-2), status(n-1). A failure on rank 0 travels
+as a status, so every rank stops at the same point and raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kuberl_trainer.weight_sync.routing import Gpu, colocated_sources, engine_gpus
+from kuberl_wire import codec
+
+NamedTensors = Sequence[tuple[str, torch.Tensor]]
+
+
+def _all_gather(obj: Any, world_size: int) -> list[Any]:
+    if world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _gather(obj: Any, rank: int, world_size: int) -> list[Any] | None:
+    if world_size == 1:
+        return [obj]
+    out: list[Any] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def _status(message: str | None, world_size: int) -> str | None:
+    """Rank 0's outcome (None: fine, else the error) to every rank."""
+    if world_size == 1:
+        return message
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class _Poster:
+    """Rank 0's side: the engines' HTTP calls, on an event loop of its own."""
+
+    def __init__(self, urls: Sequence[str], tp_sizes: Sequence[int]) -> None:
+        from kuberl_trainer.engine_client import EngineClient
+
+        self.loop = asyncio.new_event_loop()
+        self.client = EngineClient(urls, request_timeout_s=600)
+        self.tp_sizes = tp_sizes
+
+    def run(self, coro: Any) -> str | None:
+        try:
+            self.loop.run_until_complete(coro)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def pause(self) -> str | None:
+        from kuberl_trainer.weight_sync.sender import flush_when_idle
+        from kuberl_wire import protocol
+
+        async def go() -> None:
+            await self.client.post_all("/pause_generation", protocol.pause_generation())
+            await flush_when_idle(self.client)
+        return self.run(go())
+
+    def post(self, entries: list[list[str]], version: str | None) -> str | None:
+        from kuberl_trainer.weight_sync.sender import post_tensor_bucket
+
+        return self.run(post_tensor_bucket(self.client, entries, weight_version=version))
+
+    def resume(self) -> str | None:
+        from kuberl_wire import protocol
+
+        return self.run(self.client.post_all("/continue_generation",
+                                             protocol.continue_generation()))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.close())
+        self.loop.close()
+
+
+def push_colocated(buckets: Iterable[NamedTensors], *, rank: int, world_size: int, gpu: Gpu,
+                   engine_urls: Sequence[str], engine_devices: Sequence[Sequence[int]],
+                   weight_version: str) -> None:
+    """Every training rank calls this with its own buckets (see the module docstring)."""
+    sources = colocated_sources(_all_gather(gpu, world_size),
+                                engine_gpus(engine_urls, engine_devices))
+    poster = _Poster(engine_urls, [len(s) for s in sources]) if rank == 0 else None
+
+    def settle(outcome: str | None) -> None:
+        shared = _status(outcome, world_size)
+        if shared is not None:
+            raise RuntimeError(f"colocated weight update failed: {shared}")
+
+    try:
+        settle(poster.pause() if poster else None)
+        held: deque[NamedTensors] = deque()
+        pending: list[list[str]] | None = None
+        for bucket in buckets:
+            held.append(bucket)
+            entries = _gather(codec.encode_shared(bucket), rank, world_size)
+            if pending is not None:
+                settle(poster.post(pending, None) if poster else None)
+                held.popleft()
+            if entries is not None:
+                pending = [[entries[src] for src in engine] for engine in sources]
+            else:
+                pending = []  # not rank 0: only the count matters
+        if pending is not None:
+            settle(poster.post(pending, weight_version) if poster else None)
+            held.clear()
+        if poster:
+            settle(poster.resume())
+        else:
+            settle(None)
+    finally:
+        if poster is not None:
+            poster.close()
+    # Free what the engines have let go of (torch keeps memory shared by IPC until the
+    # consumer releases it and the producer collects).
+    torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
