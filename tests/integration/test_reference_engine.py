@@ -41,14 +41,14 @@ def free_port() -> int:
 
 
 class Engine:
-    def __init__(self, model_dir: Path, log: Path) -> None:
+    def __init__(self, model_dir: Path, log: Path, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kuberl_rollout.reference", "--model-path", str(model_dir),
              "--port", str(self.port), "--seed", "0", "--torch-threads", "1",
-             "--weight-sync-timeout", "30"],
+             "--weight-sync-timeout", "30", *extra],
             stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ})
 
     def wait_ready(self, timeout: float = 60.0) -> None:

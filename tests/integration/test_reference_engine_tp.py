@@ -1,0 +1,252 @@
+"""Reference engines at tensor parallel size 2, as the trainer sees SGLang engines of TP 2: two
+engines of two processes each. Every TP process must join the weight-update group (5 ranks with
+this test process as trainer rank 0) and read its own entry of a tensor update; after every sync
+the weights must be exact on every TP process. Also: requests shaped as slime sends them
+(flattened buckets per TP rank), and an update running while generation continues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import sys
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kuberl_trainer.engine_client import EngineClient, EngineError
+from kuberl_trainer.weight_sync.sender import DistributedWeightSender, bucketize, send_tensors
+from kuberl_wire import codec, protocol
+from kuberl_wire.codec import tensor_sha256
+from tests.integration.test_reference_engine import (
+    GREEDY,
+    PROMPTS,
+    Engine,
+    free_port,
+    greedy_locally,
+    perturbed,
+    trainer_params,
+)
+from tests.integration.tiny_model import build_tiny_model
+
+pytestmark = pytest.mark.integration
+TP = 2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-tp") / "model")
+
+
+@pytest.fixture(scope="module")
+def tp_engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[list[str]]:
+    logs = tmp_path_factory.mktemp("tp-engine-logs")
+    started = [Engine(model_dir, logs / f"engine{i}.log", "--tp-size", str(TP))
+               for i in range(2)]
+    try:
+        for engine in started:
+            engine.wait_ready(timeout=120)
+        yield [e.url for e in started]
+    finally:
+        for engine in started:
+            engine.stop()
+
+
+@pytest.fixture(scope="module")
+def reference_model(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_dir,
+                                                                  dtype=torch.float32)
+    return model.eval()
+
+
+async def every_rank(client: EngineClient) -> list[list[dict[str, str]]]:
+    """Per engine, each TP process's {name: sha256}."""
+    return [(await client.request(u, "GET", "/get_weights_checksum?all_ranks=true"))["tp_ranks"]
+            for u in client.urls]
+
+
+def sums(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {n: tensor_sha256(t) for n, t in state.items()}
+
+
+async def test_distributed_sync_reaches_every_tp_process(
+        tp_engines: list[str], reference_model: torch.nn.Module) -> None:
+    original = {n: t.clone() for n, t in reference_model.state_dict().items()}
+    async with EngineClient(tp_engines, request_timeout_s=60) as client:
+        sender = DistributedWeightSender(client, master_address="127.0.0.1",
+                                         master_port=free_port(), backend="gloo",
+                                         group_name="kuberl_tp", timeout_s=30,
+                                         tp_sizes=[TP, TP])
+        assert sender.world_size == 5 and sender.rank_offsets == [1, 3]
+        await sender.connect()
+        try:
+            for seed in (1, 2):
+                state = perturbed(reference_model, seed)
+                await sender.send(bucketize(trainer_params(state, reference_model), 16 << 10))
+                assert await every_rank(client) == [[sums(state)] * TP] * 2
+                out = await client.generate([PROMPTS[0]], GREEDY)
+                assert out[0].output_ids == greedy_locally(reference_model, state, PROMPTS[0],
+                                                           12)
+        finally:
+            await sender.close()
+            await send_tensors(client, [trainer_params(original, reference_model)],
+                               weight_version="restored", tp_sizes=[TP, TP])
+        assert await every_rank(client) == [[sums(original)] * TP] * 2
+
+
+async def test_each_tp_process_reads_its_own_tensor_entry(
+        tp_engines: list[str], reference_model: torch.nn.Module) -> None:
+    """Entry r goes to TP rank r (on GPUs: handles to the tensors on rank r's own GPU)."""
+    url = tp_engines[0]
+    original = trainer_params(reference_model.state_dict(), reference_model)
+    one, two = perturbed(reference_model, 11), perturbed(reference_model, 12)
+    async with EngineClient([url], request_timeout_s=60) as client:
+        body = protocol.update_weights_from_tensor(
+            [codec.encode_shared(trainer_params(one, reference_model)),
+             codec.encode_shared(trainer_params(two, reference_model))],
+            weight_version="split", flush_cache=False)
+        await client.post_all("/update_weights_from_tensor", body)
+        assert await every_rank(client) == [[sums(one), sums(two)]]
+        # One entry for two TP ranks: SGLang's rank 1 would index past the list. Refused, and
+        # rank 1 is named.
+        single = protocol.update_weights_from_tensor(
+            [codec.encode_shared(original)], weight_version="short", flush_cache=False)
+        with pytest.raises(EngineError, match="tp rank 1: serialized_named_tensors has 1"):
+            await client.post_all("/update_weights_from_tensor", single)
+        await send_tensors(client, [original], weight_version="restored", tp_sizes=[TP])
+        assert await every_rank(client) == [[sums(reference_model.state_dict())] * TP]
+
+
+# ---- requests shaped exactly as slime sends them ---------------------------------------------
+
+
+@dataclass
+class FlattenedTensorMetadata:
+    """Stands in for sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata (registered
+    under that module name below, so the pickle names SGLang's class as slime's does)."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+@pytest.fixture
+def sglang_bucket_class() -> Iterator[None]:
+    names = ["sglang", "sglang.srt", "sglang.srt.weight_sync",
+             "sglang.srt.weight_sync.tensor_bucket"]
+    saved = {n: sys.modules.get(n) for n in names}
+    for n in names:
+        sys.modules[n] = types.ModuleType(n)
+    module: Any = sys.modules[names[-1]]
+    module.FlattenedTensorMetadata = FlattenedTensorMetadata
+    FlattenedTensorMetadata.__module__ = names[-1]
+    try:
+        yield
+    finally:
+        FlattenedTensorMetadata.__module__ = __name__
+        for n, old in saved.items():
+            if old is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = old
+
+
+def slime_flattened_bucket(named: list[tuple[str, torch.Tensor]]) -> str:
+    """What slime puts in serialized_named_tensors[r]: SGLang 0.5.6's FlattenedTensorBucket
+    (every tensor's bytes, uint8) as {flattened_tensor, metadata}, by MultiprocessingSerializer
+    (ForkingPickler, base64)."""
+    parts, metas, at = [], [], 0
+    for name, t in named:
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        metas.append(FlattenedTensorMetadata(name, t.shape, t.dtype, at, at + raw.numel(),
+                                             raw.numel()))
+        parts.append(raw)
+        at += raw.numel()
+    import base64
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    buf = io.BytesIO()
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(
+        {"flattened_tensor": torch.cat(parts), "metadata": metas})
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+async def test_slime_shaped_requests(tp_engines: list[str], reference_model: torch.nn.Module,
+                                     sglang_bucket_class: None) -> None:
+    """Generate with slime's sampling parameters; then slime's update sequence: pause, flush,
+    flattened buckets per TP rank (mixed dtypes in one bucket), continue; then offload and
+    onload by tag."""
+    url = tp_engines[1]
+    state = perturbed(reference_model, 21)
+    named = trainer_params(state, reference_model)
+    async with EngineClient([url], request_timeout_s=60) as client:
+        gen = {"input_ids": PROMPTS[0], "return_logprob": True, "sampling_params": {
+            "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8,
+            "stop": None, "stop_token_ids": None, "skip_special_tokens": False,
+            "no_stop_trim": True, "spaces_between_special_tokens": False,
+            "sampling_seed": 3, "custom_params": None}}
+        out = await client.request(url, "POST", "/generate", gen)
+        assert len(out["output_ids"]) == len(out["meta_info"]["output_token_logprobs"]) > 0
+
+        await client.request(url, "POST", "/pause_generation", {"mode": "retract"})
+        await client.request(url, "POST", "/flush_cache")
+        for bucket in bucketize(named, 16 << 10):
+            entry = slime_flattened_bucket(bucket)
+            body = {"serialized_named_tensors": [entry] * TP,
+                    "load_format": "flattened_bucket", "flush_cache": False,
+                    "weight_version": "slime-1"}
+            await client.post_all("/update_weights_from_tensor", body)
+        await client.request(url, "POST", "/continue_generation", {})
+        assert await every_rank(client) == [[sums(state)] * TP]
+
+        for tags in (["kv_cache"], ["weights"]):
+            await client.request(url, "POST", "/release_memory_occupation", {"tags": tags})
+        for tags in (["weights"], ["kv_cache"]):
+            await client.request(url, "POST", "/resume_memory_occupation", {"tags": tags})
+        out = await client.request(url, "POST", "/generate", {**gen, "sampling_params": GREEDY})
+        assert out["meta_info"]["weight_version"] == "slime-1"
+        await send_tensors(client, [trainer_params(reference_model.state_dict(),
+                                                   reference_model)],
+                           weight_version="restored", tp_sizes=[TP])
+
+
+def test_flattened_bucket_with_mixed_dtypes_decodes_exactly(sglang_bucket_class: None) -> None:
+    named = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64)),
+             ("c", torch.randn(4).to(torch.bfloat16))]
+    out = codec.decode_named_tensors(slime_flattened_bucket(named), flattened=True)
+    assert [n for n, _ in out] == ["a", "b", "c"]
+    for (_, want), (_, got) in zip(named, out, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+async def test_generation_continues_across_an_update(
+        tp_engines: list[str], reference_model: torch.nn.Module) -> None:
+    """The trainer's update sequence while a long generation runs: the request is retracted,
+    the weights change, and it completes after /continue_generation (SGLang recomputes a
+    retracted request with the new weights)."""
+    url = tp_engines[0]
+    state = perturbed(reference_model, 31)
+    async with EngineClient([url], request_timeout_s=120) as client:
+        long = asyncio.ensure_future(client.generate(
+            [PROMPTS[2]], {"temperature": 1.0, "max_new_tokens": 400, "ignore_eos": True}))
+        await asyncio.sleep(0.3)
+        await send_tensors(client, bucketize(trainer_params(state, reference_model), 16 << 10),
+                           weight_version="during", tp_sizes=[TP])
+        (result,) = await long
+        assert result.finish_reason == "length" and len(result.output_ids) == 400
+        assert await every_rank(client) == [[sums(state)] * TP]
+        await send_tensors(client, [trainer_params(reference_model.state_dict(),
+                                                   reference_model)],
+                           weight_version="restored", tp_sizes=[TP])
