@@ -34,41 +34,61 @@ def test_colocated_run_learns_and_writes_metrics(tiny: Path, tmp_path: Path) -> 
         "step_6", "step_8"]
 
 
-def test_disaggregated_engines_hold_the_trainers_weights(tiny: Path, tmp_path: Path) -> None:
-    """Two engines; after training steps, every engine's weights equal the trainer's."""
-    import asyncio
+ENGINE_LAYOUTS = {
+    "disaggregated-2-engines": ("disaggregated", {"gpus": 0, "engines": 2}),
+    # The examples' engine shape (gpusPerEngine 2) on CPU: reference engines of two processes
+    # each, every one of them a member of the weight-update group.
+    "disaggregated-tp2": ("disaggregated", {"gpus": 0, "engines": 2, "gpusPerEngine": 2}),
+    "colocated-tp2": ("colocate", {"gpus": 0, "gpusPerEngine": 2}),
+}
+
+
+@pytest.mark.parametrize("layout", ENGINE_LAYOUTS)
+def test_every_engine_process_holds_the_trainers_weights_after_every_step(
+        tiny: Path, tmp_path: Path, layout: str) -> None:
+    """After each step's sync, every TP process of every engine holds exactly the trainer's
+    weights (checked from inside the loop, after each push)."""
+    import json
+    import urllib.request
 
     from kuberl_api import load
-    from kuberl_trainer.engine_client import EngineClient
     from kuberl_trainer.preflight import check
     from kuberl_trainer.progress import Progress
     from kuberl_trainer.run import Options
     from kuberl_trainer.session import Session
 
-    job = load(manifest(tiny, tmp_path, "disagg", placement="disaggregated",
-                        rollout={"gpus": 0, "engines": 2}, schedule={"numRollouts": 2}))
+    placement, rollout = ENGINE_LAYOUTS[layout]
+    job = load(manifest(tiny, tmp_path, "sync", placement=placement, rollout=rollout,
+                        schedule={"numRollouts": 2}))
     opts = Options(address=None, in_cluster=False, output_dir=tmp_path / "out",
                    checkpoint_dir=tmp_path / "ckpt", prometheus_port=0, tensorboard=None,
                    seed=0)
     session = Session(job, opts, check(job.spec))
+    tp = job.spec.rollout.gpus_per_engine
+    synced: list[int] = []
     try:
         session.start()
         assert session.engines is not None and session.trainers is not None
-        urls = session.engines.urls
-        assert len(urls) == 2
+        trainers, urls = session.trainers, session.engines.urls
+        push = trainers.push_weights
+
+        def push_and_check(engine_urls: list[str], version: int, bucket_bytes: int) -> float:
+            seconds = push(engine_urls, version, bucket_bytes)
+            want = trainers.checksums()
+            for url in engine_urls:
+                with urllib.request.urlopen(f"{url}/get_weights_checksum?all_ranks=true",
+                                            timeout=60) as answer:
+                    ranks = json.loads(answer.read())["tp_ranks"]
+                assert len(ranks) == tp, (url, len(ranks))
+                for rank, sums in enumerate(ranks):
+                    assert {k: sums[k] for k in want} == want, (url, rank, version)
+            synced.append(version)
+            return seconds
+
+        trainers.push_weights = push_and_check  # type: ignore[method-assign]
         session.train(Progress(2))
-        trainer = session.trainers.checksums()
-
-        async def engine_sums() -> list[dict[str, Any]]:
-            client = EngineClient(urls)
-            try:
-                return [await client.request(u, "GET", "/get_weights_checksum") for u in urls]
-            finally:
-                await client.close()
-
-        for sums in asyncio.run(engine_sums()):
-            weights = sums.get("checksums", sums)
-            assert {k: weights[k] for k in trainer} == trainer
+        assert len(urls) == job.spec.num_engines
+        assert synced == [1, 2]
         assert metrics(tmp_path / "out")[-1]["weight_version"] == 2
     finally:
         session.close()

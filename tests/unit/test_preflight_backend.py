@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kuberl_api.spec import RLJobSpec
-from kuberl_trainer.preflight import PreflightError, check_backend
+from kuberl_trainer.preflight import PreflightError, check_backend, check_engine_tp
 
 QWEN2 = {"model_type": "qwen2", "num_hidden_layers": 6, "hidden_size": 64,
          "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 96,
@@ -71,3 +71,28 @@ def test_megatron_refuses_what_it_cannot_shard(model: Path, edit: dict[str, Any]
     (model / "config.json").write_text(json.dumps({**QWEN2, **edit}))
     with pytest.raises(PreflightError, match=words):
         check_backend(spec(model, **parallelism))
+
+
+def engine_spec(model: Path, tp: int) -> RLJobSpec:
+    return RLJobSpec.model_validate({
+        "model": {"path": str(model)},
+        "data": {"prompts": "/data/p.jsonl", "rolloutBatchSize": 8},
+        "training": {"backend": "fsdp", "gpusPerNode": 8},
+        "rollout": {"engine": "sglang", "gpusPerEngine": tp},
+        "placement": "colocate",
+    })
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_engine_tp_that_divides_the_heads_is_accepted(model: Path, tp: int) -> None:
+    # 8 heads, 2 KV heads: TP 4 and 8 replicate each KV head (SGLang's rule), 96 / 8 = 12
+    check_engine_tp(engine_spec(model, tp))
+
+
+def test_engine_tp_that_splits_a_head_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**QWEN2, "num_attention_heads": 12, "num_key_value_heads": 3, "intermediate_size": 100}))
+    with pytest.raises(PreflightError, match=(
+            r"spec.rollout.gpusPerEngine: tensor parallel size 8 must divide the model's 12 "
+            r"attention heads, its 3 key/value heads .*, its MLP intermediate size 100")):
+        check_engine_tp(engine_spec(tmp_path, 8))

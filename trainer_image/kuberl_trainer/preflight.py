@@ -82,6 +82,34 @@ def check_backend(spec: RLJobSpec) -> None:
                              f"{shape.num_layers} layers")
 
 
+def check_engine_tp(spec: RLJobSpec) -> None:
+    """SGLang shards attention heads and the MLP across an engine's TP ranks and asserts at
+    model load that they divide (sglang/srt/models/*.py, 0.5.6): attention heads by the TP
+    size; KV heads by it, or it by them (then each is replicated); the MLP's intermediate size
+    by it. Checked here for every engine, the reference engine included, so a CPU run refuses
+    what the cluster's engines would crash on."""
+    import json
+
+    tp = spec.rollout.gpus_per_engine
+    if tp == 1:
+        return
+    config = json.loads((Path(spec.model.path) / "config.json").read_text())
+    config = config.get("text_config", config)
+    heads = int(config.get("num_attention_heads", 0) or 0)
+    kv = int(config.get("num_key_value_heads", heads) or heads)
+    inter = int(config.get("intermediate_size", 0) or 0)
+    problems = []
+    if heads and heads % tp:
+        problems.append(f"the model's {heads} attention heads")
+    if kv and (kv % tp if kv >= tp else tp % kv):
+        problems.append(f"its {kv} key/value heads (or be a multiple of them)")
+    if inter and inter % tp:
+        problems.append(f"its MLP intermediate size {inter}")
+    if problems:
+        raise PreflightError(f"spec.rollout.gpusPerEngine: tensor parallel size {tp} must "
+                             f"divide {', '.join(problems)} ({spec.model.path}/config.json)")
+
+
 def check(spec: RLJobSpec) -> Checked:
     from kuberl_trainer import rewards
 
@@ -94,6 +122,7 @@ def check(spec: RLJobSpec) -> Checked:
     check_tokenizer(tokenizer, "spec.model.tokenizer" if spec.model.tokenizer
                     else "spec.model.path")
     check_backend(spec)
+    check_engine_tp(spec)
     check_data(spec)
     try:
         reward_fn = rewards.load(spec.reward)
