@@ -16,7 +16,7 @@ import logging
 import os
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -34,7 +34,14 @@ from kuberl_wire.codec import tensor_sha256
 LOG = logging.getLogger("kuberl.reference")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MEMORY_TAGS = frozenset({"weights", "kv_cache"})
+# SGLang's GPU_MEMORY_TYPE_* (constants.py); a release with no tags releases all of them.
+# The reference engine has no CUDA graphs, but tracks the tag so that an engine released
+# without tags stays released until cuda_graph is resumed too, as SGLang's does.
+MEMORY_TAGS = frozenset({"weights", "kv_cache", "cuda_graph"})
+# SGLang's scheduler caps a request's max_new_tokens at max_req_len - input_len - 1, where
+# max_req_len = context_len - 1 (smaller only when the KV pool is; the reference engine has no
+# pool limit); a null max_new_tokens asks for that cap.
+UNLIMITED_NEW_TOKENS = 1 << 30
 
 
 class EngineBusy(RuntimeError):
@@ -49,6 +56,15 @@ class GenRequest:
     sampling: Sampling
     return_logprob: bool
     draws: UniformDraws = field(repr=False)
+    return_text_in_logprobs: bool = False
+    # Progress kept across a retraction (/pause_generation): generation resumes from here,
+    # recomputing the prompt and these tokens (SGLang's retract frees the KV cache too).
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling.max_new_tokens or 0  # resolved by make_request
 
 
 @dataclass
@@ -88,6 +104,9 @@ class ReferenceEngine:
         torch.manual_seed(seed)
         self.aborted_rids: set[str] = set()
         self.abort_all_upto = -1
+        # Set by /pause_generation (retract, in_place): the running batch stops after its
+        # current step and hands its unfinished requests back (generate returns None for them).
+        self.suspend = False
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -105,47 +124,76 @@ class ReferenceEngine:
         return list(self.tokenizer(text)["input_ids"])
 
     def make_request(self, input_ids: Sequence[int], sampling: Sampling, *, rid: str, seq: int,
-                     return_logprob: bool) -> GenRequest:
-        """Validate one prompt (ValueError -> HTTP 400)."""
+                     return_logprob: bool, return_text_in_logprobs: bool = False) -> GenRequest:
+        """Validate one prompt (ValueError -> HTTP 400) with SGLang's checks and messages
+        (tokenizer_manager: the input must be shorter than the context, and input plus
+        max_new_tokens too), then cap max_new_tokens as SGLang's scheduler does."""
         if not input_ids:
             raise ValueError("input_ids must not be empty")
         bad = [t for t in input_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        if len(input_ids) + sampling.max_new_tokens > self.context_len:
-            raise ValueError(f"prompt ({len(input_ids)} tokens) + max_new_tokens "
-                             f"({sampling.max_new_tokens}) exceeds the context length "
-                             f"{self.context_len}")
+        n = len(input_ids)
+        if n >= self.context_len:
+            raise ValueError(f"The input ({n} tokens) is longer than the model's context "
+                             f"length ({self.context_len} tokens).")
+        asked = sampling.max_new_tokens
+        if asked is not None and asked + n >= self.context_len:
+            raise ValueError(
+                f"Requested token count exceeds the model's maximum context length of "
+                f"{self.context_len} tokens. You requested a total of {asked + n} tokens: {n} "
+                f"tokens from the input messages and {asked} tokens for the completion. Please "
+                f"reduce the number of tokens in the input messages or the completion to fit "
+                f"within the limit.")
+        max_new = max(0, min(UNLIMITED_NEW_TOKENS if asked is None else asked,
+                             (self.context_len - 1) - n - 1))
+        sampling = replace(sampling, max_new_tokens=max_new)
         seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63)
         return GenRequest(rid=rid, seq=seq, input_ids=list(input_ids), sampling=sampling,
                           return_logprob=return_logprob,
-                          draws=UniformDraws(seed, sampling.max_new_tokens))
+                          return_text_in_logprobs=return_text_in_logprobs,
+                          draws=UniformDraws(seed, max_new))
 
-    def _aborted(self, req: GenRequest) -> bool:
+    def is_aborted(self, req: GenRequest) -> bool:
         return req.seq <= self.abort_all_upto or req.rid in self.aborted_rids
 
     # ---- generation (worker thread) ---------------------------------------------------------
 
-    def generate(self, reqs: Sequence[GenRequest]) -> list[dict[str, Any]]:
+    def generate(self, reqs: Sequence[GenRequest]) -> list[dict[str, Any] | None]:
+        """One result per request, or None for a request suspended by a pause: it keeps its
+        progress (req.output_ids, req.logprobs) and continues in a later batch."""
         if self.released:
             raise EngineBusy(f"memory released ({sorted(self.released)}); "
                              "call /resume_memory_occupation first")
-        rows = [_Row(r) for r in reqs]
+        rows = [_Row(r, list(r.output_ids), list(r.logprobs)) for r in reqs]
         for row in rows:
-            if self._aborted(row.req):
+            if self.is_aborted(row.req):
                 row.finish = Finish("abort")
-            elif row.req.sampling.max_new_tokens == 0:
+            elif len(row.output_ids) >= row.req.max_new_tokens:
                 row.finish = Finish("length")
-        if any(row.finish is None for row in rows):
+        if not self.suspend and any(row.finish is None for row in rows):
             with torch.inference_mode():
                 self._decode(rows)
-        return [self._result(row) for row in rows]
+        results: list[dict[str, Any] | None] = []
+        for row in rows:
+            if row.finish is None:  # suspended
+                row.req.output_ids, row.req.logprobs = row.output_ids, row.logprobs
+                results.append(None)
+            else:
+                results.append(self._result(row))
+        return results
+
+    def abort_result(self, req: GenRequest) -> dict[str, Any]:
+        """The answer for a request aborted while it waited (no model work)."""
+        return self._result(_Row(req, list(req.output_ids), list(req.logprobs),
+                                 Finish("abort")))
 
     def _decode(self, rows: list[_Row]) -> None:
-        width = max(len(r.req.input_ids) for r in rows)
-        pads = [width - len(r.req.input_ids) for r in rows]
-        ids = torch.tensor([[self.pad_id] * p + r.req.input_ids for p, r in zip(pads, rows,
-                                                                                strict=True)],
+        # A retracted request resumes by recomputing its prompt and the tokens it already has.
+        prefixes = [r.req.input_ids + r.output_ids for r in rows]
+        width = max(len(p) for p in prefixes)
+        pads = [width - len(p) for p in prefixes]
+        ids = torch.tensor([[self.pad_id] * n + p for n, p in zip(pads, prefixes, strict=True)],
                            dtype=torch.long, device=self.device)
         # Equal-length prompts (a GRPO group, or any unpadded batch) need no mask: the model's
         # default causal attention and positions are the same numbers, computed faster.
@@ -167,7 +215,7 @@ class ReferenceEngine:
             for i, row in enumerate(rows):
                 if row.finish is None:
                     self._append(row, token_list[i], lp_list[i])
-            if all(row.finish is not None for row in rows):
+            if all(row.finish is not None for row in rows) or self.suspend:
                 return
             feed = torch.tensor([[self.pad_id if r.finish else t]
                                  for r, t in zip(rows, token_list, strict=True)],
@@ -185,10 +233,9 @@ class ReferenceEngine:
         tail = ""
         if p.stop:
             window = max(len(s) for s in p.stop) + 2
-            tail = str(self.tokenizer.decode(row.output_ids[-window:],
-                                             skip_special_tokens=p.skip_special_tokens))
+            tail = self._text(row.output_ids[-window:], p)
         row.finish = check_finish(row.output_ids, p, self.eos_ids, tail)
-        if row.finish is None and self._aborted(row.req):
+        if row.finish is None and self.is_aborted(row.req):
             row.finish = Finish("abort")
 
     def _result(self, row: _Row) -> dict[str, Any]:
@@ -199,23 +246,31 @@ class ReferenceEngine:
         # output_ids and logprobs keep every generated token (what the trainer trains on).
         if isinstance(finish.matched, int) and not p.no_stop_trim:
             text_ids = text_ids[:-1]
-        text = str(self.tokenizer.decode(text_ids, skip_special_tokens=p.skip_special_tokens))
+        text = self._text(text_ids, p)
         if isinstance(finish.matched, str) and not p.no_stop_trim:
             cut = text.find(finish.matched)
             text = text if cut < 0 else text[:cut]
         meta: dict[str, Any] = {
             "id": req.rid,
-            "finish_reason": finish.to_json(p.max_new_tokens),
+            "finish_reason": finish.to_json(req.max_new_tokens),
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": len(row.output_ids),
             "cached_tokens": 0,
             "weight_version": self.weight_version,
         }
         if req.return_logprob:
+            # SGLang's third entry: the token's text with return_text_in_logprobs, else null.
             meta["output_token_logprobs"] = [
-                [lp, tok, None] for lp, tok in zip(row.logprobs, row.output_ids, strict=True)]
+                [lp, tok, self._text([tok], p) if req.return_text_in_logprobs else None]
+                for lp, tok in zip(row.logprobs, row.output_ids, strict=True)]
         self.aborted_rids.discard(req.rid)
         return {"text": text, "output_ids": list(row.output_ids), "meta_info": meta}
+
+    def _text(self, ids: Sequence[int], p: Sampling) -> str:
+        """Decode as SGLang's detokenizer does: both flags go to the tokenizer's decode."""
+        return str(self.tokenizer.decode(
+            list(ids), skip_special_tokens=p.skip_special_tokens,
+            spaces_between_special_tokens=p.spaces_between_special_tokens))
 
     # ---- weights (worker thread) ------------------------------------------------------------
 

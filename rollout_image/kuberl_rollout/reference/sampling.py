@@ -27,20 +27,24 @@ TOP_K_ALL = 1 << 30
 
 # Fields the reference engine implements.
 _SUPPORTED = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids",
-              "ignore_eos", "sampling_seed", "skip_special_tokens", "no_stop_trim"}
+              "ignore_eos", "sampling_seed", "skip_special_tokens", "no_stop_trim",
+              "spaces_between_special_tokens", "custom_params"}
 # SGLang fields accepted only at their defaults: a non-default value would silently sample
 # differently from SGLang, so it is an error instead.
 _DEFAULT_ONLY: dict[str, Any] = {
     "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
     "min_new_tokens": 0, "n": 1, "json_schema": None, "regex": None, "ebnf": None,
-    "structural_tag": None, "stop_regex": None, "logit_bias": None, "custom_params": None,
-    "stream_interval": None, "spaces_between_special_tokens": True,
+    "structural_tag": None, "stop_regex": None, "logit_bias": None, "stream_interval": None,
 }
+# custom_params only reaches a request's custom logit processor (SGLang passes it nowhere
+# else); the reference engine refuses custom_logit_processor, so custom_params is accepted and
+# has no effect, exactly as in SGLang without a processor (slime sends it whenever top_p < 1).
 
 
 @dataclass(frozen=True)
 class Sampling:
-    max_new_tokens: int = 128
+    # None: as many as the context allows (SGLang's null); the engine resolves it per prompt.
+    max_new_tokens: int | None = 128
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = TOP_K_ALL
@@ -50,6 +54,7 @@ class Sampling:
     seed: int | None = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    spaces_between_special_tokens: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -74,8 +79,16 @@ def _integer(raw: Mapping[str, Any], key: str, default: int) -> int:
     return value
 
 
+def _flag(raw: Mapping[str, Any], key: str, default: bool) -> bool:
+    """SGLang's booleans: absent or null means the default."""
+    value = raw.get(key)
+    return default if value is None else bool(value)
+
+
 def parse_sampling(raw: Mapping[str, Any] | None) -> Sampling:
-    """Validate SGLang-named sampling params; ValueError with the offending field."""
+    """Validate SGLang-named sampling params; ValueError with the offending field.
+    A null value means the field's SGLang default (SamplingParams.__post_init__), and a null
+    max_new_tokens means "up to the context length" (the scheduler's 1 << 30, clamped)."""
     raw = raw or {}
     if not isinstance(raw, Mapping):
         raise ValueError(f"sampling_params must be an object, got {type(raw).__name__}")
@@ -88,11 +101,13 @@ def parse_sampling(raw: Mapping[str, Any] | None) -> Sampling:
         if key in raw and raw[key] is not None and raw[key] != default:
             raise ValueError(f"sampling_params.{key}={raw[key]!r} is not supported by the "
                              f"reference engine (only the default {default!r})")
-    max_new = _integer(raw, "max_new_tokens", 128)
+    max_new: int | None = 128
+    if "max_new_tokens" in raw:
+        max_new = None if raw["max_new_tokens"] is None else _integer(raw, "max_new_tokens", 0)
     temperature = _number(raw, "temperature", 1.0)
     top_p = _number(raw, "top_p", 1.0)
     top_k = _integer(raw, "top_k", -1)
-    if max_new < 0:
+    if max_new is not None and max_new < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new}")
     if not temperature >= 0.0 or temperature == float("inf"):
         raise ValueError(f"temperature must be a non-negative finite number, got {temperature}")
@@ -106,7 +121,7 @@ def parse_sampling(raw: Mapping[str, Any] | None) -> Sampling:
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if not all(isinstance(s, str) and s for s in stop):
         raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-    stop_ids = raw.get("stop_token_ids") or ()
+    stop_ids = [t for t in raw.get("stop_token_ids") or () if t is not None]  # as SGLang
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise ValueError(f"stop_token_ids must be integers, got {stop_ids!r}")
     seed = raw.get("sampling_seed")
@@ -116,9 +131,11 @@ def parse_sampling(raw: Mapping[str, Any] | None) -> Sampling:
         temperature, top_k = 1.0, 1
     return Sampling(max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k,
                     stop=stop, stop_token_ids=frozenset(stop_ids),
-                    ignore_eos=bool(raw.get("ignore_eos", False)), seed=seed,
-                    skip_special_tokens=bool(raw.get("skip_special_tokens", True)),
-                    no_stop_trim=bool(raw.get("no_stop_trim", False)))
+                    ignore_eos=_flag(raw, "ignore_eos", False), seed=seed,
+                    skip_special_tokens=_flag(raw, "skip_special_tokens", True),
+                    no_stop_trim=_flag(raw, "no_stop_trim", False),
+                    spaces_between_special_tokens=_flag(raw, "spaces_between_special_tokens",
+                                                        True))
 
 
 class UniformDraws:
@@ -196,7 +213,7 @@ def check_finish(output_ids: Sequence[int], p: Sampling, eos_ids: frozenset[int]
                  tail_text: str) -> Finish | None:
     """After appending a token: SGLang's order (length, token match, stop string).
     `tail_text` is the decoded end of the completion, long enough to contain any stop string."""
-    if len(output_ids) >= p.max_new_tokens:
+    if p.max_new_tokens is not None and len(output_ids) >= p.max_new_tokens:
         return Finish("length")
     last = output_ids[-1]
     if last in p.stop_token_ids or (not p.ignore_eos and last in eos_ids):

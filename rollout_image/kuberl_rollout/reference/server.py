@@ -8,6 +8,13 @@ next batch waits for the update, as in SGLang, without locks.
 Errors: /generate and friends answer {"error": {"message"}} (SGLang's shape) with 400 for a bad
 request, 503 while memory is released, 500 for a bug; weight endpoints answer
 {"success": false, "message"} with 400, as SGLang does.
+
+Pausing (SGLang's /pause_generation, /continue_generation): while paused, new /generate
+requests wait before they are validated or queued (SGLang's tokenizer manager waits on its
+pause condition there). "abort" ends every request in flight (finish_reason abort) and answers
+once none is left; "retract" and "in_place" stop the running batch after its current step and
+hold its requests, with the tokens they have, until /continue_generation, when they resume by
+recomputing prompt and tokens (SGLang's retract does the same; its in_place keeps the KV cache).
 """
 
 from __future__ import annotations
@@ -31,10 +38,26 @@ from kuberl_rollout.reference.tp import Peers
 LOG = logging.getLogger("kuberl.reference")
 T = TypeVar("T")
 
-# GenerateReqInput fields this engine implements; other SGLang fields are refused with 400
-# rather than silently ignored (the trainer would get different behaviour than from SGLang).
-_GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "rid", "stream",
-                    "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"}
+# GenerateReqInput fields SGLang has and the reference engine does not implement: accepted at
+# the values that change nothing (SGLang's defaults), refused with 400 otherwise, since the
+# engine would behave differently from SGLang. A field SGLang does not know is ignored, as
+# SGLang's HTTP layer ignores extra JSON keys when it builds GenerateReqInput; fields that only
+# label, log or route a request (priority, log_metrics, custom_labels, ...) fall under that.
+_DEFAULT_ONLY_FIELDS: dict[str, tuple[Any, ...]] = {
+    "stream": (None, False), "logprob_start_len": (None, -1), "top_logprobs_num": (None, 0),
+    "token_ids_logprob": (None,), "input_embeds": (None,), "image_data": (None,),
+    "video_data": (None,), "audio_data": (None,), "return_hidden_states": (None, False),
+    "return_routed_experts": (None, False), "return_prompt_token_ids": (None, False),
+    "session_params": (None,), "lora_path": (None,), "lora_id": (None,),
+    "custom_logit_processor": (None,), "bootstrap_host": (None,), "bootstrap_port": (None,),
+    "bootstrap_room": (None,), "bootstrap_pair_key": (None,),
+    "data_parallel_rank": (None, 0), "routed_dp_rank": (None, 0),
+}
+PAUSE_MODES = ("abort", "retract", "in_place")
+# SGLang's /flush_cache body, the same for success (200) and failure (400).
+FLUSH_TEXT = ("Cache flushed.\nPlease check backend logs for more details. (When there are "
+              "running or waiting requests, the operation will not be performed.)\n")
+HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT default
 
 
 class HttpError(Exception):
@@ -93,8 +116,12 @@ def _per_item(value: Any, n: int, name: str) -> list[Any]:
 class Server:
     def __init__(self, engine: ReferenceEngine, *, max_batch_size: int = 256,
                  batch_wait_s: float = 0.005, weight_sync_timeout_s: float = 300.0,
-                 peers: Peers | None = None) -> None:
+                 peers: Peers | None = None,
+                 server_args: Mapping[str, Any] | None = None) -> None:
         self.engine = engine
+        self.max_batch_size = max_batch_size
+        # What /server_info reports as the launch arguments (the CLI's, when given).
+        self.server_args = dict(server_args or {})
         # Tensor parallel ranks 1..N-1 (tp.py): every weight and memory operation runs on
         # them too, in step with rank 0's.
         self.peers = peers
@@ -104,6 +131,9 @@ class Server:
         self.receiver = weights.Receiver(engine, timeout_s=weight_sync_timeout_s)
         self.seq = 0
         self.live: set[str] = set()
+        self.pause_mode: str | None = None  # None: not paused
+        self.unpaused = asyncio.Event()
+        self.unpaused.set()
 
     async def on_worker(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
@@ -117,8 +147,13 @@ class Server:
         r.add_get("/health_generate", self.health_generate)
         r.add_get("/get_model_info", self.model_info)
         r.add_get("/get_weight_version", self.weight_version)
+        r.add_get("/server_info", self.server_info)
+        r.add_get("/get_server_info", self.server_info)
+        r.add_get("/v1/loads", self.loads)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_post("/abort_request", self.abort_request)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
         r.add_route("*", "/release_memory_occupation", self.release_memory)
         r.add_route("*", "/resume_memory_occupation", self.resume_memory)
         r.add_post("/init_weights_update_group", self.init_group)
@@ -140,15 +175,13 @@ class Server:
     # ---- generation -------------------------------------------------------------------------
 
     def _requests(self, body: Mapping[str, Any]) -> tuple[list[GenRequest], bool]:
-        unknown = sorted(set(body) - _GENERATE_FIELDS)
-        if unknown:
-            raise HttpError(400, f"unsupported /generate fields {unknown} (the reference "
-                                 "engine implements the subset the trainer uses)")
-        if body.get("stream"):
-            raise HttpError(400, "stream is not supported by the reference engine")
-        if body.get("logprob_start_len") not in (None, -1) or body.get("top_logprobs_num"):
-            raise HttpError(400, "only output-token logprobs are supported "
-                                 "(logprob_start_len -1, top_logprobs_num 0)")
+        changed = sorted(k for k, ok in _DEFAULT_ONLY_FIELDS.items()
+                         if k in body and not any(body[k] == v and type(body[k]) is type(v)
+                                                  for v in ok))
+        if changed:
+            raise HttpError(400, f"/generate fields {changed} are not supported by the "
+                                 "reference engine except at SGLang's defaults "
+                                 f"({ {k: _DEFAULT_ONLY_FIELDS[k][-1] for k in changed} })")
         if (body.get("text") is None) == (body.get("input_ids") is None):
             raise HttpError(400, "give exactly one of text or input_ids")
         if body.get("text") is not None:
@@ -169,6 +202,7 @@ class Server:
             raise HttpError(400, "empty batch")
         params = _per_item(body.get("sampling_params"), n, "sampling_params")
         logprob = _per_item(body.get("return_logprob"), n, "return_logprob")
+        text_lp = _per_item(body.get("return_text_in_logprobs"), n, "return_text_in_logprobs")
         rid = body.get("rid")
         if isinstance(rid, list):
             rids = [str(r) for r in _per_item(rid, n, "rid")]
@@ -177,17 +211,20 @@ class Server:
         else:
             rids = [uuid.uuid4().hex for _ in range(n)]
         reqs = []
-        for prompt, sp, lp, r in zip(prompts, params, logprob, rids, strict=True):
+        for prompt, sp, lp, r, tl in zip(prompts, params, logprob, rids, text_lp, strict=True):
             self.seq += 1
             reqs.append(self.engine.make_request(prompt, parse_sampling(sp), rid=r,
-                                                 seq=self.seq, return_logprob=bool(lp)))
+                                                 seq=self.seq, return_logprob=bool(lp),
+                                                 return_text_in_logprobs=bool(tl)))
         return reqs, single
 
     async def generate(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        await self.unpaused.wait()  # SGLang: requests wait out a pause before tokenizing
         if self.engine.released:
             raise EngineBusy(f"memory released ({sorted(self.engine.released)}); "
                              "call /resume_memory_occupation first")
-        reqs, single = self._requests(await _body(request))
+        reqs, single = self._requests(body)
         rids = [r.rid for r in reqs]
         self.live.update(rids)
         try:
@@ -200,10 +237,48 @@ class Server:
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await _body(request)
         if body.get("abort_all"):
-            self.engine.abort_all_upto = self.seq
+            self.abort_all()
         elif body.get("rid") and body["rid"] in self.live:
             self.engine.aborted_rids.add(str(body["rid"]))
+            self._answer_aborted()
         return web.json_response({})
+
+    def abort_all(self) -> None:
+        """Every request in flight finishes as aborted: running ones after their current step,
+        waiting or held ones at once (requests still waiting out a pause are not in flight)."""
+        self.engine.abort_all_upto = self.seq
+        self._answer_aborted()
+
+    def _answer_aborted(self) -> None:
+        self.batcher.abort_waiting(self.engine.is_aborted, self.engine.abort_result)
+
+    # ---- pause / continue -------------------------------------------------------------------
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        """SGLang's PauseGenerationReqInput: {mode: "abort" (default) | "retract" | "in_place"}."""
+        mode = (await _body(request)).get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise HttpError(400, f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
+        self.pause_mode = mode
+        self.unpaused.clear()
+        if mode == "abort":
+            # SGLang aborts everything and answers once no request is left in flight.
+            while self.live:
+                self.abort_all()
+                await asyncio.sleep(0.01)
+        else:
+            self.engine.suspend = True
+            self.batcher.suspend()
+        return web.json_response({"message": "Generation paused successfully.",
+                                  "status": "ok"})
+
+    async def continue_generation(self, _: web.Request) -> web.Response:
+        self.pause_mode = None
+        self.engine.suspend = False
+        self.batcher.resume()
+        self.unpaused.set()
+        return web.json_response({"message": "Generation continued successfully.",
+                                  "status": "ok"})
 
     # ---- health and info --------------------------------------------------------------------
 
@@ -213,6 +288,10 @@ class Server:
     async def health_generate(self, _: web.Request) -> web.Response:
         if self.engine.released:
             return web.Response(status=503, text="memory released")
+        try:  # a paused SGLang engine gets no answer within its health-check timeout
+            await asyncio.wait_for(self.unpaused.wait(), HEALTH_CHECK_TIMEOUT_S)
+        except TimeoutError:
+            return web.Response(status=503, text="generation paused")
         self.seq += 1
         req = self.engine.make_request([0], parse_sampling({"max_new_tokens": 1,
                                                             "temperature": 0.0}),
@@ -230,8 +309,55 @@ class Server:
         return web.json_response({"weight_version": self.engine.weight_version})
 
     async def flush_cache(self, _: web.Request) -> web.Response:
-        # No prefix cache to flush: every batch builds its KV cache from scratch.
-        return web.Response(text="Cache flushed.\n")
+        """SGLang flushes only an idle scheduler and answers 400 otherwise. There is no prefix
+        cache to flush here (every batch builds its KV cache afresh); what a client observes is
+        whether the flush would succeed: not while a batch runs or requests wait, except that
+        requests retracted by a pause(retract), and those queued behind them, hold no KV cache
+        (kuberl's trainer and slime flush after pause(retract), see docs/trainer-contracts.md)."""
+        waiting = self.batcher.num_waiting() + self.batcher.num_held()
+        idle = not self.batcher.running and (waiting == 0 or self.pause_mode == "retract")
+        if not idle:
+            LOG.info("cache not flushed: %d running, %d waiting", len(self.batcher.running),
+                     waiting)
+        return web.Response(text=FLUSH_TEXT, status=200 if idle else 400)
+
+    async def server_info(self, _: web.Request) -> web.Response:
+        """SGLang's /get_server_info (alias /server_info): the launch arguments, the scheduler's
+        limits and per-rank internal state. Only what the reference engine can report truly."""
+        e = self.engine
+        args = {"model_path": e.model_path, "tokenizer_path": e.tokenizer_path,
+                "tp_size": 1 if self.peers is None else self.peers.size,
+                "context_length": e.context_len, "device": e.device.type,
+                "dtype": str(e.model.dtype).removeprefix("torch."),
+                "max_running_requests": self.max_batch_size, **self.server_args}
+        return web.json_response({
+            **args,
+            "weight_version": e.weight_version,
+            # No KV pool: a batch holds at most max_batch_size sequences of context_len tokens.
+            "max_total_num_tokens": self.max_batch_size * e.context_len,
+            "internal_states": [{"paused": self.pause_mode,
+                                 "released_memory": sorted(e.released)}],
+            "version": "kuberl-reference",
+        })
+
+    async def loads(self, _: web.Request) -> web.Response:
+        """SGLang's /v1/loads: one entry per data-parallel rank (here one), core fields."""
+        running = self.batcher.running
+        waiting = ([r for r, f in self.batcher.waiting if not f.done()]
+                   + [r for r, f in self.batcher.held if not f.done()])
+        used = sum(len(r.input_ids) + len(r.output_ids) for r in running)
+        pending = sum(len(r.input_ids) + len(r.output_ids) for r in waiting)
+        capacity = self.max_batch_size * self.engine.context_len
+        now = time.time()
+        return web.json_response({"timestamp": now, "dp_rank_count": 1, "loads": [{
+            "dp_rank": 0, "timestamp": now,
+            "num_running_reqs": len(running), "num_waiting_reqs": len(waiting),
+            "num_used_tokens": used, "num_total_tokens": used + pending,
+            "max_total_num_tokens": capacity, "token_usage": used / capacity,
+            "max_running_requests": self.max_batch_size,
+            "queues": {"waiting": self.batcher.num_waiting(), "grammar": 0,
+                       "paused": self.batcher.num_held(), "retracted": 0},
+        }]})
 
     def _on_all_ranks(self, op: str, local: Callable[[Any], T], body: Any) -> T:
         """`local(body)` here and `op` on the peer ranks (worker thread); rank 0's result."""
@@ -279,14 +405,22 @@ class Server:
         return await self._weight_op("init_group", self.receiver.init_group,
                                      await _body(request))
 
+    async def _update_body(self, request: web.Request) -> dict[str, Any]:
+        """An update's body; its abort_all_requests (SGLang's field) aborts every request in
+        flight before the update runs, which then waits for the running batch to stop."""
+        body = await _body(request)
+        if body.get("abort_all_requests"):
+            self.abort_all()
+        return body
+
     async def update_distributed(self, request: web.Request) -> web.Response:
         return await self._weight_op("update_from_distributed",
                                      self.receiver.update_from_distributed,
-                                     await _body(request))
+                                     await self._update_body(request))
 
     async def update_tensor(self, request: web.Request) -> web.Response:
         return await self._weight_op("update_from_tensor", self.receiver.update_from_tensor,
-                                     await _body(request))
+                                     await self._update_body(request))
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         return await self._weight_op("destroy_group", self.receiver.destroy_group,
