@@ -353,6 +353,9 @@ async def test_tensor_update_rejects_unknown_names_and_changes_nothing(
             await send_tensors(client, [bad], weight_version="x")
         assert await checksums(client) == before
         assert (await client.get_model_info(pair[0]))["weight_version"] != "x"
+        # A failed update leaves the engines paused (half-updated weights never serve) until
+        # the next complete update continues them; here nothing changed, so continue now.
+        await client.request(pair[0], "POST", "/continue_generation", {})
 
 
 async def test_release_and_resume_memory(pair: list[str]) -> None:
@@ -366,7 +369,8 @@ async def test_release_and_resume_memory(pair: list[str]) -> None:
         await client.request(url, "POST", "/resume_memory_occupation", {"tags": ["weights"]})
         with pytest.raises(EngineError):  # kv_cache is still released
             await client.generate_one(PROMPTS[0], GREEDY)
-        await client.request(url, "POST", "/resume_memory_occupation", {"tags": ["kv_cache"]})
+        # tags null released cuda_graph too (SGLang's GPU_MEMORY_ALL_TYPES): resume it all.
+        await client.request(url, "POST", "/resume_memory_occupation", {"tags": None})
         assert (await client.generate_one(PROMPTS[0], GREEDY)).completion_tokens == 12
         await client.request(url, "GET", "/health_generate")
 
@@ -406,3 +410,176 @@ async def test_engine_killed_mid_request_raises_with_its_url(engines: list[Engin
         with pytest.raises(EngineError, match="cannot connect") as err:
             await client.generate_one([4], GREEDY)
         assert err.value.url == victim.url
+
+
+# ---- SGLang parity: what slime and the trainer observe (issue 13) ---------------------------
+
+LONG = {"temperature": 1.0, "max_new_tokens": 240, "ignore_eos": True}
+
+
+async def post(url: str, path: str, body: object = None) -> object:
+    async with EngineClient([url], request_timeout_s=30) as client:
+        return await client.request(url, "POST", path, body)
+
+
+async def wait_running(client: EngineClient, url: str, n: int) -> None:
+    """Until the engine reports `n` requests in a running batch (SGLang's /v1/loads)."""
+    for _ in range(500):
+        load = (await client.request(url, "GET", "/v1/loads"))["loads"][0]
+        if load["num_running_reqs"] == n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never {n} running requests: {load}")
+
+
+async def test_slime_generate_body_is_accepted(pair: list[str]) -> None:
+    """The /generate body exactly as slime's sglang_rollout sends it (every sampling param,
+    custom_params when top_p < 1), plus fields SGLang knows at their defaults and a field it
+    does not know (ignored, as SGLang's HTTP layer ignores extra keys)."""
+    body = {"input_ids": PROMPTS[0], "return_logprob": True, "sampling_params": {
+        "temperature": 1.0, "top_p": 0.9, "top_k": -1, "max_new_tokens": 8, "stop": None,
+        "stop_token_ids": None, "skip_special_tokens": False, "no_stop_trim": True,
+        "spaces_between_special_tokens": False, "sampling_seed": 11,
+        "custom_params": {"return_top_p_token_ids": True}},
+        "return_routed_experts": False, "stream": False, "a_field_sglang_lacks": 1}
+    out = await generate_raw(pair[0], body)
+    assert isinstance(out, dict)
+    assert [e[1] for e in out["meta_info"]["output_token_logprobs"]] == out["output_ids"]
+    assert out["meta_info"]["completion_tokens"] == 8
+    async with EngineClient(pair[:1], request_timeout_s=30) as client:
+        for extra, needle in [({"stream": True}, "stream"), ({"image_data": "x"}, "image_data"),
+                              ({"sampling_params": {"min_p": 0.5}}, "min_p")]:
+            with pytest.raises(EngineError, match=needle) as err:
+                await client.request(pair[0], "POST", "/generate", {**body, **extra})
+            assert err.value.status == 400
+
+
+async def test_null_sampling_fields_take_sglang_defaults(pair: list[str]) -> None:
+    seeded = {"sampling_seed": 3, "max_new_tokens": 12}
+    nulls = {key: None for key in ("temperature", "top_p", "top_k", "stop", "stop_token_ids",
+                                   "ignore_eos", "skip_special_tokens", "no_stop_trim",
+                                   "spaces_between_special_tokens", "custom_params", "min_p",
+                                   "repetition_penalty")}
+    plain = await generate_raw(pair[0], {"input_ids": PROMPTS[0], "sampling_params": seeded})
+    null = await generate_raw(pair[0], {"input_ids": PROMPTS[0], "return_logprob": None,
+                                        "rid": None, "sampling_params": {**seeded, **nulls}})
+    assert isinstance(plain, dict) and isinstance(null, dict)
+    assert null["output_ids"] == plain["output_ids"] and null["text"] == plain["text"]
+    # max_new_tokens null: as many as SGLang's scheduler allows, context_len - input - 2.
+    prompt = PROMPTS[0]
+    out = await generate_raw(pair[0], {"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": None, "ignore_eos": True, "temperature": 0}})
+    assert isinstance(out, dict)
+    assert out["meta_info"]["completion_tokens"] == 256 - len(prompt) - 2
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+async def test_context_length_boundary_is_sglangs(pair: list[str]) -> None:
+    """The tiny model's context is 256 tokens: SGLang refuses input_len >= 256 and
+    input + max_new_tokens >= 256, then caps max_new_tokens at 256 - 1 - input - 1."""
+    async with EngineClient(pair[:1], request_timeout_s=30) as client:
+        for n, new, needle in [(256, 0, r"The input \(256 tokens\) is longer than the model's "
+                                        r"context length \(256 tokens\)"),
+                               (250, 6, r"Requested token count exceeds the model's maximum "
+                                        r"context length of 256 tokens")]:
+            with pytest.raises(EngineError, match=needle) as err:
+                await client.generate_one([4] * n, {"max_new_tokens": new})
+            assert err.value.status == 400
+        assert (await client.generate_one([4] * 255, {"max_new_tokens": 0})).output_ids == []
+        capped = await client.generate_one([4] * 250, {**GREEDY, "max_new_tokens": 5,
+                                                       "ignore_eos": True})
+        assert capped.completion_tokens == 4 and capped.finish_reason == "length"
+
+
+async def test_pause_abort_aborts_running_and_holds_new_requests(pair: list[str]) -> None:
+    url = pair[1]
+    async with EngineClient([url], request_timeout_s=60) as client:
+        running = asyncio.ensure_future(client.generate([[4]] * 16, LONG))
+        await wait_running(client, url, 16)
+        paused = await client.request(url, "POST", "/pause_generation", {})  # default: abort
+        assert paused["status"] == "ok"
+        # pause(abort) answers once nothing is in flight: every request ended as aborted.
+        assert running.done()
+        results = running.result()
+        assert {r.finish_reason for r in results} == {"abort"}
+        assert all(r.completion_tokens < 240 for r in results)
+        later = asyncio.ensure_future(client.generate_one(PROMPTS[0], GREEDY))
+        await asyncio.sleep(0.3)
+        assert not later.done(), "a new request must wait while generation is paused"
+        await client.request(url, "POST", "/flush_cache")  # idle while paused: succeeds
+        await client.request(url, "POST", "/continue_generation", {})
+        assert (await asyncio.wait_for(later, 30)).finish_reason == "length"
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+async def test_pause_holds_and_continue_resumes(pair: list[str], mode: str) -> None:
+    """A paused request keeps its tokens and completes after /continue_generation exactly as
+    if never paused (same seed, same weights). While held: an in_place pause keeps it in the
+    running batch, so flush_cache fails; a retracted one holds no cache, so flush succeeds."""
+    url = pair[1]
+    params = {"temperature": 1.0, "max_new_tokens": 200, "ignore_eos": True,
+              "sampling_seed": 17}
+    async with EngineClient([url], request_timeout_s=60) as client:
+        want = await client.generate([[4], [5]], params)
+        task = asyncio.ensure_future(client.generate([[4], [5]], params))
+        try:
+            await wait_running(client, url, 2)
+            await client.request(url, "POST", "/pause_generation", {"mode": mode})
+            await wait_running(client, url, 0)
+            load = (await client.request(url, "GET", "/v1/loads"))["loads"][0]
+            assert load["queues"]["paused"] == 2 and not task.done()
+            if mode == "in_place":
+                with pytest.raises(EngineError) as err:
+                    await client.request(url, "POST", "/flush_cache")
+                assert err.value.status == 400
+            else:
+                await client.request(url, "POST", "/flush_cache")
+            await asyncio.sleep(0.2)
+            assert not task.done()
+        finally:
+            await client.request(url, "POST", "/continue_generation", {})
+        got = await asyncio.wait_for(task, 60)
+        assert [r.output_ids for r in got] == [r.output_ids for r in want]
+        for have, expect in zip(got, want, strict=True):
+            assert have.logprobs == pytest.approx(expect.logprobs, abs=1e-4)
+        assert {r.finish_reason for r in got} == {"length"}
+
+
+async def test_flush_cache_fails_while_generating(pair: list[str]) -> None:
+    url = pair[1]
+    async with EngineClient([url], request_timeout_s=60) as client:
+        task = asyncio.ensure_future(client.generate([[4]] * 8, LONG))
+        await wait_running(client, url, 8)
+        with pytest.raises(EngineError, match="operation will not be performed") as err:
+            await client.request(url, "POST", "/flush_cache")
+        assert err.value.status == 400
+        await task
+        await client.request(url, "GET", "/flush_cache")  # idle: 200
+
+
+async def test_bare_release_also_releases_cuda_graph(pair: list[str]) -> None:
+    url = pair[0]
+    async with EngineClient([url], request_timeout_s=30) as client:
+        await client.request(url, "POST", "/release_memory_occupation", {})
+        info = await client.request(url, "GET", "/server_info")
+        assert info["internal_states"][0]["released_memory"] == ["cuda_graph", "kv_cache",
+                                                                 "weights"]
+        await client.request(url, "POST", "/resume_memory_occupation",
+                             {"tags": ["weights", "kv_cache"]})
+        with pytest.raises(EngineError) as err:
+            await client.generate_one(PROMPTS[0], GREEDY)
+        assert err.value.status == 503
+        await client.request(url, "POST", "/resume_memory_occupation", {"tags": ["cuda_graph"]})
+        assert (await client.generate_one(PROMPTS[0], GREEDY)).completion_tokens == 12
+
+
+async def test_server_info_and_loads(pair: list[str]) -> None:
+    url = pair[0]
+    async with EngineClient([url], request_timeout_s=30) as client:
+        info = await client.request(url, "GET", "/get_server_info")
+        assert info == await client.request(url, "GET", "/server_info")
+        assert info["tp_size"] == 1 and info["context_length"] == 256
+        assert info["weight_version"] == (await client.get_model_info(url))["weight_version"]
+        loads = await client.request(url, "GET", "/v1/loads")
+        assert [load["dp_rank"] for load in loads["loads"]] == [0]
+        assert loads["loads"][0]["num_running_reqs"] == 0
