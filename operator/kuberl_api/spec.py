@@ -7,7 +7,7 @@ span sections live on `RLJobSpec`. Every rule has a CEL twin (see `base.py`).
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -583,6 +583,9 @@ KUBERL_ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
     "the run's seed and the engine's index": ("random-seed", "seed"),
     "the rollout GPUs (cuda with GPUs, cpu without)": ("device",),
     "the CPU cores the engine shares": ("torch-threads",),
+    "the Ray node the engine runs on: a second free port": ("nccl-port",),
+    "rollout.gpusPerEngine on one node (an engine is one process group on one node)": (
+        "dist-init-addr", "nccl-init-addr", "nnodes", "node-rank"),
 }
 KUBERL_ENGINE_FLAG_SOURCE = {flag: source for source, flags in KUBERL_ENGINE_FLAGS.items()
                              for flag in flags}
@@ -594,12 +597,23 @@ ENGINE_ARG_NAMES = ("engineArgs keys are flag names without the leading '--': lo
                     "letters, digits and '-' (e.g. mem-fraction-static)")
 REFERENCE_ENGINE_ARGS = ("the reference engine takes only these engineArgs: "
                          + ", ".join(REFERENCE_ENGINE_FLAGS))
+MAX_ENGINE_LIST_ITEMS = 256
+ENGINE_LIST_ARGS_TWICE = "a flag may be in engineArgs or in engineListArgs, not in both"
+REFERENCE_ENGINE_LIST_ARGS = "the reference engine has no list flags: engineListArgs must be empty"
 
 
-def _kuberl_flag_rule(source: str, flags: tuple[str, ...]) -> dict[str, str]:
+def _kuberl_flag_rule(source: str, flags: tuple[str, ...],
+                      field: str = "engineArgs") -> dict[str, str]:
     listed = " or ".join(flags)
     return cel(f"!self.exists(k, k in {list(flags)})",
-               f"engineArgs may not set {listed} (kuberl sets it from {source})")
+               f"{field} may not set {listed} (kuberl sets it from {source})")
+
+
+def _check_engine_flag(field: str, key: str) -> None:
+    check(re.fullmatch(ENGINE_ARG_PATTERN, key) is not None, field, key,
+          ENGINE_ARG_NAMES.replace("engineArgs", field))
+    source = KUBERL_ENGINE_FLAG_SOURCE.get(key)
+    check(source is None, field, key, f"{field} may not set {key} (kuberl sets it from {source})")
 
 
 _ROLLOUT_GPUS_OUTSIDE = _outside("self.gpus", 0, MAX_ROLLOUT_GPUS)
@@ -617,6 +631,10 @@ class RolloutSpec(ApiModel):
                 f"k in {list(REFERENCE_ENGINE_FLAGS + tuple(KUBERL_ENGINE_FLAG_SOURCE))} || "
                 f"!k.matches('{ENGINE_ARG_PATTERN}'))",
                 REFERENCE_ENGINE_ARGS, ".engineArgs"),
+            cel("!self.engineListArgs.exists(k, k in self.engineArgs)", ENGINE_LIST_ARGS_TWICE,
+                ".engineListArgs"),
+            cel("self.engine != 'reference' || size(self.engineListArgs) == 0",
+                REFERENCE_ENGINE_LIST_ARGS, ".engineListArgs"),
         )
     }
 
@@ -644,25 +662,51 @@ class RolloutSpec(ApiModel):
     engine_args: dict[str, str] = Field(
         default_factory=dict, max_length=64,
         description="Extra engine server flags without the leading '--', e.g. "
-        "{mem-fraction-static: '0.8'}; an empty value passes a switch alone (e.g. "
-        "enable-memory-saver: ''); not the flags kuberl sets itself (model-path, "
-        "tokenizer-path, host, port, tp-size, random-seed/seed, device, torch-threads). The "
-        "reference engine takes only " + ", ".join(REFERENCE_ENGINE_FLAGS) + ".",
+        "{mem-fraction-static: '0.8'}; a switch (SGLang's store_true flags) is 'true' (or '') "
+        "for on and 'false' for off (e.g. enable-memory-saver: 'true'); not the flags kuberl "
+        "sets itself (model-path, tokenizer-path, host, port, nccl-port, tp-size, "
+        "random-seed/seed, device, torch-threads, dist-init-addr, nnodes, node-rank). "
+        "Colocated SGLang engines get enable-memory-saver: 'true' and mem-fraction-static: "
+        "'0.7' unless set here. The reference engine takes only "
+        + ", ".join(REFERENCE_ENGINE_FLAGS) + ".",
         json_schema_extra=cel_rules(
             cel(f"self.all(k, k.matches('{ENGINE_ARG_PATTERN}'))", ENGINE_ARG_NAMES),
             *(_kuberl_flag_rule(source, flags)
+              for source, flags in KUBERL_ENGINE_FLAGS.items())))
+    engine_list_args: dict[str, Annotated[
+        list[Annotated[str, Field(max_length=MAX_STR)]],
+        Field(min_length=1, max_length=MAX_ENGINE_LIST_ITEMS)]] = Field(
+        default_factory=dict, max_length=16,
+        description="Engine server flags that take several values (SGLang's nargs flags, e.g. "
+        "{cuda-graph-bs: ['1', '2', '4']}): passed as one flag followed by its values "
+        "(--cuda-graph-bs 1 2 4). Same names and limits as engineArgs; a flag is in one of "
+        "the two maps; each list holds 1 to " + str(MAX_ENGINE_LIST_ITEMS) + " values (a "
+        "switch goes in engineArgs). SGLang engines only.",
+        json_schema_extra=cel_rules(
+            cel(f"self.all(k, k.matches('{ENGINE_ARG_PATTERN}'))",
+                ENGINE_ARG_NAMES.replace("engineArgs", "engineListArgs")),
+            *(_kuberl_flag_rule(source, flags, "engineListArgs")
               for source, flags in KUBERL_ENGINE_FLAGS.items())))
 
     @field_validator("engine_args")
     @classmethod
     def _engine_arg_names(cls, args: dict[str, str]) -> dict[str, str]:
         for key in args:
-            check(re.fullmatch(ENGINE_ARG_PATTERN, key) is not None, "engineArgs", key,
-                  ENGINE_ARG_NAMES)
-            source = KUBERL_ENGINE_FLAG_SOURCE.get(key)
-            check(source is None, "engineArgs", key,
-                  f"engineArgs may not set {key} (kuberl sets it from {source})")
+            _check_engine_flag("engineArgs", key)
         return args
+
+    @field_validator("engine_list_args")
+    @classmethod
+    def _engine_list_arg_names(cls, args: dict[str, list[str]]) -> dict[str, list[str]]:
+        for key in args:
+            _check_engine_flag("engineListArgs", key)
+        return args
+
+    @model_validator(mode="after")
+    def _engine_flags_once(self) -> RolloutSpec:
+        both = sorted(set(self.engine_args) & set(self.engine_list_args))
+        check(not both, "engineListArgs", both, ENGINE_LIST_ARGS_TWICE)
+        return self
 
     @model_validator(mode="after")
     def _engine_layout(self) -> RolloutSpec:
@@ -674,6 +718,8 @@ class RolloutSpec(ApiModel):
     @model_validator(mode="after")
     def _reference_engine_flags(self) -> RolloutSpec:
         if self.engine == "reference":
+            check(not self.engine_list_args, "engineListArgs", sorted(self.engine_list_args),
+                  REFERENCE_ENGINE_LIST_ARGS)
             for key in self.engine_args:
                 check(key in REFERENCE_ENGINE_FLAGS, "engineArgs", key,
                       f"the reference engine has no flag --{key} (allowed: "

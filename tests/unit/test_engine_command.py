@@ -1,31 +1,43 @@
-"""The engine server's command line (actors.EngineServer._command): what the spec puts there
-beside kuberl's own flags."""
+"""The engine server's command line (kuberl_trainer.engine_command, run by
+actors.EngineServer): kuberl's own flags, the colocated defaults and rollout.engineArgs /
+engineListArgs. The contract tier (tests/sglang_contract/) parses the same commands with the
+pinned SGLang's own parser."""
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Any
+
+import pytest
 
 from kuberl_api import parse
 from kuberl_trainer.actors import EngineServer
+from kuberl_trainer.engine_command import engine_arg_flags
+from tests.sglang_contract.cases import NCCL_PORT, PORT, all_cases
 
 
-def command(**spec: Any) -> list[str]:
+def spec_json(**spec: Any) -> str:
     body = {"model": {"path": "/m"}, "data": {"prompts": "/d.jsonl"}} | spec
     rlj = parse({"apiVersion": "kuberl.dev/v1alpha1", "kind": "RLJob",
                  "metadata": {"name": "e"}, "spec": body})
-    server = EngineServer(rlj.spec.model_dump_json(by_alias=True), index=0, seed=7)
-    return server._command("/m", 30001)
+    return rlj.spec.model_dump_json(by_alias=True)
+
+
+def command(**spec: Any) -> list[str]:
+    return EngineServer(spec_json(**spec), index=0, seed=7)._command("/m", 30001, 30002)
 
 
 def flag(cmd: list[str], name: str) -> str | None:
     return cmd[cmd.index(name) + 1] if name in cmd else None
 
 
-def test_sglang_gets_tp_seed_tokenizer_and_engine_args() -> None:
-    cmd = command(model={"path": "/m", "tokenizer": "/tok"},
-                  rollout={"gpusPerEngine": 2, "engineArgs": {
+def test_sglang_gets_ports_tp_seed_tokenizer_and_engine_args() -> None:
+    cmd = command(model={"path": "/m", "tokenizer": "/tok"}, placement="disaggregated",
+                  rollout={"gpus": 8, "gpusPerEngine": 2, "engineArgs": {
                       "mem-fraction-static": "0.7", "enable-memory-saver": ""}})
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    assert flag(cmd, "--port") == "30001" and flag(cmd, "--nccl-port") == "30002"
     assert flag(cmd, "--tp-size") == "2" and flag(cmd, "--random-seed") == "7"
     assert flag(cmd, "--tokenizer-path") == "/tok"  # engines detokenize what rewards read
     assert flag(cmd, "--mem-fraction-static") == "0.7"
@@ -33,11 +45,76 @@ def test_sglang_gets_tp_seed_tokenizer_and_engine_args() -> None:
     assert cmd[cmd.index("--enable-memory-saver") + 1] == "--mem-fraction-static"
 
 
-def test_reference_engine_on_cpu_without_a_tokenizer() -> None:
+def test_colocated_sglang_saves_memory_unless_told_otherwise() -> None:
+    colocated = {"training": {"backend": "megatron", "gpusPerNode": 8}, "placement": "colocate"}
+    cmd = command(**colocated)
+    assert "--enable-memory-saver" in cmd and flag(cmd, "--mem-fraction-static") == "0.7"
+    cmd = command(**colocated, rollout={"engineArgs": {"enable-memory-saver": "false",
+                                                       "mem-fraction-static": "0.5"}})
+    assert "--enable-memory-saver" not in cmd and flag(cmd, "--mem-fraction-static") == "0.5"
+    assert cmd.count("--mem-fraction-static") == 1
+    disaggregated = command(placement="disaggregated", rollout={"gpus": 8})
+    assert "--enable-memory-saver" not in disaggregated
+    assert "--mem-fraction-static" not in disaggregated
+
+
+def test_switches_and_list_flags() -> None:
+    assert engine_arg_flags({"b": "true", "a": "", "c": "false", "d": "x",
+                             "e": ["1", "2"]}) == ["--a", "--b", "--d", "x", "--e", "1", "2"]
+    cmd = command(placement="disaggregated", rollout={
+        "gpus": 8, "engineListArgs": {"cuda-graph-bs": ["1", "2", "4"]}})
+    i = cmd.index("--cuda-graph-bs")
+    assert cmd[i:i + 4] == ["--cuda-graph-bs", "1", "2", "4"]  # one flag, nargs values
+
+
+def test_reference_engine_gets_tp_size_and_its_own_flags() -> None:
     cmd = command(training={"backend": "fsdp", "gpusPerNode": 0},
                   rollout={"engine": "reference", "gpus": 0,
                            "engineArgs": {"max-batch-size": "64"}})
     assert cmd[1:3] == ["-m", "kuberl_rollout.reference"]
     assert flag(cmd, "--device") == "cpu" and flag(cmd, "--seed") == "7"
+    assert flag(cmd, "--tp-size") == "1" and "--nccl-port" not in cmd
     assert "--tokenizer-path" not in cmd  # the engine reads the model directory's
     assert flag(cmd, "--max-batch-size") == "64"
+    gpu = command(training={"backend": "megatron", "gpusPerNode": 4},
+                  rollout={"engine": "reference", "gpusPerEngine": 2})
+    assert flag(gpu, "--tp-size") == "2" and flag(gpu, "--device") == "cuda"
+
+
+def test_reference_engine_parses_every_command() -> None:
+    """The reference engine's own argparse takes what kuberl passes it."""
+    from kuberl_rollout.reference.__main__ import parse_args
+
+    for case in all_cases():
+        if not case.sglang:
+            args = parse_args(case.command()[3:])
+            assert (args.port, args.tp_size) == (PORT, case.spec.rollout.gpus_per_engine)
+
+
+def test_every_case_names_its_ports_once() -> None:
+    for case in all_cases():
+        cmd = case.command()
+        assert cmd.count("--port") == 1 and flag(cmd, "--port") == str(PORT), case.name
+        if case.sglang:
+            assert flag(cmd, "--nccl-port") == str(NCCL_PORT), case.name
+        flags = [a for a in cmd if a.startswith("--")]
+        assert len(flags) == len(set(flags)), (case.name, flags)
+
+
+def test_engine_output_is_forwarded_and_its_tail_kept(monkeypatch: pytest.MonkeyPatch,
+                                                       capfd: pytest.CaptureFixture[str]) -> None:
+    """A server that dies is explained by its last lines, in a cluster too (where its output
+    is only in the pod's log): the actor keeps them (EngineServer.log_tail)."""
+    server = EngineServer(spec_json(training={"backend": "fsdp", "gpusPerNode": 0},
+                                    rollout={"engine": "reference", "gpus": 0}), 0, 7)
+    script = "import sys\nfor i in range(300): print('line', i)\nsys.exit('bad flag')"
+    monkeypatch.setattr(server, "_command", lambda *_: [sys.executable, "-c", script])
+    monkeypatch.setattr("kuberl_trainer.actors.node_ip", lambda: "127.0.0.1")
+    server.start("/m")
+    deadline = time.monotonic() + 30
+    while (server.poll() is None or not server.log_tail() or server.log_tail()[-1] != "bad flag"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert server.poll() == 1
+    assert server.log_tail(3) == ["line 298", "line 299", "bad flag"]
+    assert "line 0" in capfd.readouterr().out  # forwarded to the actor's stdout as well

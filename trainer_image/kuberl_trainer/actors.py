@@ -12,16 +12,19 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import ray
 import torch
 
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.backends.base import Backend, TrainBatch, make_backend
+from kuberl_trainer.engine_command import engine_command
 from kuberl_trainer.placement import (
     ActorShape,
     Layout,
@@ -32,6 +35,7 @@ from kuberl_trainer.placement import (
 from kuberl_trainer.sharding import DataParallelLayout
 
 SYNC_TIMEOUT_S = 300.0
+ENGINE_LOG_TAIL_LINES = 200  # kept by an engine actor (EngineServer.log_tail)
 
 
 def free_port() -> int:
@@ -202,10 +206,14 @@ class EngineServer:
         self.index, self.seed, self.sharing = index, seed, sharing
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
+        self.tail: deque[str] = deque(maxlen=ENGINE_LOG_TAIL_LINES)
 
     def start(self, model_path: str) -> str:
         port = free_port()
-        cmd = self._command(model_path, port)
+        nccl_port = free_port()
+        while nccl_port == port:  # each bound and released in turn: the OS may repeat one
+            nccl_port = free_port()
+        cmd = self._command(model_path, port, nccl_port)
         env = dict(os.environ)
         if self.spec.placement == "colocate" and self.spec.rollout_gpus:
             devices = colocated_engine_devices(self.index, self.spec.rollout.gpus_per_engine,
@@ -213,33 +221,35 @@ class EngineServer:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
         device = cmd[cmd.index("--device") + 1] if "--device" in cmd else "its GPUs"
         print(f"engine {self.index} ({self.spec.rollout.engine}) on {device} "
-              f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')})", flush=True)
-        # The server inherits this actor's stdout and stderr: its log file, when it has one.
-        self.proc = subprocess.Popen(cmd, stdout=sys.stdout, stderr=sys.stderr, env=env)
+              f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}): "
+              f"{' '.join(cmd)}", flush=True)
+        # The server's output goes through this actor to its stdout (its log file, or the
+        # pod's log), keeping the last lines for log_tail: a server that dies in a cluster is
+        # explained by them too, where the driver cannot read the pod's log.
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     env=env)
+        threading.Thread(target=self._forward, args=(self.proc.stdout,), daemon=True,
+                         name=f"engine-{self.index}-output").start()
         self.url = f"http://{node_ip()}:{port}"
         return self.url
 
-    def _command(self, model_path: str, port: int) -> list[str]:
-        r = self.spec.rollout
-        if r.engine == "reference":
-            # From the spec, not torch.cuda here: a colocated engine's actor sees no GPU (see
-            # placement.colocated_engine_devices); its process is given its own.
-            device = "cuda" if self.spec.rollout_gpus else "cpu"
-            cmd = [sys.executable, "-m", "kuberl_rollout.reference", "--model-path", model_path,
-                   "--host", "0.0.0.0", "--port", str(port), "--seed", str(self.seed),
-                   "--device", device]
-            if device == "cpu":
-                cmd += ["--torch-threads", str(torch_threads(self.sharing))]
-        else:
-            cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-                   "--host", "0.0.0.0", "--port", str(port), "--tp-size",
-                   str(r.gpus_per_engine), "--random-seed", str(self.seed)]
-        if self.spec.model.tokenizer:  # the engines detokenize the text rewards are read from
-            cmd += ["--tokenizer-path", self.spec.model.tokenizer]
-        for key, value in sorted(r.engine_args.items()):
-            # An empty value is a switch (SGLang's store_true flags: enable-memory-saver: "")
-            cmd += [f"--{key}", value] if value else [f"--{key}"]
-        return cmd
+    def _command(self, model_path: str, port: int, nccl_port: int) -> list[str]:
+        return engine_command(self.spec, model_path=model_path, port=port,
+                              nccl_port=nccl_port, seed=self.seed,
+                              torch_threads=torch_threads(self.sharing))
+
+    def _forward(self, pipe: IO[bytes] | None) -> None:
+        if pipe is None:
+            return
+        for line in iter(pipe.readline, b""):
+            view = memoryview(line)
+            while view:
+                view = view[os.write(1, view):]
+            self.tail.append(line.decode(errors="replace").rstrip("\r\n"))
+
+    def log_tail(self, lines: int = ENGINE_LOG_TAIL_LINES) -> list[str]:
+        """The last `lines` lines the server wrote (stdout and stderr)."""
+        return list(self.tail)[-lines:]
 
     def poll(self) -> int | None:
         """The child's exit code, or None while it runs."""

@@ -1,0 +1,105 @@
+"""Engine command lines to check: one per shipped example, plus spec variants the examples do
+not cover, each with the values SGLang (or the reference engine) must end up with.
+
+Shared by tests/unit/test_engine_command.py (what kuberl builds) and the contract tier
+(tests/sglang_contract/test_server_args.py: what the pinned SGLang's own parser makes of it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kuberl_api import load, parse
+from kuberl_api.spec import RLJobSpec
+from kuberl_trainer.engine_command import COLOCATED_MEM_FRACTION_STATIC, engine_command
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+PORT, NCCL_PORT, SEED = 30011, 30012, 7
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    spec: RLJobSpec
+    # ServerArgs attribute -> value SGLang must parse (sglang engines only).
+    expect: dict[str, Any] = field(default_factory=dict)
+
+    def command(self) -> list[str]:
+        return engine_command(self.spec, model_path=self.spec.model.path, port=PORT,
+                              nccl_port=NCCL_PORT, seed=SEED, torch_threads=2)
+
+    @property
+    def sglang(self) -> bool:
+        return self.spec.rollout.engine == "sglang"
+
+
+def _spec(**spec: Any) -> RLJobSpec:
+    body = {"model": {"path": "/models/qwen"}, "data": {"prompts": "/d.jsonl"}} | spec
+    return parse({"apiVersion": "kuberl.dev/v1alpha1", "kind": "RLJob",
+                  "metadata": {"name": "e"}, "spec": body}).spec
+
+
+def _base_expect(spec: RLJobSpec) -> dict[str, Any]:
+    colocated = spec.placement == "colocate" and bool(spec.rollout_gpus)
+    args = spec.rollout.engine_args
+    expect: dict[str, Any] = {
+        "model_path": spec.model.path, "host": "0.0.0.0", "port": PORT, "nccl_port": NCCL_PORT,
+        "tp_size": spec.rollout.gpus_per_engine, "random_seed": SEED,
+        "tokenizer_path": spec.model.tokenizer,
+        "enable_memory_saver": colocated and args.get("enable-memory-saver") != "false",
+    }
+    fraction = args.get("mem-fraction-static",
+                        COLOCATED_MEM_FRACTION_STATIC if colocated else None)
+    expect["mem_fraction_static"] = None if fraction is None else float(fraction)
+    return expect
+
+
+def example_cases() -> list[Case]:
+    out = []
+    for path in EXAMPLES:
+        spec = load(path).spec
+        out.append(Case(f"example:{path.stem}", spec,
+                        _base_expect(spec) if spec.rollout.engine == "sglang" else {}))
+    return out
+
+
+def variant_cases() -> list[Case]:
+    colocated = {"training": {"backend": "megatron", "gpusPerNode": 8}, "placement": "colocate"}
+    disagg = {"placement": "disaggregated"}
+    variants: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+        ("colocated-defaults", {**colocated, "rollout": {"gpusPerEngine": 1}}, {}),
+        ("colocated-tp2-tokenizer", {**colocated, "model": {"path": "/models/qwen",
+                                                            "tokenizer": "/models/tok"},
+                                     "rollout": {"gpusPerEngine": 2}}, {}),
+        ("colocated-tp4-overrides", {**colocated, "rollout": {"gpusPerEngine": 4, "engineArgs": {
+            "mem-fraction-static": "0.55", "enable-memory-saver": "false"}}}, {}),
+        ("disaggregated-tp2", {**disagg, "rollout": {"gpus": 8, "gpusPerEngine": 2}}, {}),
+        ("disaggregated-tp4-switches", {**disagg, "rollout": {
+            "gpus": 8, "gpusPerEngine": 4, "engineArgs": {
+                "enable-memory-saver": "true", "skip-server-warmup": "",
+                "disable-radix-cache": "false", "chunked-prefill-size": "4096",
+                "context-length": "8192"}}},
+         {"enable_memory_saver": True, "skip_server_warmup": True,
+          "disable_radix_cache": False, "chunked_prefill_size": 4096,
+          "context_length": 8192}),
+        ("disaggregated-list-flags", {**disagg, "rollout": {
+            "gpus": 8, "gpusPerEngine": 2, "engineArgs": {"cuda-graph-max-bs": "64"},
+            "engineListArgs": {"cuda-graph-bs": ["1", "2", "4", "8"]}}},
+         {"cuda_graph_bs": [1, 2, 4, 8], "cuda_graph_max_bs": 64}),
+    ]
+    out = []
+    for name, body, extra in variants:
+        spec = _spec(**body)
+        out.append(Case(name, spec, _base_expect(spec) | extra))
+    # The reference engine (no SGLang parser applies; its own flags are checked in
+    # tests/unit/test_engine_command.py).
+    out.append(Case("reference-cpu", _spec(training={"backend": "fsdp", "gpusPerNode": 0},
+                                           rollout={"engine": "reference", "gpus": 0})))
+    return out
+
+
+def all_cases() -> list[Case]:
+    return example_cases() + variant_cases()

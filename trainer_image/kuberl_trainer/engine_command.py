@@ -1,0 +1,98 @@
+"""The engine server's command line (actors.EngineServer runs it), from the spec alone.
+
+Pure (no Ray, no CUDA): the contract tier (tests/sglang_contract/) parses every command built
+here with the pinned SGLang's own server-argument parser.
+
+What kuberl passes to SGLang (`python -m sglang.launch_server`) and why:
+  --model-path, --tokenizer-path   the spec's model (the engines detokenize what rewards read)
+  --host 0.0.0.0 --port P          a free port on the actor's node (the trainer calls it there)
+  --nccl-port Q                    a second free port on that node, for the engine's own TP
+                                   process group; SGLang's default is a random port that can
+                                   collide when several engines share a node
+  --tp-size N                      rollout.gpusPerEngine
+  --random-seed S                  the run's seed + the engine's index
+  colocate with rollout GPUs:      --enable-memory-saver (the trainer releases and resumes the
+                                   engine's memory around each training step) and
+                                   --mem-fraction-static 0.7 (COLOCATED_MEM_FRACTION_STATIC)
+  then rollout.engineArgs and      see engine_arg_flags
+  engineListArgs
+The reference engine (`python -m kuberl_rollout.reference`) gets the same model, host, port
+and --tp-size, plus --seed, --device and (on CPU) --torch-threads.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+
+from kuberl_api.spec import RLJobSpec
+
+# The SGLang release the rollout image is built on (Dockerfile.rollout's base image tag) and
+# the contract tier checks against (Makefile's SGLANG_VERSION): keep the three equal.
+SGLANG_VERSION = "0.5.6"
+
+# The share of each GPU a colocated SGLang engine takes for its weights and KV cache. SGLang
+# sizes it as if alone on the GPU (its default is up to ~0.9 of the memory on large GPUs);
+# colocated, the training process keeps its CUDA context, NCCL buffers and allocator cache on
+# the same GPU while the engine runs, so leave it ~30%. 0.7 is what slime's colocated example
+# scripts pass (--sglang-mem-fraction-static 0.7). engineArgs mem-fraction-static overrides.
+COLOCATED_MEM_FRACTION_STATIC = "0.7"
+
+# engineArgs values that turn a switch (SGLang's store_true flags) on or leave it off.
+TRUE_VALUES, FALSE_VALUES = ("", "true"), ("false",)
+
+EngineArgValue = str | Sequence[str]
+
+
+def engine_arg_flags(args: Mapping[str, EngineArgValue]) -> list[str]:
+    """rollout.engineArgs as flags, in name order: "" or "true" -> the switch alone,
+    "false" -> nothing, another string -> `--key value`, a list -> `--key v1 v2 ...` (one
+    flag, its values after it: SGLang's list flags are nargs='+'/'*' with argparse's default
+    store action, where a repeated flag would keep only its last values)."""
+    cmd: list[str] = []
+    for key, value in sorted(args.items()):
+        if isinstance(value, str):
+            if value in FALSE_VALUES:
+                continue
+            cmd += [f"--{key}"] if value in TRUE_VALUES else [f"--{key}", value]
+        else:
+            cmd += [f"--{key}", *value]
+    return cmd
+
+
+def colocated_sglang(spec: RLJobSpec) -> bool:
+    return (spec.rollout.engine == "sglang" and spec.placement == "colocate"
+            and bool(spec.rollout_gpus))
+
+
+def default_engine_args(spec: RLJobSpec) -> dict[str, EngineArgValue]:
+    """The engineArgs kuberl adds itself unless the spec's engineArgs set them."""
+    if colocated_sglang(spec):
+        return {"enable-memory-saver": "true",
+                "mem-fraction-static": COLOCATED_MEM_FRACTION_STATIC}
+    return {}
+
+
+def engine_command(spec: RLJobSpec, *, model_path: str, port: int, nccl_port: int, seed: int,
+                   torch_threads: int = 0, python: str = sys.executable) -> list[str]:
+    """The engine server's argv. `port`, `nccl_port`: free ports on the engine's node (the
+    reference engine has no NCCL port of its own: its TP processes rendezvous on torch's
+    default store); `torch_threads`: its CPU threads when it runs on CPU."""
+    r = spec.rollout
+    if r.engine == "reference":
+        # From the spec, not torch.cuda here: a colocated engine's actor sees no GPU (see
+        # placement.colocated_engine_devices); its process is given its own.
+        device = "cuda" if spec.rollout_gpus else "cpu"
+        cmd = [python, "-m", "kuberl_rollout.reference", "--model-path", model_path,
+               "--host", "0.0.0.0", "--port", str(port), "--tp-size", str(r.gpus_per_engine),
+               "--seed", str(seed), "--device", device]
+        if device == "cpu":
+            cmd += ["--torch-threads", str(torch_threads)]
+    else:
+        cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path,
+               "--host", "0.0.0.0", "--port", str(port), "--nccl-port", str(nccl_port),
+               "--tp-size", str(r.gpus_per_engine), "--random-seed", str(seed)]
+    if spec.model.tokenizer:  # the engines detokenize the text rewards are read from
+        cmd += ["--tokenizer-path", spec.model.tokenizer]
+    return cmd + engine_arg_flags(
+        default_engine_args(spec) | dict(r.engine_args) | dict(r.engine_list_args))
