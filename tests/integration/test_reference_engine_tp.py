@@ -162,10 +162,11 @@ def sglang_bucket_class() -> Iterator[None]:
                 sys.modules[n] = old
 
 
-def slime_flattened_bucket(named: list[tuple[str, torch.Tensor]]) -> str:
+def slime_flattened_bucket(named: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor]:
     """What slime puts in serialized_named_tensors[r]: SGLang 0.5.6's FlattenedTensorBucket
     (every tensor's bytes, uint8) as {flattened_tensor, metadata}, by MultiprocessingSerializer
-    (ForkingPickler, base64)."""
+    (ForkingPickler, base64). Returns the entry and the flat tensor it refers to, which must
+    stay alive until the engine has read it."""
     parts, metas, at = [], [], 0
     for name, t in named:
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -177,10 +178,17 @@ def slime_flattened_bucket(named: list[tuple[str, torch.Tensor]]) -> str:
     import io
     from multiprocessing.reduction import ForkingPickler
 
+    flat = torch.cat(parts)
     buf = io.BytesIO()
-    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(
-        {"flattened_tensor": torch.cat(parts), "metadata": metas})
-    return base64.b64encode(buf.getvalue()).decode()
+    # CPU tensors by shared-memory file name (slime's are CUDA tensors, by IPC handle).
+    before = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(
+            {"flattened_tensor": flat, "metadata": metas})
+    finally:
+        torch.multiprocessing.set_sharing_strategy(before)
+    return base64.b64encode(buf.getvalue()).decode(), flat
 
 
 async def test_slime_shaped_requests(tp_engines: list[str], reference_model: torch.nn.Module,
@@ -203,7 +211,7 @@ async def test_slime_shaped_requests(tp_engines: list[str], reference_model: tor
         await client.request(url, "POST", "/pause_generation", {"mode": "retract"})
         await client.request(url, "POST", "/flush_cache")
         for bucket in bucketize(named, 16 << 10):
-            entry = slime_flattened_bucket(bucket)
+            entry, _alive = slime_flattened_bucket(bucket)
             body = {"serialized_named_tensors": [entry] * TP,
                     "load_format": "flattened_bucket", "flush_cache": False,
                     "weight_version": "slime-1"}
@@ -225,7 +233,8 @@ async def test_slime_shaped_requests(tp_engines: list[str], reference_model: tor
 def test_flattened_bucket_with_mixed_dtypes_decodes_exactly(sglang_bucket_class: None) -> None:
     named = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64)),
              ("c", torch.randn(4).to(torch.bfloat16))]
-    out = codec.decode_named_tensors(slime_flattened_bucket(named), flattened=True)
+    entry, _alive = slime_flattened_bucket(named)
+    out = codec.decode_named_tensors(entry, flattened=True)
     assert [n for n, _ in out] == ["a", "b", "c"]
     for (_, want), (_, got) in zip(named, out, strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
@@ -233,19 +242,23 @@ def test_flattened_bucket_with_mixed_dtypes_decodes_exactly(sglang_bucket_class:
 
 async def test_generation_continues_across_an_update(
         tp_engines: list[str], reference_model: torch.nn.Module) -> None:
-    """The trainer's update sequence while a long generation runs: the request is retracted,
-    the weights change, and it completes after /continue_generation (SGLang recomputes a
-    retracted request with the new weights)."""
+    """The trainer's update sequence while generation runs: the requests are retracted, the
+    weights change on every TP process, and they complete after /continue_generation
+    (SGLang recomputes a retracted request with the new weights), reporting the new version."""
     url = tp_engines[0]
     state = perturbed(reference_model, 31)
-    async with EngineClient([url], request_timeout_s=120) as client:
+    async with EngineClient([url], request_timeout_s=300) as client:
         long = asyncio.ensure_future(client.generate(
-            [PROMPTS[2]], {"temperature": 1.0, "max_new_tokens": 400, "ignore_eos": True}))
-        await asyncio.sleep(0.3)
+            [PROMPTS[2]] * 32, {"temperature": 1.0, "max_new_tokens": 240, "ignore_eos": True}))
+        while not (await client.request(url, "GET", "/v1/loads"))["loads"][0][
+                "num_running_reqs"]:
+            await asyncio.sleep(0.01)
         await send_tensors(client, bucketize(trainer_params(state, reference_model), 16 << 10),
                            weight_version="during", tp_sizes=[TP])
-        (result,) = await long
-        assert result.finish_reason == "length" and len(result.output_ids) == 400
+        results = await long
+        assert {r.finish_reason for r in results} == {"length"}
+        assert {len(r.output_ids) for r in results} == {240}
+        assert {r.weight_version for r in results} == {"during"}
         assert await every_rank(client) == [[sums(state)] * TP]
         await send_tensors(client, [trainer_params(reference_model.state_dict(),
                                                    reference_model)],

@@ -133,7 +133,13 @@ def _unflatten(loaded: Any) -> list[tuple[str, torch.Tensor]]:
         part = flat[m.start_idx:m.end_idx]
         # SGLang 0.5.6 concatenates every tensor's bytes (uint8, any mix of dtypes); earlier
         # buckets held one dtype's elements.
-        part = part.view(m.dtype) if flat.dtype == torch.uint8 != m.dtype else part.to(m.dtype)
+        if flat.dtype == torch.uint8 != m.dtype:
+            # A view needs the offset aligned to the dtype's size; SGLang's view raises on a
+            # misaligned one, a copy of those bytes reads it right.
+            itemsize = torch.empty(0, dtype=m.dtype).element_size()
+            part = (part if m.start_idx % itemsize == 0 else part.clone()).view(m.dtype)
+        else:
+            part = part.to(m.dtype)
         out.append((str(m.name), part.reshape(m.shape)))
     return out
 
