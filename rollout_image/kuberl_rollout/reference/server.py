@@ -38,6 +38,9 @@ from kuberl_rollout.reference.tp import Peers
 LOG = logging.getLogger("kuberl.reference")
 T = TypeVar("T")
 
+# GenerateReqInput fields the reference engine implements (SGLang's names and meanings).
+_GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "rid",
+                    "return_text_in_logprobs"}
 # GenerateReqInput fields SGLang has and the reference engine does not implement: accepted at
 # the values that change nothing (SGLang's defaults), refused with 400 otherwise, since the
 # engine would behave differently from SGLang. A field SGLang does not know is ignored, as
