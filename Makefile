@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 EXTRAS ?= operator,trainer,rollout,dev
 
-.PHONY: test lint unit integration e2e cluster-up cluster-down crd goldens demo clean
+.PHONY: test lint unit contract integration e2e cluster-up cluster-down crd goldens demo clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
 	rm -f $(VENV)/.installed-* && touch $@
 
-test: lint unit integration e2e
+test: lint unit contract integration e2e
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -27,6 +27,23 @@ lint: $(STAMP)
 
 unit: $(STAMP)
 	$(BIN)/pytest -q -m "not integration and not e2e" tests
+
+# The SGLang contract (tests/sglang_contract/): the launcher's command lines and the trainer's
+# request bodies checked against the pinned SGLang's own parser and request types. Its wheel
+# (no dependencies, plus the few its parser and io_struct import: requirements.txt there) is
+# installed once per version and requirements under the user cache dir, beside the venv.
+SGLANG_VERSION := 0.5.6
+SGLANG_REQS := tests/sglang_contract/requirements.txt
+SGLANG_DIR := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kuberl/sglang-$(SGLANG_VERSION)-$(shell sha1sum $(SGLANG_REQS) | cut -c1-12)
+
+$(SGLANG_DIR)/.installed: $(SGLANG_REQS) | $(STAMP)
+	grep -qx 'sglang==$(SGLANG_VERSION)' $(SGLANG_REQS)
+	rm -rf $(SGLANG_DIR)
+	$(BIN)/pip install --quiet --no-deps --target $(SGLANG_DIR) -r $(SGLANG_REQS)
+	touch $@
+
+contract: $(STAMP) $(SGLANG_DIR)/.installed
+	KUBERL_SGLANG_PATH=$(SGLANG_DIR) $(BIN)/pytest -q tests/sglang_contract
 
 integration: $(STAMP)
 	$(BIN)/pytest -q -m integration tests

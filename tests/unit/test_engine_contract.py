@@ -4,27 +4,27 @@ SGLang's HTTP server parses bodies into the request types of
 python/sglang/srt/managers/io_struct.py (and SamplingParams for `sampling_params`) and rejects
 unknown fields, so a misspelt field works against the reference engine but fails in a cluster.
 
-How the field lists below were obtained: read from sgl-project/sglang source through a code
-search index (no SGLang install here), files and commits:
-  python/sglang/srt/managers/io_struct.py            @ 001067fffe33427bee0ed2f007fb7551a1d76b44
-  python/sglang/srt/sampling/sampling_params.py      @ 00c17cafcb9e289d5ca97c50e44ada54e4fd5b03
-  python/sglang/srt/entrypoints/http_server.py       @ 0025436eab0556737d615b36a4dd3e1e26e82f3d
-  python/sglang/srt/managers/tokenizer_manager.py    (meta_info keys; several versions agree)
-The index holds one version per file, not a tagged release: version.py there reads 0.5.3rc2
-and the files are 0.5.x-era or newer main. The lists are the fields the trainer can use, not
-every SGLang field; when SGLang is pinned in the rollout image, re-check them against that tag.
+The field lists below are SGLang 0.5.6's (kuberl_trainer.engine_command.SGLANG_VERSION: the
+rollout image's base, Dockerfile.rollout), the subset relevant to RL. They need no SGLang
+install, so this file runs in `make unit`; the contract tier (`make contract`,
+tests/sglang_contract/) checks them against the pinned wheel's own dataclasses and builds
+SGLang's request types from the trainer's bodies. (Earlier lists, read from a 0.5.3rc2-era
+main branch, held torch_empty_cache and disable_draft_model, which 0.5.6 does not have.)
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 from kuberl_rollout.reference import sampling as ref_sampling, server as ref_server
 from kuberl_trainer.engine_client import SamplingParams, generate_request
+from kuberl_trainer.engine_command import SGLANG_VERSION
 from kuberl_wire import protocol
 from kuberl_wire.plan import TensorMeta
 
-SGLANG_CHECKED = "0.5.3rc2+ (sgl-project/sglang main, see commits in the module docstring)"
+SGLANG_CHECKED = SGLANG_VERSION
 
 # io_struct.py request types (the subset of fields relevant to RL; all exist there).
 SGLANG_REQUEST_FIELDS: dict[str, set[str]] = {
@@ -42,16 +42,18 @@ SGLANG_REQUEST_FIELDS: dict[str, set[str]] = {
     },
     "UpdateWeightsFromDistributedReqInput": {
         "rid", "names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
-        "weight_version", "load_format", "torch_empty_cache",
+        "weight_version", "load_format",
     },
     "UpdateWeightsFromTensorReqInput": {
         "rid", "serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
-        "weight_version", "disable_draft_model", "torch_empty_cache",
+        "weight_version",
     },
     "DestroyWeightsUpdateGroupReqInput": {"rid", "group_name"},
     "ReleaseMemoryOccupationReqInput": {"rid", "tags"},
     "ResumeMemoryOccupationReqInput": {"rid", "tags"},
     "AbortReq": {"rid", "abort_all", "finished_reason", "abort_message"},
+    "PauseGenerationReqInput": {"rid", "mode"},
+    "ContinueGenerationReqInput": {"rid"},
 }
 
 # sampling_params.py SamplingParams API parameters (internal fields such as stop_strs omitted).
@@ -101,6 +103,8 @@ def test_weight_requests_use_sglang_fields() -> None:
     assert_fields(protocol.memory_occupation(["weights"]), "ReleaseMemoryOccupationReqInput")
     assert_fields(protocol.memory_occupation(None), "ResumeMemoryOccupationReqInput")
     assert_fields(protocol.abort_request("r1"), "AbortReq")
+    assert_fields(protocol.pause_generation(), "PauseGenerationReqInput")
+    assert_fields(protocol.continue_generation(), "ContinueGenerationReqInput")
 
 
 def test_init_group_carries_every_required_field() -> None:
@@ -127,3 +131,15 @@ def test_reference_engine_answers_with_sglang_keys() -> None:
     assert ref_sampling.Finish("stop", matched=1).to_json(4)["type"] in SGLANG_FINISH_TYPES
     assert ref_sampling.Finish("length").to_json(4) == {"type": "length", "length": 4}
     assert ref_sampling.Finish("abort").to_json(4)["type"] == "abort"
+
+
+def test_one_sglang_version_everywhere() -> None:
+    """The rollout image, the contract tier's install and the launcher name one release."""
+    repo = Path(__file__).resolve().parents[2]
+    base = re.search(r"^FROM lmsysorg/sglang:v(\S+?)-", (repo / "Dockerfile.rollout").read_text(),
+                     re.M)
+    assert base is not None and base.group(1) == SGLANG_VERSION
+    make = re.search(r"^SGLANG_VERSION := (\S+)$", (repo / "Makefile").read_text(), re.M)
+    assert make is not None and make.group(1) == SGLANG_VERSION
+    reqs = (repo / "tests" / "sglang_contract" / "requirements.txt").read_text().splitlines()
+    assert f"sglang=={SGLANG_VERSION}" in reqs
