@@ -13,6 +13,7 @@ import pytest
 
 from kuberl_api import parse
 from kuberl_trainer.actors import EngineServer
+from kuberl_trainer.engine_client import EngineError
 from kuberl_trainer.engine_command import engine_arg_flags
 from tests.sglang_contract.cases import NCCL_PORT, PORT, all_cases
 
@@ -118,3 +119,60 @@ def test_engine_output_is_forwarded_and_its_tail_kept(monkeypatch: pytest.Monkey
     assert server.poll() == 1
     assert server.log_tail(3) == ["line 298", "line 299", "bad flag"]
     assert "line 0" in capfd.readouterr().out  # forwarded to the actor's stdout as well
+
+
+async def test_start_wait_ends_when_the_server_exits() -> None:
+    """The start-up wait stops at the first look that sees the server process gone, with its
+    exit code, rather than polling /health until the start timeout."""
+    from kuberl_trainer.engine_client import EngineClient
+
+    url = "http://127.0.0.1:9"  # nothing listens: /health never answers
+    looks = []
+
+    def exited() -> dict[str, int]:
+        looks.append(1)
+        return {url: 2} if len(looks) >= 3 else {}
+
+    client = EngineClient([url])
+    started = time.monotonic()
+    try:
+        with pytest.raises(EngineError, match="exited with code 2 while starting"):
+            await client.wait_healthy(timeout_s=60, interval_s=0.05, exited=exited)
+    finally:
+        await client.close()
+    assert time.monotonic() - started < 20 and len(looks) == 3
+
+
+def test_a_cluster_engine_death_quotes_the_lines_its_actor_kept(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a cluster there is no log file to read: the error quotes EngineServer.log_tail."""
+    from pathlib import Path
+
+    from kuberl_trainer import session as session_mod
+    from kuberl_trainer.run import Options
+
+    url = "http://10.0.0.2:30000"
+
+    class Actor:
+        class log_tail:
+            @staticmethod
+            def remote(lines: int) -> list[str]:
+                return ["loading", "error: unrecognized arguments: --bogus"][-lines:]
+
+    class Engines:
+        urls, actors = [url], [Actor()]
+
+        def dead(self) -> dict[str, int]:
+            return {url: 2}
+
+        def log_of(self, url: str) -> Path | None:
+            return None
+
+    monkeypatch.setattr(session_mod.ray, "get", lambda ref, timeout=None: ref)
+    s = session_mod.Session.__new__(session_mod.Session)
+    s.opts = Options(address="auto", in_cluster=True, output_dir=Path("/tmp/o"),
+                     checkpoint_dir=Path("/tmp/c"), prometheus_port=0, tensorboard=None, seed=0)
+    s.engines = Engines()  # type: ignore[assignment]
+    text = s.explain(EngineError(url, "exited with code 2 while starting"))
+    assert text.startswith(f"engine died: {url} exited with code 2")
+    assert text.splitlines()[-1] == "  error: unrecognized arguments: --bogus"

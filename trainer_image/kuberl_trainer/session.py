@@ -197,10 +197,25 @@ class Session:
         """The last lines of the log of the engine at `url`, naming the file (on a local run;
         in a cluster its output is in its pod's log: nothing)."""
         path = self.engines.log_of(url) if self.engines is not None else None
-        if path is None or not path.exists():
+        if path is None:  # in a cluster: the lines its actor kept (EngineServer.log_tail)
+            lines = self._actor_log_tail(url)
+            return "".join([f"\nlast lines of the engine at {url}:\n",
+                            *(f"  {line}\n" for line in lines)]).rstrip("\n") if lines else ""
+        if not path.exists():
             return ""
         return f"\nlast lines of {path} ({url}):\n" + "\n".join(
             f"  {line}" for line in tail(path, LOG_TAIL_LINES))
+
+    def _actor_log_tail(self, url: str) -> list[str]:
+        actors: list[Any] = list(getattr(self.engines, "actors", None) or [])
+        urls: list[str] = list(getattr(self.engines, "urls", None) or [])
+        if url not in urls or len(actors) != len(urls):
+            return []
+        try:  # explaining an error must not raise another (a dead actor)
+            return [str(line) for line in ray.get(
+                actors[urls.index(url)].log_tail.remote(LOG_TAIL_LINES), timeout=10)]
+        except Exception:
+            return []
 
     def close(self) -> None:
         try:
