@@ -11,8 +11,8 @@ What kuberl passes to SGLang (`python -m sglang.launch_server`) and why:
                                    collide when several engines share a node
   --tp-size N                      rollout.gpusPerEngine
   --random-seed S                  the run's seed + the engine's index
-  colocate with rollout GPUs:      --enable-memory-saver (the trainer releases and resumes the
-                                   engine's memory around each training step) and
+  colocate with rollout GPUs:      --enable-memory-saver (what SGLang needs to release and
+                                   resume its memory, handing it to training between phases) and
                                    --mem-fraction-static 0.7 (COLOCATED_MEM_FRACTION_STATIC)
   then rollout.engineArgs and      see engine_arg_flags
   engineListArgs
