@@ -144,11 +144,20 @@ def _unflatten(loaded: Any) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def _is_torch_device(name: str) -> bool:
+    """"cuda:1", "cpu": a device torch names; anything else is a GPU UUID."""
+    try:
+        torch.device(name)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
     """torch's rebuild_cuda_tensor, taking the device as an index or a GPU UUID (SGLang's
     patched reductions, and ours: `_reduce_by_uuid`)."""
     device = args[_DEVICE_ARG]
-    if isinstance(device, str):
+    if isinstance(device, str) and not _is_torch_device(device):
         found = [i for i in range(torch.cuda.device_count())
                  if str(torch.cuda.get_device_properties(i).uuid) == device]
         if not found:

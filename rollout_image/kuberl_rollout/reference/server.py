@@ -312,13 +312,14 @@ class Server:
         return web.json_response({"weight_version": self.engine.weight_version})
 
     async def flush_cache(self, _: web.Request) -> web.Response:
-        """SGLang flushes only an idle scheduler and answers 400 otherwise. There is no prefix
-        cache to flush here (every batch builds its KV cache afresh); what a client observes is
-        whether the flush would succeed: not while a batch runs or requests wait, except that
-        requests retracted by a pause(retract), and those queued behind them, hold no KV cache
-        (kuberl's trainer and slime flush after pause(retract), see docs/trainer-contracts.md)."""
+        """SGLang flushes only when no batch is running and answers 400 otherwise (0.5.6's
+        Scheduler._is_no_request looks at the running, last and current batches, not the
+        waiting queue: requests retracted by pause(retract) wait there and hold no KV cache,
+        so kuberl's and slime's flush after pause(retract) succeeds). There is no prefix cache
+        to flush here (every batch builds its KV cache afresh); what a client observes is
+        whether the flush would succeed."""
         waiting = self.batcher.num_waiting() + self.batcher.num_held()
-        idle = not self.batcher.running and (waiting == 0 or self.pause_mode == "retract")
+        idle = not self.batcher.running
         if not idle:
             LOG.info("cache not flushed: %d running, %d waiting", len(self.batcher.running),
                      waiting)
