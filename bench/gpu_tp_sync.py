@@ -11,9 +11,10 @@ checksums.
   the engine must receive every byte; after the last sync every TP process's sha256 of every
   tensor must equal the trainer's.
 - colocated: two training ranks (processes on GPUs 0 and 1, one NCCL group) and a TP=2 engine
-  on the same two GPUs; `push_colocated` routes engine TP rank r's entry from the training rank
-  on its GPU. Rank 1 holds the negated weights of rank 0, so the check fails unless each engine
-  rank read its own GPU's copy: engine rank 0 must hold W, rank 1 -W.
+  on the same two GPUs (then, as the baseline, two TP=1 engines, one per GPU); `push_colocated`
+  routes each engine TP rank's entry from the training rank on its GPU. Rank 1 holds the
+  negated weights of rank 0, so the check fails unless each engine rank read its own GPU's
+  copy: the process on GPU 0 must hold W, the one on GPU 1 -W.
 
 Prints a table (GB per sync, median seconds of `--repeats`, GB/s, exact) and writes OUT/tp.json.
 Needs 4 GPUs (3 for disaggregated), aiohttp. GB = 1e9 bytes. Never part of `make test`:
@@ -133,8 +134,8 @@ def disaggregated(model_dir: Path, tp: int, gpus: str, args: argparse.Namespace,
             "gb_per_s": nbytes / 1e9 / median, "exact": exact}
 
 
-def _colocated_rank(rank: int, world: int, port: int, model_dir: str, url: str, mb: int,
-                    repeats: int, results: Any) -> None:
+def _colocated_rank(rank: int, world: int, port: int, model_dir: str, urls: list[str],
+                    devices: list[list[int]], mb: int, repeats: int, results: Any) -> None:
     from kuberl_trainer.weight_sync.colocated import push_colocated
 
     torch.cuda.set_device(rank)
@@ -150,36 +151,44 @@ def _colocated_rank(rank: int, world: int, port: int, model_dir: str, url: str, 
         torch.distributed.barrier()
         start = time.perf_counter()
         push_colocated(buckets(named, mb), rank=rank, world_size=world, gpu=(HOST, rank),
-                       engine_urls=[url], engine_devices=[[0, 1]], weight_version=str(i))
+                       engine_urls=urls, engine_devices=devices, weight_version=str(i))
         seconds.append(time.perf_counter() - start)
     results.put((rank, seconds, sha(named)))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-def colocated(model_dir: Path, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    proc, url = start_engine(model_dir, "0,1", 2, out / "engine-colocated-tp2.log")
+def colocated(model_dir: Path, tp: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Two training ranks on GPUs 0-1; one TP=2 engine on both, or two TP=1 engines."""
+    devices = [[0, 1]] if tp == 2 else [[0], [1]]
+    engines = [start_engine(model_dir, ",".join(map(str, d)), tp,
+                            out / f"engine-colocated-tp{tp}-{i}.log")
+               for i, d in enumerate(devices)]
+    urls = [url for _, url in engines]
     try:
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
         port = free_port()
         procs = [ctx.Process(target=_colocated_rank, args=(
-            r, 2, port, str(model_dir), url, args.bucket_mb, args.repeats, results))
+            r, 2, port, str(model_dir), urls, devices, args.bucket_mb, args.repeats, results))
             for r in range(2)]
         for p in procs:
             p.start()
-        got = dict((r, (s, w)) for r, s, w in (results.get(timeout=900) for _ in procs))
+        got = {r: (s, w) for r, s, w in (results.get(timeout=900) for _ in procs)}
         for p in procs:
             p.join(timeout=120)
-        per_rank = rank_sums(url)
-        exact = [{n: per_rank[r][n] for n in got[r][1]} == got[r][1] for r in (0, 1)]
+        # engine e's TP rank r must hold what the training rank on GPU devices[e][r] holds
+        exact = [{n: ranks[r][n] for n in got[gpu][1]} == got[gpu][1]
+                 for url, devs in zip(urls, devices, strict=True)
+                 for ranks in [rank_sums(url)] for r, gpu in enumerate(devs)]
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        for proc, _ in engines:
+            proc.terminate()
+            proc.wait(timeout=30)
     nbytes = sum(t.numel() * t.element_size()
                  for _, t in load_params(model_dir, "cpu"))
     median = statistics.median(got[0][0][1:])
-    return {"path": "colocated (CUDA IPC, per-GPU routing)", "tp": 2, "gb": nbytes / 1e9,
+    return {"path": "colocated (CUDA IPC, per-GPU routing)", "tp": tp, "gb": nbytes / 1e9,
             "seconds": median, "gb_per_s": nbytes / 1e9 / median, "exact": all(exact),
             "exact_per_rank": exact}
 
@@ -198,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_disaggregated:
         rows.append(disaggregated(model_dir, 2, "1,2", args, args.out))
         rows.append(disaggregated(model_dir, 1, "3", args, args.out))
-    rows.append(colocated(model_dir, args, args.out))
+    rows.append(colocated(model_dir, 2, args, args.out))
+    rows.append(colocated(model_dir, 1, args, args.out))
     print(f"\n{card()} x{torch.cuda.device_count()}, torch {torch.__version__}, "
           f"{args.shape}, bucket {args.bucket_mb} MB, median of {args.repeats}")
     print("| path | engine TP | GB/sync | s/sync | GB/s | exact on every TP rank |")
