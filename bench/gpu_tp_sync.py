@@ -51,8 +51,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_engine(model_dir: Path, gpus: str, tp: int, log: Path) -> tuple[subprocess.Popen[bytes],
-                                                                            str]:
+def start_engine(model_dir: Path, gpus: str, tp: int, log: Path,
+                 *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus,
            "PYTHONPATH": os.pathsep.join([str(ROOT / p) for p in (
@@ -61,7 +61,8 @@ def start_engine(model_dir: Path, gpus: str, tp: int, log: Path) -> tuple[subpro
     proc = subprocess.Popen(
         [sys.executable, "-m", "kuberl_rollout.reference", "--model-path", str(model_dir),
          "--host", HOST, "--port", str(port), "--device", "cuda", "--dtype", "bfloat16",
-         "--tp-size", str(tp)], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+         "--tp-size", str(tp), *extra], stdout=log.open("w"), stderr=subprocess.STDOUT,
+        env=env)
     url = f"http://{HOST}:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

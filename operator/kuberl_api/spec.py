@@ -592,7 +592,7 @@ KUBERL_ENGINE_FLAG_SOURCE = {flag: source for source, flags in KUBERL_ENGINE_FLA
 # The reference engine's own flags (kuberl_rollout.reference's argparse) that kuberl leaves to
 # the user; it refuses any other flag at start.
 REFERENCE_ENGINE_FLAGS = ("dtype", "weight-version", "max-batch-size", "batch-wait-ms",
-                          "weight-sync-timeout")
+                          "weight-sync-timeout", "mem-fraction-static")
 ENGINE_ARG_NAMES = ("engineArgs keys are flag names without the leading '--': lowercase "
                     "letters, digits and '-' (e.g. mem-fraction-static)")
 REFERENCE_ENGINE_ARGS = ("the reference engine takes only these engineArgs: "

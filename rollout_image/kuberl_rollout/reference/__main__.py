@@ -30,6 +30,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "group as SGLang's TP workers are (see kuberl_rollout.reference.tp)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--weight-version", default="default", help="initial weight_version")
+    p.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="with --device cuda: the share of each GPU that weights plus a KV-cache "
+                        "pool take at start, as in SGLang (released and restored with the "
+                        "kv_cache tag); default: no pool")
     p.add_argument("--max-batch-size", type=int, default=256)
     p.add_argument("--batch-wait-ms", type=float, default=5.0,
                    help="how long the first request of a batch waits for others to join")
@@ -59,14 +63,19 @@ def main(argv: list[str] | None = None) -> None:
     # The peers load their copies while this rank loads its own.
     peers = Peers(RankArgs(args.model_path, args.tokenizer_path, args.device, args.dtype,
                            args.seed, args.weight_version, args.weight_sync_timeout,
-                           args.torch_threads), args.tp_size)
+                           args.torch_threads, args.mem_fraction_static), args.tp_size)
     engine = ReferenceEngine(args.model_path, tokenizer_path=args.tokenizer_path,
                              device=rank_device(args.device, 0), dtype=args.dtype,
-                             seed=args.seed, weight_version=args.weight_version)
+                             seed=args.seed, weight_version=args.weight_version,
+                             mem_fraction_static=args.mem_fraction_static)
     server = Server(engine, max_batch_size=args.max_batch_size,
                     batch_wait_s=args.batch_wait_ms / 1000,
                     weight_sync_timeout_s=args.weight_sync_timeout,
-                    peers=peers if args.tp_size > 1 else None)
+                    peers=peers if args.tp_size > 1 else None,
+                    # /server_info reports them under SGLang's ServerArgs names
+                    server_args={"host": args.host, "port": args.port,
+                                 "random_seed": args.seed,
+                                 "mem_fraction_static": args.mem_fraction_static})
     peers.wait_ready()
     logging.getLogger("kuberl.reference").info(
         "serving %s on http://%s:%d (%s, %s)", args.model_path, args.host, args.port,

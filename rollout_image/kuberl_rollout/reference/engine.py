@@ -78,7 +78,8 @@ class _Row:
 class ReferenceEngine:
     def __init__(self, model_path: str, *, tokenizer_path: str | None = None,
                  device: str = "cpu", dtype: str = "float32", seed: int = 0,
-                 weight_version: str = "default") -> None:
+                 weight_version: str = "default",
+                 mem_fraction_static: float | None = None) -> None:
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path or model_path
         self.device = torch.device(device)
@@ -97,6 +98,15 @@ class ReferenceEngine:
         self.weight_version = weight_version
         self.released: set[str] = set()
         self._target_cache: dict[str, torch.Tensor] | None = None
+        # SGLang's static memory on a GPU: weights plus a KV-cache pool take
+        # mem_fraction_static of the card at start, the pool sized by what the weights leave.
+        # A stand-in pool of the same size makes the same demands of a colocated trainer
+        # (release kv_cache before training, or run out of memory); None: no pool.
+        self.kv_pool_bytes = 0
+        self._kv_pool: torch.Tensor | None = None
+        if mem_fraction_static is not None and self.device.type == "cuda":
+            self.kv_pool_bytes = self._pool_bytes(mem_fraction_static)
+            self._kv_pool = self._allocate_pool()
         self.original_logprob = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in {
             "1", "true", "yes"}
         # Seeds for requests without sampling_seed: reproducible given --seed and arrival order.
@@ -315,8 +325,28 @@ class ReferenceEngine:
     def checksums(self) -> dict[str, str]:
         return {name: tensor_sha256(t) for name, t in self.named_tensors().items()}
 
+    def _pool_bytes(self, fraction: float) -> int:
+        if not 0 < fraction < 1:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {fraction}")
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        weights = torch.cuda.memory_allocated(self.device)
+        pool = int(total * fraction) - weights
+        if pool <= 0:
+            raise ValueError(f"--mem-fraction-static {fraction} of {total / 1e9:.1f} GB leaves no "
+                             f"room for the KV cache after {weights / 1e9:.1f} GB of weights; "
+                             "increase it (SGLang: Not enough memory)")
+        return pool
+
+    def _allocate_pool(self) -> torch.Tensor:
+        """torch.cuda.OutOfMemoryError when the card has no room (another process holds it),
+        as SGLang fails to start or resume then."""
+        return torch.empty(self.kv_pool_bytes, dtype=torch.uint8, device=self.device)
+
     def release(self, tags: Sequence[str] | None) -> None:
         chosen = self._tags(tags)
+        if "kv_cache" in chosen and self._kv_pool is not None:
+            self._kv_pool = None
+            torch.cuda.empty_cache()
         if "weights" in chosen and "weights" not in self.released and self.device.type == "cuda":
             # SGLang discards the weights; moving them to host memory frees the GPU the same
             # way and keeps resume correct even without a weight update in between.
@@ -327,6 +357,8 @@ class ReferenceEngine:
 
     def resume(self, tags: Sequence[str] | None) -> None:
         chosen = self._tags(tags)
+        if "kv_cache" in chosen and self.kv_pool_bytes and self._kv_pool is None:
+            self._kv_pool = self._allocate_pool()
         if "weights" in chosen and "weights" in self.released and self.device.type == "cuda":
             self.model.to(self.device)
             self._target_cache = None

@@ -43,6 +43,7 @@ class RankArgs:
     weight_version: str
     weight_sync_timeout_s: float
     torch_threads: int = 0
+    mem_fraction_static: float | None = None
 
 
 def rank_device(device: str, tp_rank: int) -> str:
@@ -143,7 +144,8 @@ def _peer_main(conn: Connection, args: RankArgs, tp_rank: int) -> None:
             torch.cuda.set_device(tp_rank)
         engine = ReferenceEngine(args.model_path, tokenizer_path=args.tokenizer_path,
                                  device=device, dtype=args.dtype, seed=args.seed,
-                                 weight_version=args.weight_version)
+                                 weight_version=args.weight_version,
+                                 mem_fraction_static=args.mem_fraction_static)
         receiver = Receiver(engine, tp_rank=tp_rank, timeout_s=args.weight_sync_timeout_s)
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
