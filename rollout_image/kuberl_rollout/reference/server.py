@@ -1,4 +1,4 @@
-"""The reference engine's HTTP server: SGLang's native API subset (docs/trainer-contracts.md).
+"""The reference engine's HTTP server: SGLang's native API subset (docs/engine-contract.md).
 
 Threads: aiohttp's event loop parses requests and answers /health at once; everything that
 touches torch (generation batches, weight updates, checksums, memory moves) runs on one worker

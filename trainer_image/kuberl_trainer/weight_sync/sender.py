@@ -1,6 +1,6 @@
 """Trainer side of weight sync: push HF-named tensors to every engine.
 
-Disaggregated (`DistributedWeightSender`), per the contract in docs/trainer-contracts.md:
+Disaggregated (`DistributedWeightSender`), per the contract in docs/engine-contract.md:
   connect: POST /init_weights_update_group to every engine concurrently with building the group
            locally as rank 0 - it is a rendezvous, neither side returns alone. The group holds
            the trainer and every TP process of every engine: 1 + sum(TP sizes) ranks, engine
