@@ -315,11 +315,15 @@ class Server:
         """SGLang flushes only when no batch is running and answers 400 otherwise (0.5.6's
         Scheduler._is_no_request looks at the running, last and current batches, not the
         waiting queue: requests retracted by pause(retract) wait there and hold no KV cache,
-        so kuberl's and slime's flush after pause(retract) succeeds). There is no prefix cache
+        so kuberl's and slime's flush after pause(retract) succeeds; an in_place pause keeps
+        them in the running batch, and the flush fails). There is no prefix cache
         to flush here (every batch builds its KV cache afresh); what a client observes is
         whether the flush would succeed."""
         waiting = self.batcher.num_waiting() + self.batcher.num_held()
-        idle = not self.batcher.running
+        # An in_place pause leaves SGLang's requests in the running batch (here: held), with
+        # their KV cache.
+        in_place = self.pause_mode == "in_place" and self.batcher.num_held() > 0
+        idle = not self.batcher.running and not in_place
         if not idle:
             LOG.info("cache not flushed: %d running, %d waiting", len(self.batcher.running),
                      waiting)
