@@ -218,7 +218,7 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("engine-arg-seed", both(ON_CPU, set_("rollout.engineArgs", {"seed": "1"})),
      "spec.rollout.engineArgs", "seed"),
     ("reference-engine-unknown-flag", both(ON_CPU, set_("rollout.engineArgs",
-                                                        {"mem-fraction-static": "0.8"})),
+                                                        {"enable-memory-saver": ""})),
      "spec.rollout.engineArgs", "reference engine"),
     ("engine-arg-nccl-port", set_("rollout.engineArgs", {"nccl-port": "29500"}),
      "spec.rollout.engineArgs", "nccl-port"),

@@ -176,3 +176,16 @@ def test_a_cluster_engine_death_quotes_the_lines_its_actor_kept(
     text = s.explain(EngineError(url, "exited with code 2 while starting"))
     assert text.startswith(f"engine died: {url} exited with code 2")
     assert text.splitlines()[-1] == "  error: unrecognized arguments: --bogus"
+
+
+def test_every_engine_arg_allowed_for_the_reference_engine_is_one_of_its_flags() -> None:
+    """The API lets engineArgs set exactly the flags the reference engine's parser has, less
+    those kuberl sets itself: an allowed flag it did not know would fail at engine start, a
+    flag it has but the API refused could never be used."""
+    from kuberl_api.spec import KUBERL_ENGINE_FLAG_SOURCE, REFERENCE_ENGINE_FLAGS
+    from kuberl_rollout.reference.__main__ import build_parser
+
+    flags = {opt[2:] for action in build_parser()._actions for opt in action.option_strings
+             if opt.startswith("--")} - {"help"}
+    assert set(REFERENCE_ENGINE_FLAGS) <= flags
+    assert flags - set(KUBERL_ENGINE_FLAG_SOURCE) == set(REFERENCE_ENGINE_FLAGS)

@@ -14,7 +14,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kuberl_rollout.reference",
                                 description=__doc__)
     p.add_argument("--model-path", required=True, help="local HF checkpoint directory")
@@ -41,7 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds a weight-group rendezvous or broadcast may take")
     p.add_argument("--torch-threads", type=int, default=0,
                    help="torch intra-op threads (0: torch's default)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
