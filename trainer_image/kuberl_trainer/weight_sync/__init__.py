@@ -1,7 +1,8 @@
-"""Weight sync, trainer side: the process group both ends share (`group`), bucket planning
-(`plan`), dtype names (`dtypes`), the tensor codec for the colocated path (`codec`), the
-SGLang request bodies (`protocol`) and the sender (`sender`).
+"""Weight sync, trainer side: the sender (`sender`: the disaggregated group's rank 0 and the
+update sequence), the colocated update across training ranks (`colocated`) and which training
+rank feeds which engine TP rank (`routing`).
 
-The engine side (kuberl_rollout) may import `group`, `plan`, `dtypes`, `codec` and `protocol`;
-the trainer never imports the engine side (it talks to engines over HTTP only).
+What both ends must agree on (request bodies, tensor payloads, dtype names, bucket planning,
+the process group) is `kuberl_wire`, which the engine side imports too; the trainer never
+imports the engine side (it talks to engines over HTTP only).
 """
