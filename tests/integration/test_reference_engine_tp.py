@@ -8,11 +8,13 @@ the weights must be exact on every TP process. Also: requests shaped as slime se
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import pickle
 import sys
 import types
 from collections.abc import Iterator
-from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -128,33 +130,25 @@ async def test_each_tp_process_reads_its_own_tensor_entry(
 # ---- requests shaped exactly as slime sends them ---------------------------------------------
 
 
-@dataclass
-class FlattenedTensorMetadata:
-    """Stands in for sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata (registered
-    under that module name below, so the pickle names SGLang's class as slime's does)."""
-
-    name: str
-    shape: torch.Size
-    dtype: torch.dtype
-    start_idx: int
-    end_idx: int
-    numel: int
+SGLANG_BUCKET_MODULE = "sglang.srt.weight_sync.tensor_bucket"
 
 
 @pytest.fixture
-def sglang_bucket_class() -> Iterator[None]:
-    names = ["sglang", "sglang.srt", "sglang.srt.weight_sync",
-             "sglang.srt.weight_sync.tensor_bucket"]
+def sglang_bucket_class() -> Iterator[type[codec.FlattenedTensorMetadata]]:
+    """A class that pickles as SGLang's FlattenedTensorMetadata, as slime's payloads name it
+    (the same fields as the decoder's stand-in, under SGLang's module, registered for the
+    test's duration so pickle can find it)."""
+    names = ["sglang", "sglang.srt", "sglang.srt.weight_sync", SGLANG_BUCKET_MODULE]
     saved = {n: sys.modules.get(n) for n in names}
+    cls = type("FlattenedTensorMetadata", (codec.FlattenedTensorMetadata,),
+               {"__module__": SGLANG_BUCKET_MODULE})
     for n in names:
         sys.modules[n] = types.ModuleType(n)
-    module: Any = sys.modules[names[-1]]
-    module.FlattenedTensorMetadata = FlattenedTensorMetadata
-    FlattenedTensorMetadata.__module__ = names[-1]
+    module: Any = sys.modules[SGLANG_BUCKET_MODULE]
+    module.FlattenedTensorMetadata = cls
     try:
-        yield
+        yield cls
     finally:
-        FlattenedTensorMetadata.__module__ = __name__
         for n, old in saved.items():
             if old is None:
                 sys.modules.pop(n, None)
@@ -162,7 +156,9 @@ def sglang_bucket_class() -> Iterator[None]:
                 sys.modules[n] = old
 
 
-def slime_flattened_bucket(named: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor]:
+def slime_flattened_bucket(named: list[tuple[str, torch.Tensor]],
+                           metadata: type[codec.FlattenedTensorMetadata]
+                           ) -> tuple[str, torch.Tensor]:
     """What slime puts in serialized_named_tensors[r]: SGLang 0.5.6's FlattenedTensorBucket
     (every tensor's bytes, uint8) as {flattened_tensor, metadata}, by MultiprocessingSerializer
     (ForkingPickler, base64). Returns the entry and the flat tensor it refers to, which must
@@ -170,14 +166,9 @@ def slime_flattened_bucket(named: list[tuple[str, torch.Tensor]]) -> tuple[str, 
     parts, metas, at = [], [], 0
     for name, t in named:
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        metas.append(FlattenedTensorMetadata(name, t.shape, t.dtype, at, at + raw.numel(),
-                                             raw.numel()))
+        metas.append(metadata(name, t.shape, t.dtype, at, at + raw.numel(), raw.numel()))
         parts.append(raw)
         at += raw.numel()
-    import base64
-    import io
-    from multiprocessing.reduction import ForkingPickler
-
     flat = torch.cat(parts)
     buf = io.BytesIO()
     # CPU tensors by shared-memory file name (slime's are CUDA tensors, by IPC handle).
@@ -192,7 +183,8 @@ def slime_flattened_bucket(named: list[tuple[str, torch.Tensor]]) -> tuple[str, 
 
 
 async def test_slime_shaped_requests(tp_engines: list[str], reference_model: torch.nn.Module,
-                                     sglang_bucket_class: None) -> None:
+                                     sglang_bucket_class: type[codec.FlattenedTensorMetadata]
+                                     ) -> None:
     """Generate with slime's sampling parameters; then slime's update sequence: pause, flush,
     flattened buckets per TP rank (mixed dtypes in one bucket), continue; then offload and
     onload by tag."""
@@ -211,7 +203,7 @@ async def test_slime_shaped_requests(tp_engines: list[str], reference_model: tor
         await client.request(url, "POST", "/pause_generation", {"mode": "retract"})
         await client.request(url, "POST", "/flush_cache")
         for bucket in bucketize(named, 16 << 10):
-            entry, _alive = slime_flattened_bucket(bucket)
+            entry, _alive = slime_flattened_bucket(bucket, sglang_bucket_class)
             body = {"serialized_named_tensors": [entry] * TP,
                     "load_format": "flattened_bucket", "flush_cache": False,
                     "weight_version": "slime-1"}
@@ -230,10 +222,12 @@ async def test_slime_shaped_requests(tp_engines: list[str], reference_model: tor
                            weight_version="restored", tp_sizes=[TP])
 
 
-def test_flattened_bucket_with_mixed_dtypes_decodes_exactly(sglang_bucket_class: None) -> None:
+def test_flattened_bucket_with_mixed_dtypes_decodes_exactly(
+        sglang_bucket_class: type[codec.FlattenedTensorMetadata]) -> None:
     named = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64)),
              ("c", torch.randn(4).to(torch.bfloat16))]
-    entry, _alive = slime_flattened_bucket(named)
+    entry, _alive = slime_flattened_bucket(named, sglang_bucket_class)
+    assert b"sglang.srt.weight_sync.tensor_bucket" in base64.b64decode(entry)
     out = codec.decode_named_tensors(entry, flattened=True)
     assert [n for n, _ in out] == ["a", "b", "c"]
     for (_, want), (_, got) in zip(named, out, strict=True):

@@ -76,8 +76,8 @@ def default_engine_args(spec: RLJobSpec) -> dict[str, EngineArgValue]:
 def engine_command(spec: RLJobSpec, *, model_path: str, port: int, nccl_port: int, seed: int,
                    torch_threads: int = 0, python: str = sys.executable) -> list[str]:
     """The engine server's argv. `port`, `nccl_port`: free ports on the engine's node (the
-    reference engine has no NCCL port of its own: its TP processes rendezvous on torch's
-    default store); `torch_threads`: its CPU threads when it runs on CPU."""
+    reference engine has no NCCL port of its own: its TP processes take their work from rank
+    0 over pipes); `torch_threads`: its CPU threads when it runs on CPU."""
     r = spec.rollout
     if r.engine == "reference":
         # From the spec, not torch.cuda here: a colocated engine's actor sees no GPU (see

@@ -9,21 +9,27 @@ alive until rank 0 has broadcast that every engine has answered for it: with one
 lookahead (the last carries weight_version) that is at most two buckets per rank.
 
 Collective order, the same on every rank: status(pause), gather(0), gather(1), status(0),
-gather(2), status(1), ..., gather(n-1), status(n-2), status(n-1). A failure on rank 0 travels
-as a status, so every rank stops at the same point and raises.
+gather(2), status(1), ..., gather(n-1), status(n-2), status(n-1), status(continue). A failure
+on rank 0 travels as a status, so every rank stops at the same point and raises.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Coroutine, Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from kuberl_trainer.engine_client import EngineClient
 from kuberl_trainer.weight_sync.routing import Gpu, colocated_sources, engine_gpus
+from kuberl_trainer.weight_sync.sender import (
+    continue_generation,
+    pause_and_flush,
+    post_tensor_bucket,
+)
 from kuberl_wire import codec
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
@@ -55,41 +61,23 @@ def _status(message: str | None, world_size: int) -> str | None:
 
 
 class _Poster:
-    """Rank 0's side: the engines' HTTP calls, on an event loop of its own."""
+    """Rank 0's side: the engines' HTTP calls, on an event loop of its own. Each call returns
+    None, or the error as text for `_status`."""
 
-    def __init__(self, urls: Sequence[str], tp_sizes: Sequence[int]) -> None:
-        from kuberl_trainer.engine_client import EngineClient
-
+    def __init__(self, urls: Sequence[str]) -> None:
         self.loop = asyncio.new_event_loop()
         self.client = EngineClient(urls, request_timeout_s=600)
-        self.tp_sizes = tp_sizes
 
-    def run(self, coro: Any) -> str | None:
+    def run(self, coro: Coroutine[Any, Any, None]) -> str | None:
         try:
             self.loop.run_until_complete(coro)
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
         return None
 
-    def pause(self) -> str | None:
-        from kuberl_trainer.weight_sync.sender import flush_when_idle
-        from kuberl_wire import protocol
-
-        async def go() -> None:
-            await self.client.post_all("/pause_generation", protocol.pause_generation())
-            await flush_when_idle(self.client)
-        return self.run(go())
-
-    def post(self, entries: list[list[str]], version: str | None) -> str | None:
-        from kuberl_trainer.weight_sync.sender import post_tensor_bucket
-
+    def post(self, entries: list[list[str]] | None, version: str | None) -> str | None:
+        assert entries is not None  # rank 0 gathered them
         return self.run(post_tensor_bucket(self.client, entries, weight_version=version))
-
-    def resume(self) -> str | None:
-        from kuberl_wire import protocol
-
-        return self.run(self.client.post_all("/continue_generation",
-                                             protocol.continue_generation()))
 
     def close(self) -> None:
         self.loop.run_until_complete(self.client.close())
@@ -102,7 +90,7 @@ def push_colocated(buckets: Iterable[NamedTensors], *, rank: int, world_size: in
     """Every training rank calls this with its own buckets (see the module docstring)."""
     sources = colocated_sources(_all_gather(gpu, world_size),
                                 engine_gpus(engine_urls, engine_devices))
-    poster = _Poster(engine_urls, [len(s) for s in sources]) if rank == 0 else None
+    poster = _Poster(engine_urls) if rank == 0 else None
 
     def settle(outcome: str | None) -> None:
         shared = _status(outcome, world_size)
@@ -110,26 +98,21 @@ def push_colocated(buckets: Iterable[NamedTensors], *, rank: int, world_size: in
             raise RuntimeError(f"colocated weight update failed: {shared}")
 
     try:
-        settle(poster.pause() if poster else None)
+        settle(poster.run(pause_and_flush(poster.client)) if poster else None)
         held: deque[NamedTensors] = deque()
-        pending: list[list[str]] | None = None
-        for bucket in buckets:
+        pending: list[list[str]] | None = None  # the previous bucket's entries (rank 0)
+        for index, bucket in enumerate(buckets):
             held.append(bucket)
             entries = _gather(codec.encode_shared(bucket), rank, world_size)
-            if pending is not None:
+            if index > 0:
                 settle(poster.post(pending, None) if poster else None)
                 held.popleft()
-            if entries is not None:
-                pending = [[entries[src] for src in engine] for engine in sources]
-            else:
-                pending = []  # not rank 0: only the count matters
-        if pending is not None:
+            pending = None if entries is None else [[entries[src] for src in engine]
+                                                    for engine in sources]
+        if held:
             settle(poster.post(pending, weight_version) if poster else None)
             held.clear()
-        if poster:
-            settle(poster.resume())
-        else:
-            settle(None)
+        settle(poster.run(continue_generation(poster.client)) if poster else None)
     finally:
         if poster is not None:
             poster.close()

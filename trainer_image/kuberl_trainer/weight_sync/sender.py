@@ -130,15 +130,24 @@ async def flush_when_idle(client: EngineClient, timeout_s: float = FLUSH_TIMEOUT
     await first_error(one(u) for u in client.urls)
 
 
+async def pause_and_flush(client: EngineClient) -> None:
+    """Pause generation (retract) on every engine, then flush their caches."""
+    await client.post_all("/pause_generation", protocol.pause_generation())
+    await flush_when_idle(client)
+
+
+async def continue_generation(client: EngineClient) -> None:
+    await client.post_all("/continue_generation", protocol.continue_generation())
+
+
 @contextlib.asynccontextmanager
 async def paused(client: EngineClient) -> AsyncIterator[None]:
     """Generation paused and caches flushed for the body (a weight update); generation
     continues only if the body succeeded: engines with half-updated weights stay paused until
     the next complete update (a restarted trainer's first)."""
-    await client.post_all("/pause_generation", protocol.pause_generation())
-    await flush_when_idle(client)
+    await pause_and_flush(client)
     yield
-    await client.post_all("/continue_generation", protocol.continue_generation())
+    await continue_generation(client)
 
 
 def _with_last(items: Iterable[B]) -> Iterator[tuple[B, bool]]:
