@@ -584,7 +584,8 @@ KUBERL_ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
     "the rollout GPUs (cuda with GPUs, cpu without)": ("device",),
     "the CPU cores the engine shares": ("torch-threads",),
     "the Ray node the engine runs on: a second free port": ("nccl-port",),
-    "rollout.gpusPerEngine on one node (an engine is one process group on one node)": (
+    "rollout.gpusPerEngine and gpusPerNode (an engine spans gpusPerEngine / gpusPerNode "
+    "nodes) and the Ray nodes its parts run on": (
         "dist-init-addr", "nccl-init-addr", "nnodes", "node-rank"),
 }
 KUBERL_ENGINE_FLAG_SOURCE = {flag: source for source, flags in KUBERL_ENGINE_FLAGS.items()
@@ -647,11 +648,17 @@ class RolloutSpec(ApiModel):
         None, ge=0, le=MAX_ROLLOUT_GPUS,
         description="Total rollout GPUs. Colocated: defaults to (and must equal) the training "
         "GPUs. Disaggregated: required. 0: engines on CPU.")
-    gpus_per_engine: int = Field(1, ge=1, le=MAX_GPUS_PER_ENGINE,
-                                 description="Tensor parallel size of an engine.")
+    gpus_per_engine: int = Field(
+        1, ge=1, le=MAX_GPUS_PER_ENGINE,
+        description="Tensor parallel size of an engine. Disaggregated: divides gpusPerNode "
+        "(engines share a node), or a multiple of it for an engine wider than a node (it "
+        "spans gpusPerEngine / gpusPerNode rollout pods, SGLang's --nnodes). Colocated: "
+        "divides training.gpusPerNode. On CPU (gpus: 0) the reference engine runs this many "
+        "processes.")
     gpus_per_node: int = Field(DEFAULT_GPUS_PER_NODE, ge=1, le=MAX_GPUS_PER_NODE,
                                description="GPUs per rollout pod (placement: disaggregated "
-                               "only).")
+                               "only). On CPU (gpus: 0): the most engine processes a rollout "
+                               "pod holds, so an engine of more processes spans pods.")
     engines: int | None = Field(
         None, ge=1, le=4096, description="Engine count when rollout runs on CPU (no rollout "
         "GPUs) only; default 1. With GPUs the count is rollout GPUs / gpusPerEngine.")
@@ -894,8 +901,9 @@ EVAL_NEEDS_BOTH = ("schedule.evalInterval needs data.evalSets, and data.evalSets
                    "only every schedule.evalInterval steps")
 NETWORK_NEEDS_GPUS = ("network settings apply to GPU pods; this job has none (training."
                       "gpusPerNode is 0, and neither rollout nor a dedicated critic has GPUs)")
-ENGINE_FITS_NODE = ("an engine must fit on one node: rollout.gpusPerEngine must be at most "
-                    "rollout.gpusPerNode")
+ENGINE_TILES_NODES = ("engines must tile the rollout nodes: rollout.gpusPerEngine must divide "
+                      "rollout.gpusPerNode (engines share a node) or be a multiple of it (an "
+                      "engine spans gpusPerEngine / gpusPerNode whole nodes)")
 ROLLOUT_WHOLE_NODES = ("rollout.gpus above one node must fill whole nodes (a multiple of "
                        "rollout.gpusPerNode)")
 # What colocated engines take from the training pods instead of their own fields.
@@ -924,9 +932,17 @@ class RLJobSpec(ApiModel):
                   f"{_at_default('self.rollout', RolloutSpec, name)}",
                   _colocated_from_training(name), f".rollout.{to_camel(name)}")
               for name in COLOCATED_FROM_TRAINING),
+            # On CPU (gpus 0) an engine's TP processes stand in for its GPUs, gpusPerNode of
+            # them to a pod; one smaller pod holds every rollout GPU when they fit one node.
             cel("self.placement != 'disaggregated' || !has(self.rollout.gpus) || "
-                "self.rollout.gpus == 0 || self.rollout.gpusPerEngine <= "
-                "self.rollout.gpusPerNode", ENGINE_FITS_NODE, ".rollout.gpusPerEngine"),
+                f"{_ROLLOUT_GPUS_OUTSIDE.replace('self.gpus', 'self.rollout.gpus')} || "
+                f"{_outside('self.rollout.gpusPerNode', 1, MAX_GPUS_PER_NODE)} || "
+                f"{_outside('self.rollout.gpusPerEngine', 1, MAX_GPUS_PER_ENGINE)} || "
+                "self.rollout.gpusPerEngine % self.rollout.gpusPerNode == 0 || "
+                "(self.rollout.gpus == 0 ? self.rollout.gpusPerEngine < self.rollout.gpusPerNode"
+                " : (self.rollout.gpus <= self.rollout.gpusPerNode || "
+                "self.rollout.gpusPerNode % self.rollout.gpusPerEngine == 0))",
+                ENGINE_TILES_NODES, ".rollout.gpusPerEngine"),
             cel("self.placement != 'disaggregated' || !has(self.rollout.gpus) || "
                 f"{_outside('self.rollout.gpus', 0, MAX_ROLLOUT_GPUS)} || "
                 f"{_outside('self.rollout.gpusPerNode', 1, MAX_GPUS_PER_NODE)} || "
@@ -1080,6 +1096,16 @@ class RLJobSpec(ApiModel):
         return self.rollout_gpus // self.rollout.gpus_per_engine
 
     @property
+    def engine_nodes(self) -> int:
+        """Nodes (rollout pods, Ray actors) one engine spans: gpusPerEngine / gpusPerNode when
+        a disaggregated engine is wider than a node (SGLang's --nnodes), else 1. On CPU the
+        engine's TP processes count as its GPUs."""
+        r = self.rollout
+        if self.placement != "disaggregated" or r.gpus_per_engine <= r.gpus_per_node:
+            return 1
+        return r.gpus_per_engine // r.gpus_per_node
+
+    @property
     def has_gpu_pods(self) -> bool:
         critic = (self.has_critic and self.critic.placement == "dedicated"
                   and self.critic.gpus_per_node > 0)
@@ -1105,10 +1131,14 @@ class RLJobSpec(ApiModel):
 
     def _check_disaggregated(self) -> None:
         r = self.rollout
+        assert r.gpus is not None  # required: checked first
+        gpe, gpn = r.gpus_per_engine, r.gpus_per_node
+        tiles = (gpe % gpn == 0 or (gpe < gpn if r.gpus == 0
+                                    else (r.gpus <= gpn or gpn % gpe == 0)))
+        check(tiles, "rollout.gpusPerEngine", gpe,
+              f"{ENGINE_TILES_NODES} (gpusPerNode = {gpn})")
         if not r.gpus:
             return
-        check(r.gpus_per_engine <= r.gpus_per_node, "rollout.gpusPerEngine", r.gpus_per_engine,
-              f"{ENGINE_FITS_NODE} ({r.gpus_per_node})")
         check(r.gpus <= r.gpus_per_node or r.gpus % r.gpus_per_node == 0, "rollout.gpus",
               r.gpus, f"rollout.gpus above one node must fill whole nodes (a multiple of "
               f"rollout.gpusPerNode = {r.gpus_per_node})")

@@ -40,6 +40,10 @@ ENGINE_LAYOUTS = {
     # each, every one of them a member of the weight-update group.
     "disaggregated-tp2": ("disaggregated", {"gpus": 0, "engines": 2, "gpusPerEngine": 2}),
     "colocated-tp2": ("colocate", {"gpus": 0, "gpusPerEngine": 2}),
+    # Engines wider than a node: each engine's two processes on two "nodes" (actors), node 1's
+    # rank joining the group from there (SGLang's --nnodes 2).
+    "disaggregated-tp2-over-2-nodes": ("disaggregated", {"gpus": 0, "engines": 2,
+                                                         "gpusPerEngine": 2, "gpusPerNode": 1}),
 }
 
 
@@ -88,6 +92,8 @@ def test_every_engine_process_holds_the_trainers_weights_after_every_step(
         trainers.push_weights = push_and_check  # type: ignore[method-assign]
         session.train(Progress(2))
         assert len(urls) == job.spec.num_engines
+        assert [len(parts) for parts in session.engines.parts] == (
+            [job.spec.engine_nodes] * len(urls))
         assert synced == [1, 2]
         assert metrics(tmp_path / "out")[-1]["weight_version"] == 2
     finally:

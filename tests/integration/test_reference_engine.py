@@ -41,7 +41,8 @@ def free_port() -> int:
 
 
 class Engine:
-    def __init__(self, model_dir: Path, log: Path, *extra: str) -> None:
+    def __init__(self, model_dir: Path, log: Path, *extra: str,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -49,7 +50,7 @@ class Engine:
             [sys.executable, "-m", "kuberl_rollout.reference", "--model-path", str(model_dir),
              "--port", str(self.port), "--seed", "0", "--torch-threads", "1",
              "--weight-sync-timeout", "30", *extra],
-            stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ})
+            stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout

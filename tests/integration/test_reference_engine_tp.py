@@ -257,3 +257,53 @@ async def test_generation_continues_across_an_update(
         await send_tensors(client, [trainer_params(reference_model.state_dict(),
                                                    reference_model)],
                            weight_version="restored", tp_sizes=[TP])
+
+
+async def test_an_engine_over_two_nodes_syncs_every_rank_from_its_own_node(
+        model_dir: Path, reference_model: torch.nn.Module, tmp_path: Path) -> None:
+    """SGLang's --nnodes 2: TP 4 as two processes of two ranks. Node 1's ranks connect to node
+    0 (authenticated by the shared key), join the weight-update group themselves as ranks
+    3..4 and hold the weights; node 1 answers only /health; a connection with the wrong key
+    is refused; when node 0 goes, node 1 goes too."""
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client
+
+    port = free_port()
+    nodes = ["--tp-size", "4", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}"]
+    key = {protocol.ENGINE_SECRET_ENV: "shared-key"}
+    head = Engine(model_dir, tmp_path / "node0.log", *nodes, "--node-rank", "0", env=key)
+    other = Engine(model_dir, tmp_path / "node1.log", *nodes, "--node-rank", "1", env=key)
+    try:
+        with pytest.raises(AuthenticationError):  # node 0 listens, but not for strangers
+            for _ in range(600):
+                try:
+                    Client(("127.0.0.1", port), authkey=b"wrong").close()
+                    break
+                except ConnectionRefusedError:
+                    await asyncio.sleep(0.1)
+        head.wait_ready(timeout=180)
+        other.wait_ready(timeout=180)
+        async with EngineClient([head.url], request_timeout_s=60) as client:
+            await client.wait_healthy(timeout_s=180)
+            assert (await client.request(other.url, "GET", "/health")) in (None, "", {})
+            with pytest.raises(EngineError):  # not an API server
+                await client.request(other.url, "GET", "/get_model_info")
+            sender = DistributedWeightSender(client, master_address="127.0.0.1",
+                                             master_port=free_port(), backend="gloo",
+                                             group_name="kuberl_nodes", timeout_s=30,
+                                             tp_sizes=[4])
+            await sender.connect()
+            try:
+                state = perturbed(reference_model, 21)
+                await sender.send(bucketize(trainer_params(state, reference_model), 16 << 10))
+                assert await every_rank(client) == [[sums(state)] * 4]
+                out = await client.generate([PROMPTS[0]], GREEDY)
+                assert out[0].output_ids == greedy_locally(reference_model, state, PROMPTS[0],
+                                                           12)
+            finally:
+                await sender.close()
+        head.stop()
+        other.proc.wait(timeout=30)  # its ranks lost node 0: the node exits
+    finally:
+        head.stop()
+        other.stop()

@@ -18,6 +18,7 @@ from kuberl_trainer.engine_command import COLOCATED_MEM_FRACTION_STATIC, engine_
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 PORT, NCCL_PORT, SEED = 30011, 30012, 7
+DIST_INIT_ADDR = "10.0.0.1:30013"  # node rank 0's, for an engine spanning nodes
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,13 @@ class Case:
     spec: RLJobSpec
     # ServerArgs attribute -> value SGLang must parse (sglang engines only).
     expect: dict[str, Any] = field(default_factory=dict)
+    node_rank: int = 0  # of an engine spanning nodes
 
     def command(self) -> list[str]:
+        addr = DIST_INIT_ADDR if self.spec.engine_nodes > 1 else ""
         return engine_command(self.spec, model_path=self.spec.model.path, port=PORT,
-                              nccl_port=NCCL_PORT, seed=SEED, torch_threads=2)
+                              nccl_port=NCCL_PORT, seed=SEED, torch_threads=2,
+                              node_rank=self.node_rank, dist_init_addr=addr)
 
     @property
     def sglang(self) -> bool:
@@ -42,14 +46,17 @@ def _spec(**spec: Any) -> RLJobSpec:
                   "metadata": {"name": "e"}, "spec": body}).spec
 
 
-def _base_expect(spec: RLJobSpec) -> dict[str, Any]:
+def _base_expect(spec: RLJobSpec, node_rank: int = 0) -> dict[str, Any]:
     colocated = spec.placement == "colocate" and bool(spec.rollout_gpus)
     args = spec.rollout.engine_args
+    nodes = spec.engine_nodes
     expect: dict[str, Any] = {
         "model_path": spec.model.path, "host": "0.0.0.0", "port": PORT, "nccl_port": NCCL_PORT,
         "tp_size": spec.rollout.gpus_per_engine, "random_seed": SEED,
         "tokenizer_path": spec.model.tokenizer,
         "enable_memory_saver": colocated and args.get("enable-memory-saver") != "false",
+        "nnodes": nodes, "node_rank": node_rank,
+        "dist_init_addr": DIST_INIT_ADDR if nodes > 1 else None,
     }
     fraction = args.get("mem-fraction-static",
                         COLOCATED_MEM_FRACTION_STATIC if colocated else None)
@@ -94,10 +101,19 @@ def variant_cases() -> list[Case]:
     for name, body, extra in variants:
         spec = _spec(**body)
         out.append(Case(name, spec, _base_expect(spec) | extra))
+    # An engine wider than a node (16 GPUs on 8-GPU nodes): both nodes' command lines.
+    wide = _spec(**disagg, rollout={"gpus": 32, "gpusPerEngine": 16})
+    out += [Case(f"disaggregated-tp16-node{rank}", wide, _base_expect(wide, rank), rank)
+            for rank in range(wide.engine_nodes)]
     # The reference engine (no SGLang parser applies; its own flags are checked in
     # tests/unit/test_engine_command.py).
     out.append(Case("reference-cpu", _spec(training={"backend": "fsdp", "gpusPerNode": 0},
                                            rollout={"engine": "reference", "gpus": 0})))
+    wide_cpu = _spec(placement="disaggregated", training={"backend": "fsdp", "gpusPerNode": 0},
+                     rollout={"engine": "reference", "gpus": 0, "gpusPerEngine": 4,
+                              "gpusPerNode": 2})
+    out += [Case(f"reference-cpu-over-2-pods-node{rank}", wide_cpu, node_rank=rank)
+            for rank in range(wide_cpu.engine_nodes)]
     return out
 
 

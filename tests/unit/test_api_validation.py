@@ -186,8 +186,15 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("disaggregated-without-rollout-gpus", disagg(), "spec.rollout.gpus", "required"),
     ("rollout-gpus-not-multiple-of-engine", disagg(gpus=6, gpusPerEngine=4), "spec.rollout.gpus",
      "gpusPerEngine"),
-    ("engine-wider-than-node", disagg(gpus=16, gpusPerEngine=16), "spec.rollout.gpusPerEngine",
-     "one node"),
+    # 12-GPU engines on 8-GPU nodes: neither share a node evenly nor fill whole nodes
+    ("engine-straddles-nodes", disagg(gpus=24, gpusPerEngine=12), "spec.rollout.gpusPerEngine",
+     "whole nodes"),
+    # 3 of 8 GPUs per engine: two fit a node, eight engines would need four nodes, not three
+    ("engines-do-not-tile-a-node", disagg(gpus=24, gpusPerEngine=3),
+     "spec.rollout.gpusPerEngine", "divide rollout.gpusPerNode"),
+    ("cpu-engine-straddles-pods", disagg(gpus=0, gpusPerEngine=3, gpusPerNode=2,
+                                         engine="reference"),
+     "spec.rollout.gpusPerEngine", "multiple"),
     ("rollout-partial-nodes", disagg(gpus=12, gpusPerEngine=2), "spec.rollout.gpus",
      "whole nodes"),
     ("colocate-gpu-mismatch", set_("rollout.gpus", 4), "spec.rollout.gpus", "equal"),
@@ -223,9 +230,9 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("engine-arg-nccl-port", set_("rollout.engineArgs", {"nccl-port": "29500"}),
      "spec.rollout.engineArgs", "nccl-port"),
     ("engine-arg-nnodes", set_("rollout.engineArgs", {"nnodes": "2"}),
-     "spec.rollout.engineArgs", "one node"),
+     "spec.rollout.engineArgs", "gpusPerNode"),
     ("engine-arg-dist-init-addr", set_("rollout.engineArgs", {"dist-init-addr": "a:1"}),
-     "spec.rollout.engineArgs", "one node"),
+     "spec.rollout.engineArgs", "Ray nodes"),
     ("engine-list-arg-kuberl-sets", set_("rollout.engineListArgs", {"node-rank": ["1"]}),
      "spec.rollout.engineListArgs", "engineListArgs may not set"),
     ("engine-list-arg-bad-name", set_("rollout.engineListArgs", {"Cuda_Graph_Bs": ["1"]}),
@@ -485,6 +492,10 @@ def test_rules_evaluate_with_every_operand_at_its_maximum(parallel: int,
 
 # Near misses of the rules above, which both validators accept.
 GOOD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
+    ("engine-over-two-nodes", disagg(gpus=32, gpusPerEngine=16)),
+    ("engines-share-a-small-pod", disagg(gpus=6, gpusPerEngine=3)),
+    ("cpu-engine-over-two-pods", disagg(gpus=0, gpusPerEngine=4, gpusPerNode=2,
+                                        engine="reference")),
     # the engine-per-node rules are about rollout pods: colocated engines fit a training node
     ("colocated-engine-spans-a-training-node",
      both(set_("training.gpusPerNode", 16), set_("rollout.gpus", 16),

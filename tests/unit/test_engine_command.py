@@ -15,7 +15,8 @@ from kuberl_api import parse
 from kuberl_trainer.actors import EngineServer
 from kuberl_trainer.engine_client import EngineError
 from kuberl_trainer.engine_command import engine_arg_flags
-from tests.sglang_contract.cases import NCCL_PORT, PORT, all_cases
+from kuberl_wire.protocol import ENGINE_SECRET_ENV
+from tests.sglang_contract.cases import DIST_INIT_ADDR, NCCL_PORT, PORT, all_cases
 
 
 def spec_json(**spec: Any) -> str:
@@ -82,14 +83,50 @@ def test_reference_engine_gets_tp_size_and_its_own_flags() -> None:
     assert flag(gpu, "--tp-size") == "2" and flag(gpu, "--device") == "cuda"
 
 
-def test_reference_engine_parses_every_command() -> None:
-    """The reference engine's own argparse takes what kuberl passes it."""
+def test_reference_engine_parses_every_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference engine's own argparse takes what kuberl passes it (with the nodes'
+    shared key in the environment, as EngineServer passes it)."""
     from kuberl_rollout.reference.__main__ import parse_args
 
+    monkeypatch.setenv(ENGINE_SECRET_ENV, "k")
     for case in all_cases():
         if not case.sglang:
             args = parse_args(case.command()[3:])
             assert (args.port, args.tp_size) == (PORT, case.spec.rollout.gpus_per_engine)
+            assert (args.nnodes, args.node_rank) == (case.spec.engine_nodes, case.node_rank)
+            assert args.dist_init_addr == (DIST_INIT_ADDR if args.nnodes > 1 else None)
+
+
+def test_an_engine_over_nodes_gets_each_nodes_rank_and_node_zeros_address() -> None:
+    wide = spec_json(placement="disaggregated", rollout={"gpus": 32, "gpusPerEngine": 16})
+    for rank in (0, 1):
+        cmd = EngineServer(wide, index=0, seed=7, node_rank=rank)._command(
+            "/m", 30001, 30002, "10.0.0.1:29000")
+        assert flag(cmd, "--nnodes") == "2" and flag(cmd, "--node-rank") == str(rank)
+        assert flag(cmd, "--dist-init-addr") == "10.0.0.1:29000"
+        assert flag(cmd, "--tp-size") == "16"
+    with pytest.raises(ValueError, match="dist-init address"):
+        EngineServer(wide, index=0, seed=7, node_rank=1)._command("/m", 30001, 30002)
+    narrow = EngineServer(spec_json(placement="disaggregated", rollout={"gpus": 8}), 0, 7)
+    assert "--nnodes" not in narrow._command("/m", 30001, 30002)
+
+
+def test_the_reference_engine_refuses_what_sglang_refuses_of_nodes(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from kuberl_rollout.reference.__main__ import parse_args
+
+    base = ["--model-path", "/m", "--tp-size", "4", "--dist-init-addr", "h:1"]
+    monkeypatch.setenv(ENGINE_SECRET_ENV, "k")
+    for extra, words in ((["--nnodes", "3"], "divisible by --nnodes"),
+                         (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2"),
+                         (["--nnodes", "2", "--dist-init-addr", ""], "needs --dist-init-addr")):
+        with pytest.raises(SystemExit):
+            parse_args(base + extra)
+        assert words in capsys.readouterr().err
+    monkeypatch.delenv(ENGINE_SECRET_ENV)
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--nnodes", "2"])
+    assert ENGINE_SECRET_ENV in capsys.readouterr().err
 
 
 def test_every_case_names_its_ports_once() -> None:
@@ -160,10 +197,13 @@ def test_a_cluster_engine_death_quotes_the_lines_its_actor_kept(
                 return ["loading", "error: unrecognized arguments: --bogus"][-lines:]
 
     class Engines:
-        urls, actors = [url], [Actor()]
+        urls = [url]
 
         def dead(self) -> dict[str, int]:
             return {url: 2}
+
+        def actor_of(self, url: str) -> Actor:
+            return Actor()
 
         def log_of(self, url: str) -> Path | None:
             return None

@@ -37,6 +37,22 @@ def test_disaggregated_gpu_job() -> None:
     assert lay.train_actor.resources == {RESOURCE_TRAIN: 1}
 
 
+def test_an_engine_wider_than_a_node_is_one_actor_per_node() -> None:
+    """SGLang's --nnodes: a 16-GPU engine on 8-GPU rollout nodes is two actors of 8 GPUs."""
+    spec = job(placement="disaggregated", training={"gpusPerNode": 8},
+               rollout={"gpus": 32, "gpusPerEngine": 16}).spec
+    lay = layout(spec)
+    assert (lay.engines, lay.engine_nodes, lay.gpus_per_engine) == (2, 2, 16)
+    assert lay.engine_actor.num_gpus == 8
+    assert lay.engine_actor.resources == {RESOURCE_ROLLOUT: 8}
+    cpu = job(placement="disaggregated", training={"gpusPerNode": 0, "backend": "fsdp"},
+              rollout={"engine": "reference", "gpus": 0, "engines": 2, "gpusPerEngine": 4,
+                       "gpusPerNode": 2}).spec
+    lay = layout(cpu)
+    assert (lay.engines, lay.engine_nodes) == (2, 2) and lay.engine_actor.num_gpus == 0
+    assert local_resources(cpu)[RESOURCE_ROLLOUT] == 4  # one unit per part
+
+
 def test_cpu_job_fits_a_two_core_box() -> None:
     spec = job(placement="disaggregated", training={"gpusPerNode": 0, "backend": "fsdp"},
                rollout={"engine": "reference", "gpus": 0, "engines": 2}).spec
@@ -52,6 +68,11 @@ def test_cpu_job_fits_a_two_core_box() -> None:
      "rollout": {"gpus": 16, "gpusPerEngine": 4}},
     {"placement": "disaggregated", "training": {"gpusPerNode": 0, "backend": "fsdp"},
      "rollout": {"engine": "reference", "gpus": 0, "engines": 3}},
+    {"placement": "disaggregated", "training": {"gpusPerNode": 8},  # engines over 2 nodes
+     "rollout": {"gpus": 32, "gpusPerEngine": 16}},
+    {"placement": "disaggregated", "training": {"gpusPerNode": 0, "backend": "fsdp"},
+     "rollout": {"engine": "reference", "gpus": 0, "engines": 2, "gpusPerEngine": 4,
+                 "gpusPerNode": 2}},
     {"training": {"nodes": 2, "gpusPerNode": 8}, "algorithm": {"advantageEstimator": "ppo"}},
     {"placement": "disaggregated", "training": {"gpusPerNode": 8},
      "rollout": {"gpus": 8, "gpusPerEngine": 4}, "algorithm": {"advantageEstimator": "ppo"},
@@ -66,13 +87,17 @@ def test_rendered_pods_hold_every_actor(spec: dict[str, Any]) -> None:
     lay = layout(rlj.spec)
     rayjob = render_children(rlj)[-1]
     offered = {RESOURCE_TRAIN: 0, RESOURCE_ROLLOUT: 0, RESOURCE_CRITIC: 0}
+    per_pod: dict[str, int] = {}
     for group in rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]:
         for key, units in group.get("resources", {}).items():
             offered[key] += int(units) * group["replicas"]
+            per_pod[key] = max(per_pod.get(key, 0), int(units))
     assert offered[RESOURCE_TRAIN] >= lay.train_workers * lay.train_actor.resources[
         RESOURCE_TRAIN]
-    assert offered[RESOURCE_ROLLOUT] >= lay.engines * lay.engine_actor.resources[
-        RESOURCE_ROLLOUT]
+    # every part of every engine (one actor per node it spans), each within one pod
+    engine_units = lay.engine_actor.resources[RESOURCE_ROLLOUT]
+    assert offered[RESOURCE_ROLLOUT] >= lay.engines * lay.engine_nodes * engine_units
+    assert per_pod[RESOURCE_ROLLOUT] >= engine_units
     critic = lay.critic_actor.resources[RESOURCE_CRITIC] if lay.critic_actor else 0
     assert offered[RESOURCE_CRITIC] >= lay.critic_workers * critic
 

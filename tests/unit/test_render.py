@@ -212,6 +212,7 @@ def test_cpu_and_memory_requests_equal_limits(make_rljob: MakeJob) -> None:
     (24, 8, 8, 3, 8),
     (1, 8, 1, 1, 1),
     (12, 4, 2, 3, 4),
+    (32, 8, 16, 4, 8),   # two engines, each over two whole nodes
 ])
 def test_rollout_group_arithmetic(make_rljob: MakeJob, gpus_total: int, per_node: int,
                                   per_engine: int, replicas: int, per_pod: int) -> None:
@@ -298,6 +299,19 @@ def test_cpu_job_has_no_gpus_and_one_actor_slot_per_pod(make_rljob: MakeJob) -> 
         assert gpus(pod) == (None, None)
         assert "affinity" not in pod  # small clusters may pack CPU pods
         assert not any(k.startswith("NCCL_") for k in env(pod)), group
+
+
+def test_cpu_engines_wider_than_a_pod_take_one_pod_per_part(make_rljob: MakeJob) -> None:
+    """On CPU an engine's processes stand in for GPUs: 4 of them at 2 per pod is 2 pods."""
+    job = make_rljob(spec={
+        "placement": "disaggregated",
+        "training": {"gpusPerNode": 0, "backend": "fsdp"},
+        "rollout": {"engine": "reference", "gpus": 0, "engines": 3, "gpusPerEngine": 4,
+                    "gpusPerNode": 2},
+    })
+    rollout = groups(job)["rollout"]
+    assert rollout["replicas"] == 6
+    assert rollout["resources"] == {names.RESOURCE_ROLLOUT: "1"}
 
 
 def test_colocated_cpu_job_spreads_engines_over_train_pods(make_rljob: MakeJob) -> None:

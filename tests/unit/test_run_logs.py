@@ -47,8 +47,13 @@ class _Engines:
             return {}
         return {URL: -9}
 
+    urls = [URL]
+
     def log_of(self, url: str) -> Path | None:
         return self.log
+
+    def actor_of(self, url: str) -> object:
+        raise RuntimeError("the actor is gone too")  # explaining must not raise
 
 
 def explain(tmp_path: Path, exc: BaseException, engines: _Engines | None,

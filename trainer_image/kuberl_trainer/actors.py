@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from kuberl_trainer.placement import (
     weight_sync_port,
 )
 from kuberl_trainer.sharding import DataParallelLayout
+from kuberl_wire.protocol import ENGINE_SECRET_ENV
 
 SYNC_TIMEOUT_S = 300.0
 ENGINE_LOG_TAIL_LINES = 200  # kept by an engine actor (EngineServer.log_tail)
@@ -42,6 +44,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
+
+
+def _distinct_free_ports(count: int) -> list[int]:
+    """`count` different free ports (each bound and released in turn: the OS may repeat one)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def node_ip() -> str:
@@ -196,31 +208,40 @@ class TrainWorker:
 
 
 class EngineServer:
-    """Runs one engine HTTP server as a child process of this actor (on the actor's pod).
+    """Runs one engine HTTP server as a child process of this actor (on the actor's pod): the
+    whole engine, or node `node_rank` of an engine spanning `spec.engine_nodes` nodes.
     `log_file`: where the actor's and the server's output go (see log_to_file)."""
 
     def __init__(self, spec_json: str, index: int, seed: int, sharing: int = 1,
-                 log_file: str | None = None) -> None:
-        log_to_file(log_file, f"engine {index}")
+                 log_file: str | None = None, node_rank: int = 0) -> None:
+        part = f" node {node_rank}" if node_rank else ""
+        log_to_file(log_file, f"engine {index}{part}")
         self.spec = RLJobSpec.model_validate_json(spec_json)
-        self.index, self.seed, self.sharing = index, seed, sharing
+        self.index, self.seed, self.sharing, self.node_rank = index, seed, sharing, node_rank
+        self.name = f"engine {index}{part}"
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.tail: deque[str] = deque(maxlen=ENGINE_LOG_TAIL_LINES)
 
-    def start(self, model_path: str) -> str:
-        port = free_port()
-        nccl_port = free_port()
-        while nccl_port == port:  # each bound and released in turn: the OS may repeat one
-            nccl_port = free_port()
-        cmd = self._command(model_path, port, nccl_port)
+    def start(self, model_path: str, dist_init_addr: str = "",
+              secret: str = "") -> tuple[str, str]:
+        """Start the server; returns (its URL, the engine's dist-init address). Node rank 0
+        of a multi-node engine picks that address (a free port on its node); the others are
+        given it. `secret`: the key the reference engine's nodes authenticate each other with
+        (shared by one engine's parts, passed in the environment, never on a command line)."""
+        port, nccl_port, dist_port = _distinct_free_ports(3)
+        if self.spec.engine_nodes > 1 and self.node_rank == 0:
+            dist_init_addr = f"{node_ip()}:{dist_port}"
+        cmd = self._command(model_path, port, nccl_port, dist_init_addr)
         env = dict(os.environ)
+        if secret:
+            env[ENGINE_SECRET_ENV] = secret
         if self.spec.placement == "colocate" and self.spec.rollout_gpus:
             devices = colocated_engine_devices(self.index, self.spec.rollout.gpus_per_engine,
                                                self.spec.training.gpus_per_node)
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
         device = cmd[cmd.index("--device") + 1] if "--device" in cmd else "its GPUs"
-        print(f"engine {self.index} ({self.spec.rollout.engine}) on {device} "
+        print(f"{self.name} ({self.spec.rollout.engine}) on {device} "
               f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}): "
               f"{' '.join(cmd)}", flush=True)
         # The server's output goes through this actor to its stdout (its log file, or the
@@ -229,14 +250,15 @@ class EngineServer:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      env=env)
         threading.Thread(target=self._forward, args=(self.proc.stdout,), daemon=True,
-                         name=f"engine-{self.index}-output").start()
+                         name=f"engine-{self.index}-{self.node_rank}-output").start()
         self.url = f"http://{node_ip()}:{port}"
-        return self.url
+        return self.url, dist_init_addr
 
-    def _command(self, model_path: str, port: int, nccl_port: int) -> list[str]:
-        return engine_command(self.spec, model_path=model_path, port=port,
-                              nccl_port=nccl_port, seed=self.seed,
-                              torch_threads=torch_threads(self.sharing))
+    def _command(self, model_path: str, port: int, nccl_port: int,
+                 dist_init_addr: str = "") -> list[str]:
+        return engine_command(self.spec, model_path=model_path, port=port, nccl_port=nccl_port,
+                              seed=self.seed, torch_threads=torch_threads(self.sharing),
+                              node_rank=self.node_rank, dist_init_addr=dist_init_addr)
 
     def _forward(self, pipe: IO[bytes] | None) -> None:
         if pipe is None:
@@ -392,31 +414,68 @@ def combine_rank_metrics(results: Sequence[dict[str, float]]) -> dict[str, float
 
 
 class EngineGroup:
-    """The engine actors and their servers' URLs. `log_dir`: where each engine's output goes
-    (engine-<index>.log), read back by `log_tail` to explain an engine's death."""
+    """The engine actors and their servers' URLs (node rank 0's, for an engine spanning
+    nodes: the one that serves HTTP). `log_dir`: where each engine's output goes
+    (engine-<index>.log, engine-<index>-node-<rank>.log for the other nodes of one), read back
+    by `log_tail` to explain an engine's death."""
 
     def __init__(self, spec: RLJobSpec, layout: Layout, seed: int, *,
                  one_machine: bool = False, log_dir: Path | None = None) -> None:
         cls: Any = ray.remote(EngineServer)
         spec_json = spec.model_dump_json(by_alias=True)
-        opts = placed(layout.engine_actor, layout.engines, "engine")
-        sharing = layout.engines if one_machine else 1
-        self.logs: list[Path | None] = [
-            None if log_dir is None else log_dir / f"engine-{i}.log"
-            for i in range(layout.engines)]
-        self.actors = [cls.options(**opts[i]).remote(
-            spec_json, i, seed + i, sharing, None if log is None else str(log.resolve()))
-            for i, log in enumerate(self.logs)]
-        self.urls: list[str] = ray.get([a.start.remote(spec.model.path) for a in self.actors])
+        nodes = layout.engine_nodes
+        # Bundle e * nodes + r holds node r of engine e: PACK puts an engine's nodes side by
+        # side, and a bundle as large as a node takes a node of its own.
+        opts = placed(layout.engine_actor, layout.engines * nodes, "engine")
+        sharing = layout.engines * nodes if one_machine else 1
+        self.logs: list[list[Path | None]] = [
+            [None if log_dir is None else log_dir / _engine_log_name(e, r) for r in range(nodes)]
+            for e in range(layout.engines)]
+        self.parts: list[list[Any]] = [[cls.options(**opts[e * nodes + r]).remote(
+            spec_json, e, seed + e, sharing, None if log is None else str(log.resolve()), r)
+            for r, log in enumerate(logs)] for e, logs in enumerate(self.logs)]
+        secrets_ = [secrets.token_hex(16) if nodes > 1 else "" for _ in self.parts]
+        heads: list[tuple[str, str]] = ray.get([
+            parts[0].start.remote(spec.model.path, "", key)
+            for parts, key in zip(self.parts, secrets_, strict=True)])
+        # The other nodes join node rank 0's TP group at the address it picked.
+        ray.get([part.start.remote(spec.model.path, addr, key)
+                 for parts, (_, addr), key in zip(self.parts, heads, secrets_, strict=True)
+                 for part in parts[1:]])
+        self.urls: list[str] = [url for url, _ in heads]
+        self.actors = [parts[0] for parts in self.parts]
+        self._failed_part: dict[str, int] = {}
 
     def dead(self) -> dict[str, int]:
-        """Engines whose server process exited, with the exit code."""
-        codes: list[Any] = ray.get([a.poll.remote() for a in self.actors])
-        return {url: c for url, c in zip(self.urls, codes, strict=True) if c is not None}
+        """Engines a server process of which exited (any node's), with the exit code."""
+        codes: list[list[Any]] = [ray.get([p.poll.remote() for p in parts])
+                                  for parts in self.parts]
+        out: dict[str, int] = {}
+        for url, per_node in zip(self.urls, codes, strict=True):
+            for rank, code in enumerate(per_node):
+                if code is not None:
+                    out[url] = code
+                    self._failed_part.setdefault(url, rank)
+                    break
+        return out
+
+    def actor_of(self, url: str) -> Any:
+        """The actor whose output explains the engine at `url`: the node whose server exited
+        first, else node rank 0."""
+        e = self.urls.index(url)
+        return self.parts[e][self._failed_part.get(url, 0)]
 
     def log_of(self, url: str) -> Path | None:
-        """The log file of the engine serving `url` (None in a cluster: pod logs)."""
-        return self.logs[self.urls.index(url)] if url in self.urls else None
+        """The log file explaining the engine serving `url` (as actor_of; None in a cluster:
+        pod logs)."""
+        if url not in self.urls:
+            return None
+        e = self.urls.index(url)
+        return self.logs[e][self._failed_part.get(url, 0)]
 
     def stop(self) -> None:
-        ray.get([a.stop.remote() for a in self.actors])
+        ray.get([p.stop.remote() for parts in self.parts for p in parts])
+
+
+def _engine_log_name(index: int, node_rank: int) -> str:
+    return f"engine-{index}.log" if node_rank == 0 else f"engine-{index}-node-{node_rank}.log"

@@ -10,14 +10,19 @@ What kuberl passes to SGLang (`python -m sglang.launch_server`) and why:
                                    process group; SGLang's default is a random port that can
                                    collide when several engines share a node
   --tp-size N                      rollout.gpusPerEngine
+  --nnodes K --node-rank R         an engine wider than a rollout node (spec.engine_nodes K > 1):
+  --dist-init-addr H:P             one process per node, node rank 0 serving HTTP, the others
+                                   only joining its TP group, whose rendezvous is H:P (a free
+                                   port on node rank 0's node); SGLang's ranks >= 1 answer only
+                                   /health on their own port
   --random-seed S                  the run's seed + the engine's index
   colocate with rollout GPUs:      --enable-memory-saver (what SGLang needs to release and
                                    resume its memory, handing it to training between phases) and
                                    --mem-fraction-static 0.7 (COLOCATED_MEM_FRACTION_STATIC)
   then rollout.engineArgs and      see engine_arg_flags
   engineListArgs
-The reference engine (`python -m kuberl_rollout.reference`) gets the same model, host, port
-and --tp-size, plus --seed, --device and (on CPU) --torch-threads.
+The reference engine (`python -m kuberl_rollout.reference`) gets the same model, host, port,
+--tp-size and multi-node flags, plus --seed, --device and (on CPU) --torch-threads.
 """
 
 from __future__ import annotations
@@ -74,11 +79,21 @@ def default_engine_args(spec: RLJobSpec) -> dict[str, EngineArgValue]:
 
 
 def engine_command(spec: RLJobSpec, *, model_path: str, port: int, nccl_port: int, seed: int,
-                   torch_threads: int = 0, python: str = sys.executable) -> list[str]:
-    """The engine server's argv. `port`, `nccl_port`: free ports on the engine's node (the
-    reference engine has no NCCL port of its own: its TP processes take their work from rank
-    0 over pipes); `torch_threads`: its CPU threads when it runs on CPU."""
+                   torch_threads: int = 0, node_rank: int = 0, dist_init_addr: str = "",
+                   python: str = sys.executable) -> list[str]:
+    """The argv of one engine server process: the whole engine, or node `node_rank` of one
+    spanning `spec.engine_nodes` nodes (`dist_init_addr`: node rank 0's "host:port" for the
+    TP group's rendezvous). `port`, `nccl_port`: free ports on this node (the reference
+    engine has no NCCL port of its own: its TP processes take their work from rank 0 over
+    pipes and sockets); `torch_threads`: its CPU threads when it runs on CPU."""
     r = spec.rollout
+    nodes = spec.engine_nodes
+    if nodes > 1 and not dist_init_addr:
+        raise ValueError(f"an engine over {nodes} nodes needs node rank 0's dist-init address")
+    if not 0 <= node_rank < nodes:
+        raise ValueError(f"node rank {node_rank} outside the engine's {nodes} node(s)")
+    multi_node = ["--nnodes", str(nodes), "--node-rank", str(node_rank),
+                  "--dist-init-addr", dist_init_addr] if nodes > 1 else []
     if r.engine == "reference":
         # From the spec, not torch.cuda here: a colocated engine's actor sees no GPU (see
         # placement.colocated_engine_devices); its process is given its own.
@@ -88,10 +103,11 @@ def engine_command(spec: RLJobSpec, *, model_path: str, port: int, nccl_port: in
                "--seed", str(seed), "--device", device]
         if device == "cpu":
             cmd += ["--torch-threads", str(torch_threads)]
+        cmd += multi_node
     else:
         cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path,
                "--host", "0.0.0.0", "--port", str(port), "--nccl-port", str(nccl_port),
-               "--tp-size", str(r.gpus_per_engine), "--random-seed", str(seed)]
+               "--tp-size", str(r.gpus_per_engine), "--random-seed", str(seed), *multi_node]
     if spec.model.tokenizer:  # the engines detokenize the text rewards are read from
         cmd += ["--tokenizer-path", spec.model.tokenizer]
     return cmd + engine_arg_flags(

@@ -41,8 +41,11 @@ class Layout:
     train_workers: int
     train_actor: ActorShape
     engines: int
-    engine_actor: ActorShape
+    engine_actor: ActorShape  # one per node an engine spans (its parts)
     gpus_per_engine: int
+    # Nodes one engine spans (SGLang's --nnodes): `engine_nodes` actors of `engine_actor`
+    # each, node rank 0 serving HTTP; 1 for an engine that fits a node.
+    engine_nodes: int = 1
     # PPO's value model: `critic_workers` actors of `critic_actor`; shared ones sit in the same
     # placement-group bundle as the training worker of their rank (see `train_bundle`).
     critic_workers: int = 0
@@ -69,21 +72,25 @@ _CPU_SLIVER = 0.1
 
 def layout(spec: RLJobSpec) -> Layout:
     """One training worker per GPU (per node on CPU); `num_engines` engines of
-    `gpusPerEngine` GPUs (one CPU engine each when rollout runs on CPU)."""
+    `gpusPerEngine` GPUs (one CPU engine each when rollout runs on CPU), each one actor per
+    node it spans (`spec.engine_nodes`)."""
     t = spec.training
     gpu = t.gpus_per_node > 0
     train = ActorShape(num_cpus=1 if gpu else _CPU_SLIVER, num_gpus=1 if gpu else 0,
                        resources={RESOURCE_TRAIN: 1})
     rollout_gpu = spec.rollout_gpus > 0
+    nodes = spec.engine_nodes
     per_engine = spec.rollout.gpus_per_engine if rollout_gpu else 0
+    per_part = per_engine // nodes
     # Colocated engines share the trainers' GPUs: they take no GPU from Ray's accounting (the
     # engine process sees the devices through CUDA_VISIBLE_DEVICES set by the launcher) and
     # hand memory back between phases (release/resume_memory_occupation).
-    engine_gpus = per_engine if (rollout_gpu and spec.placement == "disaggregated") else 0
+    engine_gpus = per_part if (rollout_gpu and spec.placement == "disaggregated") else 0
     engine = ActorShape(num_cpus=1 if rollout_gpu else _CPU_SLIVER, num_gpus=engine_gpus,
-                        resources={RESOURCE_ROLLOUT: per_engine or 1})
+                        resources={RESOURCE_ROLLOUT: per_part or 1})
     lay = Layout(placement=spec.placement, train_workers=t.world_size, train_actor=train,
-                 engines=spec.num_engines, engine_actor=engine, gpus_per_engine=per_engine)
+                 engines=spec.num_engines, engine_actor=engine, gpus_per_engine=per_engine,
+                 engine_nodes=nodes)
     return _with_critic(spec, lay) if spec.has_critic else lay
 
 
@@ -119,7 +126,8 @@ def local_resources(spec: RLJobSpec) -> dict[str, float]:
     machine: exactly the units the job's actors ask for."""
     lay = layout(spec)
     train_units = lay.train_workers * lay.train_actor.resources[RESOURCE_TRAIN]
-    rollout_units = lay.engines * lay.engine_actor.resources[RESOURCE_ROLLOUT]
+    rollout_units = (lay.engines * lay.engine_nodes
+                     * lay.engine_actor.resources[RESOURCE_ROLLOUT])
     out = {RESOURCE_TRAIN: train_units, RESOURCE_ROLLOUT: rollout_units}
     if lay.critic_actor is not None:
         out[RESOURCE_CRITIC] = lay.critic_workers * lay.critic_actor.resources[RESOURCE_CRITIC]

@@ -207,13 +207,11 @@ class Session:
             f"  {line}" for line in tail(path, LOG_TAIL_LINES))
 
     def _actor_log_tail(self, url: str) -> list[str]:
-        actors: list[Any] = list(getattr(self.engines, "actors", None) or [])
-        urls: list[str] = list(getattr(self.engines, "urls", None) or [])
-        if url not in urls or len(actors) != len(urls):
+        if self.engines is None or url not in self.engines.urls:
             return []
         try:  # explaining an error must not raise another (a dead actor)
             return [str(line) for line in ray.get(
-                actors[urls.index(url)].log_tail.remote(LOG_TAIL_LINES), timeout=10)]
+                self.engines.actor_of(url).log_tail.remote(LOG_TAIL_LINES), timeout=10)]
         except Exception:
             return []
 

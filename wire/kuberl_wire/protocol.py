@@ -92,3 +92,9 @@ def rank_offsets(tp_sizes: Sequence[int]) -> tuple[int, list[int]]:
         offsets.append(at)
         at += tp
     return at, offsets
+
+
+# Not SGLang's: the environment variable kuberl's launcher hands the nodes of one multi-node
+# reference engine their shared key in (they authenticate each other's connections with it;
+# see kuberl_rollout.reference.tp). An environment variable, so no command line shows it.
+ENGINE_SECRET_ENV = "KUBERL_ENGINE_SECRET"

@@ -53,14 +53,15 @@ def train_group(spec: RLJobSpec) -> WorkerGroup:
 def rollout_group(spec: RLJobSpec) -> WorkerGroup:
     """Disaggregated engines: whole nodes of `gpusPerNode` GPUs, or one smaller pod when all
     rollout GPUs fit on one node (the model guarantees one of the two, so the division is
-    exact). On CPU (gpus: 0) one pod per engine."""
+    exact); an engine wider than a node takes `engine_nodes` whole pods. On CPU (gpus: 0)
+    one pod per engine, or per part of an engine that spans pods."""
     r = spec.rollout
     gpus = spec.rollout_gpus
     if gpus:
         per_pod = min(gpus, r.gpus_per_node)
         replicas, units = math.ceil(gpus / per_pod), per_pod
     else:
-        per_pod, replicas, units = 0, spec.num_engines, 1
+        per_pod, replicas, units = 0, spec.num_engines * spec.engine_nodes, 1
     return WorkerGroup(
         name=names.GROUP_ROLLOUT, image=r.image, replicas=replicas, gpus_per_pod=per_pod,
         node_pool=r.node_pool, resources=r.resources,

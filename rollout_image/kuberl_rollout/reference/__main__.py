@@ -6,12 +6,18 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 # Local files only: the engine must never reach out to the Hub (pods may have no egress, and
 # tests must not depend on the network). Set before transformers is imported.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+from kuberl_wire.protocol import ENGINE_SECRET_ENV
+
+if TYPE_CHECKING:
+    from kuberl_rollout.reference.tp import Nodes, RankArgs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor parallel size: this many processes (GPUs 0..N-1 of those "
                         "visible, with --device cuda), each a member of the weight-update "
                         "group as SGLang's TP workers are (see kuberl_rollout.reference.tp)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="nodes the engine spans (SGLang's flag): --tp-size / --nnodes ranks on "
+                        "each; node rank 0 serves the API, the others only /health")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank in the engine")
+    p.add_argument("--dist-init-addr", default=None,
+                   help="node rank 0's host:port, where the other nodes' ranks connect (their "
+                        "shared key in $" + ENGINE_SECRET_ENV + "); needed with --nnodes > 1")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--weight-version", default="default", help="initial weight_version")
     p.add_argument("--mem-fraction-static", type=float, default=None,
@@ -45,7 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # SGLang's own checks of the same flags (ServerArgs: tp_size % nnodes == 0).
+    if args.nnodes < 1 or args.tp_size % args.nnodes:
+        parser.error(f"--tp-size {args.tp_size} must be divisible by --nnodes {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        parser.error(f"--node-rank {args.node_rank} must be in [0, {args.nnodes})")
+    if args.nnodes > 1 and not args.dist_init_addr:
+        parser.error("--nnodes > 1 needs --dist-init-addr (node rank 0's host:port)")
+    if args.nnodes > 1 and not os.environ.get(ENGINE_SECRET_ENV):
+        parser.error(f"--nnodes > 1 needs the nodes' shared key in ${ENGINE_SECRET_ENV}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,17 +81,24 @@ def main(argv: list[str] | None = None) -> None:
 
     from kuberl_rollout.reference.engine import ReferenceEngine
     from kuberl_rollout.reference.server import Server
-    from kuberl_rollout.reference.tp import Peers, RankArgs, rank_device
+    from kuberl_rollout.reference.tp import Nodes, Peers, RankArgs, rank_device
 
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
-    if args.device == "cuda" and args.tp_size > torch.cuda.device_count():
-        raise SystemExit(f"--tp-size {args.tp_size} needs {args.tp_size} GPUs; this process "
-                         f"sees {torch.cuda.device_count()}")
+    per_node = args.tp_size // args.nnodes
+    if args.device == "cuda" and per_node > torch.cuda.device_count():
+        raise SystemExit(f"--tp-size {args.tp_size} over {args.nnodes} node(s) needs {per_node} "
+                         f"GPUs here; this process sees {torch.cuda.device_count()}")
+    nodes = Nodes(args.nnodes, args.node_rank, args.dist_init_addr or "",
+                  os.environ.get(ENGINE_SECRET_ENV, "").encode())
+    rank_args = RankArgs(args.model_path, args.tokenizer_path, args.device, args.dtype,
+                         args.seed, args.weight_version, args.weight_sync_timeout,
+                         args.torch_threads, args.mem_fraction_static, per_node)
+    if args.node_rank > 0:
+        serve_other_node(args, rank_args, nodes)
+        return
     # The peers load their copies while this rank loads its own.
-    peers = Peers(RankArgs(args.model_path, args.tokenizer_path, args.device, args.dtype,
-                           args.seed, args.weight_version, args.weight_sync_timeout,
-                           args.torch_threads, args.mem_fraction_static), args.tp_size)
+    peers = Peers(rank_args, args.tp_size, nodes)
     engine = ReferenceEngine(args.model_path, tokenizer_path=args.tokenizer_path,
                              device=rank_device(args.device, 0), dtype=args.dtype,
                              seed=args.seed, weight_version=args.weight_version,
@@ -78,7 +109,9 @@ def main(argv: list[str] | None = None) -> None:
                     peers=peers if args.tp_size > 1 else None,
                     # /server_info reports them under SGLang's ServerArgs names
                     server_args={"host": args.host, "port": args.port,
-                                 "random_seed": args.seed,
+                                 "random_seed": args.seed, "nnodes": args.nnodes,
+                                 "node_rank": args.node_rank,
+                                 "dist_init_addr": args.dist_init_addr,
                                  "mem_fraction_static": args.mem_fraction_static})
     peers.wait_ready()
     logging.getLogger("kuberl.reference").info(
@@ -89,6 +122,49 @@ def main(argv: list[str] | None = None) -> None:
     peers.stop()
     # The worker thread may sit in a collective or a long batch; don't let interpreter
     # shutdown wait for it once the server has stopped.
+    logging.shutdown()
+    os._exit(0)
+
+
+def serve_other_node(args: argparse.Namespace, rank_args: RankArgs, nodes: Nodes) -> None:
+    """Node rank >= 1 of an engine: run this node's TP ranks (they connect to node 0 and take
+    their work from it) and answer /health, /health_generate and /ping on --port, as SGLang's
+    non-zero node ranks do; exit when a rank exits (node 0 gone, or the rank failed), with
+    its exit code."""
+    import threading
+
+    from aiohttp import web
+
+    from kuberl_rollout.reference.tp import start_node_ranks
+
+    log = logging.getLogger("kuberl.reference")
+    procs = start_node_ranks(rank_args, args.tp_size, nodes)
+
+    def watch() -> None:
+        for proc in procs:
+            proc.join()
+            log.error("tensor parallel process %s exited with code %s", proc.name,
+                      proc.exitcode)
+            for other in procs:
+                if other.is_alive():
+                    other.terminate()
+            logging.shutdown()
+            os._exit(proc.exitcode or 0)
+
+    threading.Thread(target=watch, daemon=True, name="tp-watch").start()
+
+    async def ok(_: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    for path in ("/health", "/health_generate", "/ping"):
+        app.router.add_get(path, ok)
+    log.info("node %d of %d: tensor parallel ranks %s joining %s; /health on http://%s:%d",
+             args.node_rank, args.nnodes, list(nodes.ranks(args.tp_size)),
+             args.dist_init_addr, args.host, args.port)
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    for proc in procs:
+        proc.terminate()
     logging.shutdown()
     os._exit(0)
 

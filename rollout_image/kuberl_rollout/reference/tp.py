@@ -14,6 +14,13 @@ every weight operation to all of them while doing its own part. What is not repr
 ranks hold full copies of the model rather than shards, and only rank 0 generates (SGLang's
 ranks compute every forward pass together). Neither is visible through the HTTP API except as
 memory.
+
+An engine wider than a node (`--nnodes K`, as SGLang's) runs N/K ranks per node: node rank R
+holds ranks R*N/K .. (R+1)*N/K-1 on its local GPUs 0..N/K-1. Node 0 serves HTTP and listens on
+`--dist-init-addr`'s port; the other nodes' ranks connect to it there (authenticated with the
+key in $KUBERL_ENGINE_SECRET) and take their work over that connection exactly as node 0's
+own ranks do over pipes, so every rank still joins the weight-update group itself, from its
+own node. Those nodes serve only /health on their own port, as SGLang's do.
 """
 
 from __future__ import annotations
@@ -22,13 +29,16 @@ import contextlib
 import logging
 import multiprocessing as mp
 import sys
+import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 LOG = logging.getLogger("kuberl.reference")
 READY_TIMEOUT_S = 600.0
+CONNECT_RETRY_S = 0.2  # a remote rank's retry interval while node 0 is not listening yet
 
 
 @dataclass(frozen=True)
@@ -44,11 +54,36 @@ class RankArgs:
     weight_sync_timeout_s: float
     torch_threads: int = 0
     mem_fraction_static: float | None = None
+    ranks_per_node: int = 0  # 0: every rank on one node
 
 
-def rank_device(device: str, tp_rank: int) -> str:
-    """Rank r uses GPU r of those the engine was given (SGLang: base GPU id + tp_rank)."""
-    return f"cuda:{tp_rank}" if device == "cuda" else device
+def local_gpu(tp_rank: int, ranks_per_node: int) -> int:
+    """The node-local GPU of rank r (SGLang: base GPU id + tp_rank % TP ranks per node)."""
+    return tp_rank % ranks_per_node if ranks_per_node else tp_rank
+
+
+def rank_device(device: str, tp_rank: int, ranks_per_node: int = 0) -> str:
+    """Rank r's device: its node-local GPU (see local_gpu), or the CPU."""
+    return f"cuda:{local_gpu(tp_rank, ranks_per_node)}" if device == "cuda" else device
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """How an engine spans nodes (SGLang's --nnodes, --node-rank, --dist-init-addr)."""
+
+    count: int = 1
+    rank: int = 0
+    dist_init_addr: str = ""  # node 0's "host:port"
+    secret: bytes = b""  # authenticates the nodes' connections
+
+    def address(self) -> tuple[str, int]:
+        host, _, port = self.dist_init_addr.rpartition(":")
+        return host.strip("[]"), int(port)
+
+    def ranks(self, tp_size: int) -> range:
+        """The TP ranks on this node."""
+        per_node = tp_size // self.count
+        return range(self.rank * per_node, (self.rank + 1) * per_node)
 
 
 class PeerError(ValueError):
@@ -56,27 +91,74 @@ class PeerError(ValueError):
 
 
 class Peers:
-    """Ranks 1..tp_size-1 of one engine; empty for tp_size 1."""
+    """Ranks 1..tp_size-1 of one engine, seen from rank 0: those on its node as child
+    processes over pipes, those on other nodes (`nodes.count` > 1) over connections they open
+    to node 0's dist-init port. Empty for tp_size 1."""
 
-    def __init__(self, args: RankArgs, tp_size: int) -> None:
+    def __init__(self, args: RankArgs, tp_size: int, nodes: Nodes = Nodes()) -> None:
         if tp_size < 1:
             raise ValueError(f"--tp-size must be at least 1, got {tp_size}")
+        local = nodes.ranks(tp_size)
         ctx = mp.get_context("spawn")  # CUDA can't be used in a forked child
-        self.conns: list[Connection] = []
-        self.procs: list[Any] = []
-        for rank in range(1, tp_size):
+        self.tp_size = tp_size
+        self.by_rank: dict[int, Connection] = {}
+        self.procs: dict[int, Any] = {}
+        for rank in local[1:]:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_peer_main, args=(child, args, rank), daemon=True,
                                name=f"tp-rank-{rank}")
             proc.start()
             child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
+            self.by_rank[rank] = parent
+            self.procs[rank] = proc
+        self._remote = [r for r in range(tp_size) if r not in local]
+        self._accepting: threading.Thread | None = None
+        if self._remote:
+            _, port = nodes.address()
+            self._listener = Listener(("0.0.0.0", port), authkey=nodes.secret)
+            self._accepting = threading.Thread(target=self._accept, daemon=True,
+                                               name="tp-accept")
+            self._accepting.start()
+        self.conns: list[Connection] = []
+
+    def _accept(self) -> None:
+        """Take one connection per remote rank; each names its rank first. Ends when all are
+        in, or when stop() closes the listener."""
+        try:
+            while any(r not in self.by_rank for r in self._remote):
+                try:
+                    conn = self._listener.accept()
+                except OSError:  # closed by stop()
+                    return
+                except (mp.AuthenticationError, EOFError) as exc:  # a wrong key: not ours
+                    LOG.warning("refused a tensor parallel connection: %s", exc)
+                    continue
+                try:
+                    kind, rank = conn.recv()
+                except (EOFError, OSError, ValueError, TypeError):
+                    kind, rank = "?", None
+                if kind != "hello" or rank not in self._remote or rank in self.by_rank:
+                    LOG.warning("refused a tensor parallel connection announcing %r",
+                                (kind, rank))
+                    conn.close()
+                    continue
+                self.by_rank[rank] = conn
+        finally:
+            self._listener.close()
 
     def wait_ready(self) -> None:
-        """Block until every peer has loaded its model (they load while rank 0 loads)."""
+        """Block until every peer has loaded its model (they load while rank 0 loads) and,
+        for an engine over several nodes, every remote rank has connected."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        if self._accepting is not None:
+            self._accepting.join(READY_TIMEOUT_S)
+            missing = [r for r in self._remote if r not in self.by_rank]
+            if missing:
+                raise RuntimeError(f"tensor parallel ranks {missing} (on the engine's other "
+                                   f"nodes) did not connect within {READY_TIMEOUT_S:.0f}s")
+        self.conns = [self.by_rank[r] for r in range(1, self.tp_size)]
         for rank, conn in enumerate(self.conns, start=1):
-            if not conn.poll(READY_TIMEOUT_S):
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
                 raise RuntimeError(f"tensor parallel rank {rank} did not load the model within "
                                    f"{READY_TIMEOUT_S:.0f}s")
             status, detail = conn.recv()
@@ -85,7 +167,7 @@ class Peers:
 
     @property
     def size(self) -> int:
-        return len(self.conns) + 1
+        return self.tp_size
 
     def run(self, op: str, body: Any, local: Callable[[Any], Any]) -> list[Any]:
         """`op` on every rank: the peers' parts start first (a group rendezvous needs all
@@ -106,8 +188,10 @@ class Peers:
             try:
                 status, detail = conn.recv()
             except (EOFError, OSError):
-                code = self.procs[rank - 1].exitcode
-                status, detail = "error", f"the process exited (code {code})"
+                proc = self.procs.get(rank)
+                status, detail = "error", (f"the process exited (code {proc.exitcode})"
+                                           if proc is not None else
+                                           "its connection from another node closed")
             if status == "ok":
                 results.append(detail)
             else:
@@ -118,10 +202,12 @@ class Peers:
         return results
 
     def stop(self) -> None:
-        for conn in self.conns:
+        if self._accepting is not None and self._accepting.is_alive():
+            self._listener.close()
+        for conn in self.by_rank.values():
             with contextlib.suppress(OSError, ValueError):  # already gone
                 conn.send(("stop", None))
-        for proc in self.procs:
+        for proc in self.procs.values():
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
@@ -138,10 +224,10 @@ def _peer_main(conn: Connection, args: RankArgs, tp_rank: int) -> None:
 
         if args.torch_threads > 0:
             torch.set_num_threads(args.torch_threads)
-        device = rank_device(args.device, tp_rank)
+        device = rank_device(args.device, tp_rank, args.ranks_per_node)
         if device.startswith("cuda"):
             # NCCL groups and the receive buffers use the current device.
-            torch.cuda.set_device(tp_rank)
+            torch.cuda.set_device(local_gpu(tp_rank, args.ranks_per_node))
         engine = ReferenceEngine(args.model_path, tokenizer_path=args.tokenizer_path,
                                  device=device, dtype=args.dtype, seed=args.seed,
                                  weight_version=args.weight_version,
@@ -173,3 +259,38 @@ def _peer_main(conn: Connection, args: RankArgs, tp_rank: int) -> None:
         except Exception as exc:
             conn.send(("error", str(exc) if isinstance(exc, ValueError)
                        else f"{type(exc).__name__}: {exc}"))
+
+
+def connect_to_node0(nodes: Nodes, tp_rank: int, timeout_s: float = READY_TIMEOUT_S
+                     ) -> Connection:
+    """A remote rank's connection to node 0 (retried while node 0 starts), announced."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            conn = Client(nodes.address(), authkey=nodes.secret)
+            break
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor parallel rank {tp_rank} could not reach node 0 at "
+                                   f"{nodes.dist_init_addr} within {timeout_s:.0f}s: {exc}"
+                                   ) from exc
+            time.sleep(CONNECT_RETRY_S)
+    conn.send(("hello", tp_rank))
+    return conn
+
+
+def _remote_rank_main(nodes: Nodes, args: RankArgs, tp_rank: int) -> None:
+    _peer_main(connect_to_node0(nodes, tp_rank), args, tp_rank)
+
+
+def start_node_ranks(args: RankArgs, tp_size: int, nodes: Nodes) -> list[Any]:
+    """On node rank >= 1: this node's ranks, as processes that connect to node 0 and then
+    serve it as its own ranks do (see _peer_main)."""
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in nodes.ranks(tp_size):
+        proc = ctx.Process(target=_remote_rank_main, args=(nodes, args, rank), daemon=True,
+                           name=f"tp-rank-{rank}")
+        proc.start()
+        procs.append(proc)
+    return procs
