@@ -8,6 +8,8 @@ learning). After the run it compares every engine's weight checksums with the tr
     python bench/gpu_loop.py --placement disaggregated --steps 6     # 2 GPUs: trainer | engine
     python bench/gpu_loop.py --placement colocate --steps 6          # 1 GPU shared
     python bench/gpu_loop.py --backend megatron --steps 6             # megatron-core trainer
+    python bench/gpu_loop.py --engine-tp 2 --engine-nodes 2 --steps 4 # 3 GPUs: an engine of
+                                                                      # TP 2 over 2 "nodes"
 
 Prints a table: generated tokens/s, trained tokens/s, seconds per step split into generate /
 train / sync, weight-sync GB/s. Never part of `make test`.
@@ -47,8 +49,12 @@ def manifest(out: Path, args: argparse.Namespace) -> dict[str, Any]:
         "placement": args.placement,
         "schedule": {"numRollouts": args.steps},
     }
+    spec["rollout"]["gpusPerEngine"] = args.engine_tp
     if args.placement == "disaggregated":  # (colocated engines take the training pods' GPUs)
-        spec["rollout"] |= {"gpus": 1, "gpusPerNode": 1}
+        # --engine-nodes K: rollout "nodes" of TP/K GPUs, so the engine spans K of them (one
+        # Ray actor and server process each, SGLang's --nnodes; here all on one machine)
+        spec["rollout"] |= {"gpus": args.engine_tp,
+                            "gpusPerNode": args.engine_tp // args.engine_nodes}
     return {"apiVersion": "kuberl.dev/v1alpha1", "kind": "RLJob",
             "metadata": {"name": "gpu-loop"}, "spec": spec}
 
@@ -64,6 +70,9 @@ def main() -> int:
     p.add_argument("--response-len", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--backend", default="fsdp", choices=["fsdp", "megatron"])
+    p.add_argument("--engine-tp", type=int, default=1, help="one engine of this TP size")
+    p.add_argument("--engine-nodes", type=int, default=1,
+                   help="(disaggregated) the nodes that engine spans")
     args = p.parse_args()
 
     from kuberl_api import parse
@@ -94,13 +103,14 @@ def main() -> int:
         async def sums() -> list[Any]:
             client = EngineClient(urls)
             try:
-                return [await client.request(u, "GET", "/get_weights_checksum") for u in urls]
+                return [rank for u in urls for rank in (await client.request(
+                    u, "GET", "/get_weights_checksum?all_ranks=true"))["tp_ranks"]]
             finally:
                 await client.close()
 
-        engines = asyncio.run(sums())
-        synced = all({k: (e.get("checksums", e))[k] for k in trainer} == trainer
-                      for e in engines)
+        ranks = asyncio.run(sums())  # every TP process of every engine
+        synced = len(ranks) == len(urls) * args.engine_tp and all(
+            {k: r[k] for k in trainer} == trainer for r in ranks)
     finally:
         session.close()
     report(run_dir, args, synced)
@@ -114,7 +124,8 @@ def report(run_dir: Path, args: argparse.Namespace, synced: bool) -> None:
     samples = args.prompts * args.samples
     gen_tokens = mean("response_length_mean") * samples
     train_tokens = gen_tokens + 6 * samples
-    print(f"\n{args.shape}, backend {args.backend}, {args.placement}, "
+    print(f"\n{args.shape}, backend {args.backend}, {args.placement}, engine TP "
+          f"{args.engine_tp} over {args.engine_nodes} node(s), "
           f"GPU: {torch.cuda.get_device_name(0)}, "
           f"{samples} samples/step, steps {len(rows)} (first excluded)")
     print(f"{'gen tok/s':>10} {'train tok/s':>12} {'gen s':>7} {'train s':>8} {'sync s':>7} "

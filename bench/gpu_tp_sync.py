@@ -6,7 +6,9 @@ layout hangs, fails, or leaves a rank with other weights; the check reads every 
 checksums.
 
 - disaggregated: this process is the trainer on GPU 0 with the model's weights; a TP=2 engine
-  on GPUs 1-2 and a TP=1 engine on GPU 3 (the baseline, same run). `DistributedWeightSender`
+  on GPUs 1-2, the same engine split over two "nodes" (SGLang's --nnodes 2: two processes, one
+  GPU each, node 1's rank reaching node 0 over its dist-init address and joining the group
+  itself), and a TP=1 engine on GPU 3 (the baseline, same run). `DistributedWeightSender`
   (pause, flush, buckets over NCCL, continue) pushes the weights, negated before every sync so
   the engine must receive every byte; after the last sync every TP process's sha256 of every
   tensor must equal the trainer's.
@@ -54,7 +56,7 @@ def free_port() -> int:
 def start_engine(model_dir: Path, gpus: str, tp: int, log: Path,
                  *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus,
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus, "KUBERL_ENGINE_SECRET": "bench",
            "PYTHONPATH": os.pathsep.join([str(ROOT / p) for p in (
                "operator", "trainer_image", "rollout_image", "wire")] + [
                os.environ.get("PYTHONPATH", "")])}
@@ -101,11 +103,20 @@ def buckets(named: list[tuple[str, torch.Tensor]], mb: int) -> list[list[tuple[s
 
 
 def disaggregated(model_dir: Path, tp: int, gpus: str, args: argparse.Namespace,
-                  out: Path) -> dict[str, Any]:
+                  out: Path, nodes: int = 1) -> dict[str, Any]:
+    """`nodes` > 1: the engine as that many processes (SGLang's --nnodes), each on its own
+    slice of `gpus`, as on separate nodes."""
     from kuberl_trainer.engine_client import EngineClient
     from kuberl_trainer.weight_sync.sender import DistributedWeightSender
 
-    proc, url = start_engine(model_dir, gpus, tp, out / f"engine-disagg-tp{tp}.log")
+    name = f"tp{tp}" + (f"-{nodes}nodes" if nodes > 1 else "")
+    per_node = gpus.split(",")
+    per_node = [",".join(per_node[i::nodes]) for i in range(nodes)]
+    flags = ["--nnodes", str(nodes), "--dist-init-addr", f"{HOST}:{free_port()}"]
+    others = [start_engine(model_dir, per_node[r], tp, out / f"engine-disagg-{name}-{r}.log",
+                           *flags, "--node-rank", str(r))[0] for r in range(1, nodes)]
+    proc, url = start_engine(model_dir, per_node[0], tp, out / f"engine-disagg-{name}.log",
+                             *(flags + ["--node-rank", "0"] if nodes > 1 else []))
     named = load_params(model_dir, "cuda:0")
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     loop = asyncio.new_event_loop()
@@ -128,10 +139,12 @@ def disaggregated(model_dir: Path, tp: int, gpus: str, args: argparse.Namespace,
         loop.run_until_complete(sender.close())
     finally:
         loop.run_until_complete(client.close())
-        proc.terminate()
-        proc.wait(timeout=30)
+        for p in (proc, *others):
+            p.terminate()
+            p.wait(timeout=30)
     median = statistics.median(seconds[1:])
-    return {"path": "disaggregated (NCCL)", "tp": tp, "gb": nbytes / 1e9, "seconds": median,
+    path = "disaggregated (NCCL)" + (f", engine over {nodes} nodes" if nodes > 1 else "")
+    return {"path": path, "tp": tp, "gb": nbytes / 1e9, "seconds": median,
             "gb_per_s": nbytes / 1e9 / median, "exact": exact}
 
 
@@ -201,15 +214,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("/tmp/tp"))
     p.add_argument("--skip-disaggregated", action="store_true")
+    p.add_argument("--skip-colocated", action="store_true")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = build_model(args.out / args.shape, args.shape)
     rows = []
     if not args.skip_disaggregated:
         rows.append(disaggregated(model_dir, 2, "1,2", args, args.out))
+        rows.append(disaggregated(model_dir, 2, "1,2", args, args.out, nodes=2))
         rows.append(disaggregated(model_dir, 1, "3", args, args.out))
-    rows.append(colocated(model_dir, 2, args, args.out))
-    rows.append(colocated(model_dir, 1, args, args.out))
+    if not args.skip_colocated:
+        rows.append(colocated(model_dir, 2, args, args.out))
+        rows.append(colocated(model_dir, 1, args, args.out))
     print(f"\n{card()} x{torch.cuda.device_count()}, torch {torch.__version__}, "
           f"{args.shape}, bucket {args.bucket_mb} MB, median of {args.repeats}")
     print("| path | engine TP | GB/sync | s/sync | GB/s | exact on every TP rank |")
