@@ -116,7 +116,7 @@ def disaggregated(model_dir: Path, tp: int, gpus: str, args: argparse.Namespace,
     others = [start_engine(model_dir, per_node[r], tp, out / f"engine-disagg-{name}-{r}.log",
                            *flags, "--node-rank", str(r))[0] for r in range(1, nodes)]
     proc, url = start_engine(model_dir, per_node[0], tp, out / f"engine-disagg-{name}.log",
-                             *(flags + ["--node-rank", "0"] if nodes > 1 else []))
+                             *([*flags, "--node-rank", "0"] if nodes > 1 else []))
     named = load_params(model_dir, "cuda:0")
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     loop = asyncio.new_event_loop()

@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from kuberl_api.base import ApiModel, cel, cel_rules, check
+from kuberl_api.engine_flags import engine_arg_problem, engine_list_arg_problem
 
 # Kubernetes' own quantity grammar (resource.Quantity), so "500m", "64Gi" and "1e3" pass here
 # exactly when the API server would accept them.
@@ -590,6 +591,21 @@ KUBERL_ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
 }
 KUBERL_ENGINE_FLAG_SOURCE = {flag: source for source, flags in KUBERL_ENGINE_FLAGS.items()
                              for flag in flags}
+# SGLang flags that would contradict what the spec decides or what the trainer relies on,
+# with the reason each is refused.
+ENGINE_FLAGS_REFUSED: dict[str, tuple[str, ...]] = {
+    "an engine's GPUs are rollout.gpusPerEngine tensor parallel ranks, each a member of the "
+    "weight-update group (data or pipeline parallel ranks would change the GPU count and "
+    "the group's layout)": ("data-parallel-size", "dp-size", "pipeline-parallel-size",
+                            "pp-size"),
+    "the engine's GPUs are the ones its Ray actor holds, from the first": (
+        "base-gpu-id", "gpu-id-step"),
+    "rewards read the text the engines detokenize": ("skip-tokenizer-init",),
+    "kuberl's engine client sends no API key (keep the engines on the job's network)": (
+        "api-key",),
+}
+ENGINE_FLAG_REFUSAL = {flag: reason for reason, flags in ENGINE_FLAGS_REFUSED.items()
+                       for flag in flags}
 # The reference engine's own flags (kuberl_rollout.reference's argparse) that kuberl leaves to
 # the user; it refuses any other flag at start.
 REFERENCE_ENGINE_FLAGS = ("dtype", "weight-version", "max-batch-size", "batch-wait-ms",
@@ -610,14 +626,25 @@ def _kuberl_flag_rule(source: str, flags: tuple[str, ...],
                f"{field} may not set {listed} (kuberl sets it from {source})")
 
 
+def _refused_flag_rule(reason: str, flags: tuple[str, ...],
+                       field: str = "engineArgs") -> dict[str, str]:
+    listed = " or ".join(flags)
+    return cel(f"!self.exists(k, k in {list(flags)})", f"{field} may not set {listed}: {reason}")
+
+
 def _check_engine_flag(field: str, key: str) -> None:
     check(re.fullmatch(ENGINE_ARG_PATTERN, key) is not None, field, key,
           ENGINE_ARG_NAMES.replace("engineArgs", field))
     source = KUBERL_ENGINE_FLAG_SOURCE.get(key)
     check(source is None, field, key, f"{field} may not set {key} (kuberl sets it from {source})")
+    reason = ENGINE_FLAG_REFUSAL.get(key)
+    check(reason is None, field, key, f"{field} may not set {key}: {reason}")
 
 
 _ROLLOUT_GPUS_OUTSIDE = _outside("self.gpus", 0, MAX_ROLLOUT_GPUS)
+# engineArgs keys the reference engine takes, or that a rule of their own reports.
+_REFERENCE_OR_NAMED_FLAGS = [*REFERENCE_ENGINE_FLAGS, *KUBERL_ENGINE_FLAG_SOURCE,
+                             *ENGINE_FLAG_REFUSAL]
 
 
 class RolloutSpec(ApiModel):
@@ -629,7 +656,7 @@ class RolloutSpec(ApiModel):
                 "gpus must be a multiple of gpusPerEngine", ".gpus"),
             # Keys that are malformed or kuberl's own are reported by the field's rules.
             cel("self.engine != 'reference' || self.engineArgs.all(k, "
-                f"k in {list(REFERENCE_ENGINE_FLAGS + tuple(KUBERL_ENGINE_FLAG_SOURCE))} || "
+                f"k in {_REFERENCE_OR_NAMED_FLAGS} || "
                 f"!k.matches('{ENGINE_ARG_PATTERN}'))",
                 REFERENCE_ENGINE_ARGS, ".engineArgs"),
             cel("!self.engineListArgs.exists(k, k in self.engineArgs)", ENGINE_LIST_ARGS_TWICE,
@@ -672,14 +699,19 @@ class RolloutSpec(ApiModel):
         "{mem-fraction-static: '0.8'}; a switch (SGLang's store_true flags) is 'true' (or '') "
         "for on and 'false' for off (e.g. enable-memory-saver: 'true'); not the flags kuberl "
         "sets itself (model-path, tokenizer-path, host, port, nccl-port, tp-size, "
-        "random-seed/seed, device, torch-threads, dist-init-addr, nnodes, node-rank). "
+        "random-seed/seed, device, torch-threads, dist-init-addr, nnodes, node-rank) nor "
+        "dp-size, pp-size, base-gpu-id, gpu-id-step, skip-tokenizer-init, api-key. SGLang "
+        "engines: names, switches, value types and choices are checked against SGLang "
+        "0.5.6's own flags when the job is validated. "
         "Colocated SGLang engines get enable-memory-saver: 'true' and mem-fraction-static: "
         "'0.7' unless set here. The reference engine takes only "
         + ", ".join(REFERENCE_ENGINE_FLAGS) + ".",
         json_schema_extra=cel_rules(
             cel(f"self.all(k, k.matches('{ENGINE_ARG_PATTERN}'))", ENGINE_ARG_NAMES),
             *(_kuberl_flag_rule(source, flags)
-              for source, flags in KUBERL_ENGINE_FLAGS.items())))
+              for source, flags in KUBERL_ENGINE_FLAGS.items()),
+            *(_refused_flag_rule(reason, flags)
+              for reason, flags in ENGINE_FLAGS_REFUSED.items())))
     engine_list_args: dict[str, Annotated[
         list[Annotated[str, Field(max_length=MAX_STR)]],
         Field(min_length=1, max_length=MAX_ENGINE_LIST_ITEMS)]] = Field(
@@ -693,7 +725,9 @@ class RolloutSpec(ApiModel):
             cel(f"self.all(k, k.matches('{ENGINE_ARG_PATTERN}'))",
                 ENGINE_ARG_NAMES.replace("engineArgs", "engineListArgs")),
             *(_kuberl_flag_rule(source, flags, "engineListArgs")
-              for source, flags in KUBERL_ENGINE_FLAGS.items())))
+              for source, flags in KUBERL_ENGINE_FLAGS.items()),
+            *(_refused_flag_rule(reason, flags, "engineListArgs")
+              for reason, flags in ENGINE_FLAGS_REFUSED.items())))
 
     @field_validator("engine_args")
     @classmethod
@@ -720,6 +754,19 @@ class RolloutSpec(ApiModel):
         if self.gpus:
             check(self.gpus % self.gpus_per_engine == 0, "gpus", self.gpus,
                   f"rollout gpus must be a multiple of gpusPerEngine ({self.gpus_per_engine})")
+        return self
+
+    @model_validator(mode="after")
+    def _sglang_engine_flags(self) -> RolloutSpec:
+        """Values SGLang's own parser would refuse at start (engine_flags' table of the
+        pinned release)."""
+        if self.engine == "sglang":
+            for key, value in sorted(self.engine_args.items()):
+                problem = engine_arg_problem(key, value)
+                check(problem is None, "engineArgs", {key: value}, str(problem))
+            for key, values in sorted(self.engine_list_args.items()):
+                problem = engine_list_arg_problem(key, values)
+                check(problem is None, "engineListArgs", {key: values}, str(problem))
         return self
 
     @model_validator(mode="after")

@@ -6,13 +6,22 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 from typing import Any
 
 import pytest
 
-from kuberl_api.spec import KUBERL_ENGINE_FLAG_SOURCE
+from kuberl_api.engine_flags import (
+    SWITCH_VALUES,
+    TABLE_PATH,
+    engine_arg_problem,
+    engine_list_arg_problem,
+    sglang_flags,
+)
+from kuberl_api.spec import ENGINE_FLAG_REFUSAL, KUBERL_ENGINE_FLAG_SOURCE
 from kuberl_trainer.engine_command import SGLANG_VERSION, engine_arg_flags
 from tests.sglang_contract.cases import Case, all_cases
+from tests.sglang_contract.flag_table import flag_table
 
 from sglang.srt.server_args import ServerArgs  # isort: skip  (the pinned wheel: conftest)
 
@@ -56,12 +65,19 @@ def test_kuberl_refuses_every_spelling_of_the_flags_it_sets() -> None:
     """engineArgs may not repeat a flag kuberl passes (nor one that makes an engine span
     nodes) under any of SGLang's names for it."""
     dests = {"model_path", "tokenizer_path", "host", "port", "nccl_port", "tp_size",
-             "random_seed", "device", "dist_init_addr", "nnodes", "node_rank"}
-    spellings = {s[2:] for a in sglang_parser()._actions
-                 if a.dest in dests or (a.dest == "tensor_parallel_size")
+             "random_seed", "device", "dist_init_addr", "nnodes", "node_rank",
+             "tensor_parallel_size"}
+    spellings = {s[2:] for a in sglang_parser()._actions if a.dest in dests
                  for s in a.option_strings if s.startswith("--")}
     assert spellings, "SGLang's parser has none of the flags kuberl sets?"
     assert spellings <= set(KUBERL_ENGINE_FLAG_SOURCE), spellings - set(KUBERL_ENGINE_FLAG_SOURCE)
+    # ... nor those that would change the GPU layout or what the trainer reads
+    refused = {"data_parallel_size", "pipeline_parallel_size", "base_gpu_id", "gpu_id_step",
+               "skip_tokenizer_init", "api_key"}
+    spellings = {s[2:] for a in sglang_parser()._actions if a.dest in refused
+                 for s in a.option_strings if s.startswith("--")}
+    assert len(spellings) >= len(refused)
+    assert spellings <= set(ENGINE_FLAG_REFUSAL), spellings - set(ENGINE_FLAG_REFUSAL)
 
 
 def test_true_and_false_are_what_sglang_switches_mean() -> None:
@@ -95,3 +111,54 @@ def test_list_flags_take_their_values_after_one_flag() -> None:
     args = parser.parse_args(["--model-path", "/m",
                               *engine_arg_flags({"cuda-graph-bs": ["1", "2", "4"]})])
     assert args.cuda_graph_bs == [1, 2, 4]
+
+
+def test_the_shipped_flag_table_is_the_pinned_parsers() -> None:
+    """kuberl_api checks engineArgs against a table of SGLang's flags (it cannot import
+    SGLang); that table must be exactly what the pinned release's parser defines
+    (regenerate: python -m tests.sglang_contract.flag_table --write)."""
+    shipped = json.loads(TABLE_PATH.read_text())
+    made = flag_table()
+    assert shipped["sglang"] == made["sglang"] == SGLANG_VERSION
+    assert shipped["flags"] == made["flags"], sorted(
+        set(shipped["flags"]).symmetric_difference(made["flags"]))
+
+
+PROBES = ("", "true", "false", "7", "0.5", "-3", "abc", '["a", "b"]', '{"k": 1}')
+
+
+def sglang_accepts(parser: argparse.ArgumentParser, argv: list[str]) -> bool:
+    try:
+        parser.parse_args(["--model-path", "/m", *argv])
+    except (argparse.ArgumentError, SystemExit, ValueError, TypeError, AssertionError):
+        return False
+    return True
+
+
+def test_engine_args_kuberl_accepts_sglang_accepts(capsys: pytest.CaptureFixture[str]) -> None:
+    """For every SGLang flag and a spread of values (each choice too): what kuberl's
+    validation lets through, SGLang's parser takes as kuberl passes it; what SGLang's parser
+    refuses, kuberl refuses, except the further checks of SGLang's own Action classes
+    (`custom`, --lora-paths). kuberl is stricter in one way only: 'true', 'false' and '' are
+    for switches (a flag taking a value would get the literal string, or be left out)."""
+    parser = sglang_parser()
+    _, flags = sglang_flags()
+    checked = 0
+    for name, flag in flags.items():
+        for value in (*PROBES, *(flag.choices or ())):
+            ours = engine_arg_problem(name, value) is None
+            theirs = sglang_accepts(parser, engine_arg_flags({name: value}))
+            capsys.readouterr()  # argparse's usage lines
+            assert not ours or theirs or flag.custom, (
+                name, value, "kuberl lets through what SGLang refuses")
+            assert ours or not theirs or value in SWITCH_VALUES, (
+                name, value, engine_arg_problem(name, value))
+            checked += 1
+        if flag.kind == "list":
+            values = ["1", "2"] if flag.type in ("int", "float") else ["a", "b"]
+            values = list(flag.choices[:2]) if flag.choices else values
+            ours = engine_list_arg_problem(name, values) is None
+            theirs = sglang_accepts(parser, engine_arg_flags({name: values}))
+            capsys.readouterr()
+            assert ours == theirs or flag.custom, (name, values)
+    assert checked > 2000

@@ -233,6 +233,11 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
      "spec.rollout.engineArgs", "gpusPerNode"),
     ("engine-arg-dist-init-addr", set_("rollout.engineArgs", {"dist-init-addr": "a:1"}),
      "spec.rollout.engineArgs", "Ray nodes"),
+    ("engine-arg-dp-size", set_("rollout.engineArgs", {"dp-size": "2"}),
+     "spec.rollout.engineArgs", "tensor parallel ranks"),
+    ("engine-list-arg-skip-tokenizer", set_("rollout.engineListArgs",
+                                            {"skip-tokenizer-init": ["x"]}),
+     "spec.rollout.engineListArgs", "detokenize"),
     ("engine-list-arg-kuberl-sets", set_("rollout.engineListArgs", {"node-rank": ["1"]}),
      "spec.rollout.engineListArgs", "engineListArgs may not set"),
     ("engine-list-arg-bad-name", set_("rollout.engineListArgs", {"Cuda_Graph_Bs": ["1"]}),
@@ -401,6 +406,59 @@ def test_model_refuses_with_field_path(case: str, edit: Any, field: str, words: 
     if words:
         assert any(words in p for p in problems if _names(p, field)), problems
     assert any("got" in p or "is required" in p or "not a known field" in p for p in problems)
+
+
+# What SGLang's own parser would refuse at start: only the model knows SGLang's flags (a table
+# made from the pinned release's parser, kuberl_api/engine_flags.py), so `kuberl validate`,
+# `kuberl run` and the operator (Accepted=False) refuse these; the CRD admits them.
+SGLANG_REFUSES: list[tuple[str, dict[str, Any], str, str]] = [
+    ("misspelt", {"engineArgs": {"mem-fraction-statik": "0.7"}}, "spec.rollout.engineArgs",
+     "SGLang 0.5.6 has no flag --mem-fraction-statik; did you mean mem-fraction-static?"),
+    ("switch-with-a-value", {"engineArgs": {"enable-memory-saver": "yes"}},
+     "spec.rollout.engineArgs", "--enable-memory-saver is a switch"),
+    ("not-a-number", {"engineArgs": {"mem-fraction-static": "70%"}},
+     "spec.rollout.engineArgs", "--mem-fraction-static takes a number, not '70%'"),
+    ("not-an-integer", {"engineArgs": {"context-length": "8k"}}, "spec.rollout.engineArgs",
+     "--context-length takes an integer"),
+    ("not-a-choice", {"engineArgs": {"attention-backend": "flash"}},
+     "spec.rollout.engineArgs", "--attention-backend takes one of: "),
+    ("value-flag-given-true", {"engineArgs": {"chunked-prefill-size": "true"}},
+     "spec.rollout.engineArgs", "'true', 'false' and '' are for switches"),
+    ("list-of-a-single-value-flag", {"engineListArgs": {"context-length": ["1", "2"]}},
+     "spec.rollout.engineListArgs", "--context-length takes a single value"),
+    ("list-with-a-bad-item", {"engineListArgs": {"cuda-graph-bs": ["1", "two"]}},
+     "spec.rollout.engineListArgs", "--cuda-graph-bs takes an integer, not 'two'"),
+]
+
+
+@pytest.mark.parametrize(("case", "rollout", "field", "words"), SGLANG_REFUSES,
+                         ids=[c[0] for c in SGLANG_REFUSES])
+def test_flags_sglang_would_refuse_are_refused_by_the_model(case: str, rollout: dict[str, Any],
+                                                            field: str, words: str) -> None:
+    edit = disagg(gpus=8, **rollout)
+    with pytest.raises(InvalidRLJob) as info:
+        parse(_manifest(edit))
+    assert any(_names(p, field) and words in p for p in info.value.problems), \
+        info.value.problems
+    assert not admit(SCHEMA, _manifest(edit))  # beyond what a CRD schema can say
+    reference = both(disagg(gpus=8, **rollout), set_("rollout.engine", "reference"))
+    assert not any(words in p for p in _problems(reference))  # its own flags, its own rules
+
+
+def _problems(edit: Callable[[dict[str, Any]], None]) -> list[str]:
+    try:
+        parse(_manifest(edit))
+    except InvalidRLJob as exc:
+        return list(exc.problems)
+    return []
+
+
+def test_sglang_flags_as_users_write_them_pass() -> None:
+    parse(_manifest(disagg(gpus=8, engineArgs={
+        "mem-fraction-static": "0.8", "enable-memory-saver": "", "disable-radix-cache": "false",
+        "context-length": "32768", "attention-backend": "fa3", "log-level": "warning",
+        "json-model-override-args": '{"rope_scaling": null}', "cuda-graph-max-bs": "64"},
+        engineListArgs={"cuda-graph-bs": ["1", "2", "4"]})))
 
 
 @pytest.mark.parametrize(("case", "edit", "field", "words"), BAD_SPECS,
