@@ -91,6 +91,10 @@ def test_every_engine_process_holds_the_trainers_weights_after_every_step(
 
         trainers.push_weights = push_and_check  # type: ignore[method-assign]
         session.train(Progress(2))
+        for url in urls:  # the memory handoff, as each engine recorded what it was asked
+            with urllib.request.urlopen(f"{url}/get_event_log", timeout=60) as answer:
+                events = json.loads(answer.read())["events"]
+            assert handoff_sequence(events) == expected_handoff(placement, steps=2), url
         assert len(urls) == job.spec.num_engines
         assert [len(parts) for parts in session.engines.parts] == (
             [job.spec.engine_nodes] * len(urls))
@@ -98,6 +102,33 @@ def test_every_engine_process_holds_the_trainers_weights_after_every_step(
         assert metrics(tmp_path / "out")[-1]["weight_version"] == 2
     finally:
         session.close()
+
+
+def handoff_sequence(events: list[dict[str, Any]]) -> list[str]:
+    """An engine's generation, memory and weight-update operations, in order, a run of the same
+    one written once ("update": a sync's buckets, either path)."""
+    out: list[str] = []
+    for e in events:
+        op = e["op"]
+        if op.startswith("update_from_"):
+            op = "update"
+        elif op.endswith("_memory"):
+            op = f"{op}:{','.join(e['tags'] or ['all'])}"
+        elif op not in ("generate", "generate_refused"):
+            continue
+        if not out or out[-1] != op:
+            out.append(op)
+    return out
+
+
+def expected_handoff(placement: str, steps: int) -> list[str]:
+    """Colocated: after generating, release everything; the weights' memory back before the
+    update, the KV cache and graphs after it; never a generation while released (it would be
+    refused: generate_refused). Disaggregated engines keep their GPUs."""
+    if placement != "colocate":
+        return ["generate", "update"] * steps
+    return ["generate", "release_memory:all", "resume_memory:weights", "update",
+            "resume_memory:kv_cache,cuda_graph"] * steps
 
 
 RESUMABLE = {

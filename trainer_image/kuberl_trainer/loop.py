@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from kuberl_trainer.actors import EngineGroup, TrainGroup
 from kuberl_trainer.backends.base import TrainBatch
+from kuberl_trainer.memory_handoff import MemoryHandoff
 from kuberl_trainer.metrics_log import MetricsLog
 from kuberl_trainer.rollout import RolloutManager
 
@@ -37,6 +38,7 @@ class Parts:
     checkpointer: Checkpointer
     reporter: Reporter
     bucket_bytes: int
+    memory: MemoryHandoff  # colocated engines and trainers take turns with the GPUs
     eval_interval: int | None = None
     critic: Critic | None = None  # PPO's value model
 
@@ -46,17 +48,21 @@ def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
     for step in range(start, total):
         t0 = time.perf_counter()
         rollout = parts.aio.run_until_complete(parts.rollout.generate(step))  # -> batch
+        offload = parts.memory.engines_release()  # colocated: the GPUs are the trainer's
         t1 = time.perf_counter()
         stats = parts.train.train(rollout.batch, rollout.sft)  # pi_old, pi_ref, step(s)
         if parts.critic is not None:
             stats |= parts.critic.train(rollout.batch)  # towards GAE's returns
         t2 = time.perf_counter()
         weight_version += 1
+        onload = parts.memory.engines_take_weights()
         parts.train.push_weights(parts.engines.urls, weight_version, parts.bucket_bytes)
+        onload += parts.memory.engines_take_cache()  # ready to generate again
         t3 = time.perf_counter()
         record = {"step": step, **rollout.metrics, **stats, "weight_version": weight_version,
-                  "time_generate_s": t1 - t0, "time_train_s": t2 - t1,
-                  "time_sync_s": t3 - t2, "time_step_s": t3 - t0}
+                  "time_generate_s": t1 - t0 - offload, "time_train_s": t2 - t1,
+                  "time_sync_s": t3 - t2 - onload, "time_offload_s": offload,
+                  "time_onload_s": onload, "time_step_s": t3 - t0}
         every = parts.eval_interval
         if every and (step + 1) % every == 0:
             record.update(parts.aio.run_until_complete(parts.rollout.evaluate(step)))

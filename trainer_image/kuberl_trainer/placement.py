@@ -84,7 +84,7 @@ def layout(spec: RLJobSpec) -> Layout:
     per_part = per_engine // nodes
     # Colocated engines share the trainers' GPUs: they take no GPU from Ray's accounting (the
     # engine process sees the devices through CUDA_VISIBLE_DEVICES set by the launcher) and
-    # hand memory back between phases (release/resume_memory_occupation).
+    # hand memory back between phases (release/resume_memory_occupation: memory_handoff.py).
     engine_gpus = per_part if (rollout_gpu and spec.placement == "disaggregated") else 0
     engine = ActorShape(num_cpus=1 if rollout_gpu else _CPU_SLIVER, num_gpus=engine_gpus,
                         resources={RESOURCE_ROLLOUT: per_part or 1})

@@ -24,6 +24,7 @@ from kuberl_trainer.critic import CriticGroup
 from kuberl_trainer.data import PromptSource
 from kuberl_trainer.engine_client import EngineClient, EngineError
 from kuberl_trainer.loop import Parts, train
+from kuberl_trainer.memory_handoff import MemoryHandoff
 from kuberl_trainer.metrics_log import MetricsLog
 from kuberl_trainer.placement import layout, local_resources
 from kuberl_trainer.preflight import Checked
@@ -121,7 +122,9 @@ class Session:
                            tensorboard_dir=self.opts.tensorboard,
                            wandb_project=self.opts.wandb_project, run_name=self.job.name),
             checkpointer=self, reporter=_Watchers(progress, self),
-            bucket_bytes=1 << 26, eval_interval=self.spec.schedule.eval_interval)
+            bucket_bytes=1 << 26, eval_interval=self.spec.schedule.eval_interval,
+            memory=MemoryHandoff(self.client, self.aio,
+                                 colocated=self.spec.placement == "colocate"))
         progress.bar.n = self.step
         try:
             self.weight_version = train(parts, self.step, self.spec.schedule.num_rollouts,

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
@@ -61,6 +62,7 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 FLUSH_TEXT = ("Cache flushed.\nPlease check backend logs for more details. (When there are "
               "running or waiting requests, the operation will not be performed.)\n")
 HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT default
+EVENT_LOG_SIZE = 4096
 
 
 class HttpError(Exception):
@@ -137,6 +139,12 @@ class Server:
         self.pause_mode: str | None = None  # None: not paused
         self.unpaused = asyncio.Event()
         self.unpaused.set()
+        # What the engine was asked to do, in order (GET /get_event_log, a kuberl extension):
+        # tests check a run's sequence of generation, memory and weight operations against it.
+        self.events: deque[dict[str, Any]] = deque(maxlen=EVENT_LOG_SIZE)
+
+    def record(self, op: str, **detail: Any) -> None:
+        self.events.append({"op": op, **detail})
 
     async def on_worker(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
@@ -164,6 +172,7 @@ class Server:
         r.add_post("/update_weights_from_tensor", self.update_tensor)
         r.add_post("/destroy_weights_update_group", self.destroy_group)
         r.add_get("/get_weights_checksum", self.checksums)
+        r.add_get("/get_event_log", self.event_log)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -225,9 +234,11 @@ class Server:
         body = await _body(request)
         await self.unpaused.wait()  # SGLang: requests wait out a pause before tokenizing
         if self.engine.released:
+            self.record("generate_refused", released=sorted(self.engine.released))
             raise EngineBusy(f"memory released ({sorted(self.engine.released)}); "
                              "call /resume_memory_occupation first")
         reqs, single = self._requests(body)
+        self.record("generate", requests=len(reqs))
         rids = [r.rid for r in reqs]
         self.live.update(rids)
         try:
@@ -272,6 +283,7 @@ class Server:
         else:
             self.engine.suspend = True
             self.batcher.suspend()
+        self.record("pause_generation", mode=mode)
         return web.json_response({"message": "Generation paused successfully.",
                                   "status": "ok"})
 
@@ -280,6 +292,7 @@ class Server:
         self.engine.suspend = False
         self.batcher.resume()
         self.unpaused.set()
+        self.record("continue_generation")
         return web.json_response({"message": "Generation continued successfully.",
                                   "status": "ok"})
 
@@ -327,6 +340,7 @@ class Server:
         if not idle:
             LOG.info("cache not flushed: %d running, %d waiting", len(self.batcher.running),
                      waiting)
+        self.record("flush_cache" if idle else "flush_cache_refused")
         return web.Response(text=FLUSH_TEXT, status=200 if idle else 400)
 
     async def server_info(self, _: web.Request) -> web.Response:
@@ -387,16 +401,23 @@ class Server:
                                                                              local)
         return web.json_response({"tp_ranks": await self.on_worker(every_rank)})
 
+    async def event_log(self, _: web.Request) -> web.Response:
+        """The operations asked of this engine, oldest first (the last EVENT_LOG_SIZE): a
+        kuberl extension, as /get_weights_checksum."""
+        return web.json_response({"events": list(self.events)})
+
     # ---- memory -----------------------------------------------------------------------------
 
     async def release_memory(self, request: web.Request) -> web.Response:
         tags = (await _body(request)).get("tags")
         await self.on_worker(self._on_all_ranks, "release", self.engine.release, tags)
+        self.record("release_memory", tags=tags)
         return web.json_response({"success": True, "message": f"released {tags or 'all'}"})
 
     async def resume_memory(self, request: web.Request) -> web.Response:
         tags = (await _body(request)).get("tags")
         await self.on_worker(self._on_all_ranks, "resume", self.engine.resume, tags)
+        self.record("resume_memory", tags=tags)
         return web.json_response({"success": True, "message": f"resumed {tags or 'all'}"})
 
     # ---- weight sync ------------------------------------------------------------------------
@@ -406,7 +427,9 @@ class Server:
             message = await self.on_worker(self._on_all_ranks, op, fn, body)
         except (ValueError, KeyError, EngineBusy, RuntimeError) as exc:
             LOG.warning("weight operation failed: %s", exc)
+            self.record(f"{op}_failed")
             return web.json_response({"success": False, "message": str(exc)}, status=400)
+        self.record(op, weight_version=self.engine.weight_version)
         return web.json_response({"success": True, "message": message})
 
     async def init_group(self, request: web.Request) -> web.Response:
