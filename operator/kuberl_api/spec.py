@@ -507,6 +507,22 @@ class Parallelism(ApiModel):
         return self
 
 
+class OffloadSpec(ApiModel):
+    """What each training rank moves to host memory while colocated engines generate."""
+
+    optimizer: bool = Field(True, description="The optimizer's state (Adam's moments; with "
+                            "megatron also the fp32 master weights): most of a training "
+                            "rank's memory. Offloaded after training, restored before the "
+                            "next step's training.")
+    weights: bool = Field(True, description="The weights (and the reference model's): "
+                          "offloaded after the weight sync, restored before the next step's "
+                          "reference and training passes.")
+
+
+OFFLOAD_COLOCATED_ONLY = ("training.offload applies to placement: colocate only (disaggregated "
+                          "engines have GPUs of their own): leave it at its defaults")
+
+
 class TrainingSpec(ApiModel):
     model_config = {
         "json_schema_extra": cel_rules(
@@ -541,6 +557,12 @@ class TrainingSpec(ApiModel):
         "(rolloutBatchSize * nSamplesPerPrompt).")
     node_pool: NodePool = Field(default_factory=NodePool)
     resources: Resources = Field(default_factory=Resources)
+    offload: OffloadSpec = Field(
+        default_factory=OffloadSpec, description="placement: colocate only (disaggregated "
+        "jobs leave it at its defaults). What each training rank moves to host memory while "
+        "the engines generate, so their memory pool fits beside it (the engines release "
+        "theirs while training runs); default: optimizer and weights. Both false keeps "
+        "everything on the GPU (faster, when it fits).")
 
     @property
     def world_size(self) -> int:
@@ -1005,6 +1027,9 @@ class RLJobSpec(ApiModel):
             *(cel(f"{_HAS_GPU_PODS} || {_at_default('self.network', NetworkSpec, name)}",
                   NETWORK_NEEDS_GPUS, f".network.{to_camel(name)}")
               for name in NETWORK_FIELDS),
+            cel("self.placement == 'colocate' || "
+                f"{_at_defaults('self.training.offload', OffloadSpec)}",
+                OFFLOAD_COLOCATED_ONLY, ".training.offload"),
             cel("self.placement != 'disaggregated' || has(self.rollout.gpus)",
                 "rollout.gpus is required when placement is disaggregated", ".rollout.gpus"),
             cel("self.placement != 'colocate' || !has(self.rollout.gpus) || "
@@ -1176,7 +1201,15 @@ class RLJobSpec(ApiModel):
         self._check_network()
         return self
 
+    @property
+    def trainer_offload(self) -> OffloadSpec | None:
+        """What training ranks offload between phases: training.offload, by default both
+        parts when colocated; None when disaggregated (no memory handoff)."""
+        return self.training.offload if self.placement == "colocate" else None
+
     def _check_disaggregated(self) -> None:
+        check(self.training.offload == OffloadSpec(), "training.offload",
+              _shown(self.training.offload), OFFLOAD_COLOCATED_ONLY)
         r = self.rollout
         assert r.gpus is not None  # required: checked first
         gpe, gpn = r.gpus_per_engine, r.gpus_per_node

@@ -233,6 +233,9 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
      "spec.rollout.engineArgs", "gpusPerNode"),
     ("engine-arg-dist-init-addr", set_("rollout.engineArgs", {"dist-init-addr": "a:1"}),
      "spec.rollout.engineArgs", "Ray nodes"),
+    ("offload-when-disaggregated", both(disagg(gpus=8), set_("training.offload",
+                                                             {"optimizer": False})),
+     "spec.training.offload", "placement: colocate only"),
     ("engine-arg-dp-size", set_("rollout.engineArgs", {"dp-size": "2"}),
      "spec.rollout.engineArgs", "tensor parallel ranks"),
     ("engine-list-arg-skip-tokenizer", set_("rollout.engineListArgs",
@@ -550,6 +553,7 @@ def test_rules_evaluate_with_every_operand_at_its_maximum(parallel: int,
 
 # Near misses of the rules above, which both validators accept.
 GOOD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
+    ("colocated-keeps-its-optimizer-on-the-gpu", set_("training.offload", {"optimizer": False})),
     ("engine-over-two-nodes", disagg(gpus=32, gpusPerEngine=16)),
     ("engines-share-a-small-pod", disagg(gpus=6, gpusPerEngine=3)),
     ("cpu-engine-over-two-pods", disagg(gpus=0, gpusPerEngine=4, gpusPerNode=2,

@@ -37,6 +37,7 @@ from kuberl_trainer.sharding import DataParallelLayout
 from kuberl_wire.protocol import ENGINE_SECRET_ENV
 
 SYNC_TIMEOUT_S = 300.0
+GIB = float(1 << 30)
 ENGINE_LOG_TAIL_LINES = 200  # kept by an engine actor (EngineServer.log_tail)
 
 
@@ -110,6 +111,8 @@ class TrainWorker:
             torch.set_num_threads(torch_threads(sharing))
         self._sender: Any = None
         self._aio: asyncio.AbstractEventLoop | None = None
+        self._weights_off = self._offloaded = False
+        self._memory: dict[str, float] = {}  # GPU memory metrics (GiB), with train_step's
 
     def on_gpu(self) -> bool:
         return self.spec.training.gpus_per_node > 0
@@ -134,10 +137,34 @@ class TrainWorker:
               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})",
               flush=True)
 
+    # Colocated memory handoff (memory_handoff.py): the loop offloads and onloads explicitly
+    # (timed, in its order); every other call onloads first what it needs, so a call out of
+    # that order is slower, never wrong.
+
+    def offload(self, optimizer: bool, weights: bool) -> int:
+        """Free this rank's GPU memory (Backend.offload); returns the bytes freed."""
+        self._weights_off |= weights
+        self._offloaded = True
+        return self.backend.offload(optimizer=optimizer, weights=weights)
+
+    def onload(self) -> None:
+        if self._offloaded and self.device == "cuda":
+            # what this rank held from the GPU while the engines had it
+            self._memory["gpu_resident_gib_max"] = torch.cuda.memory_reserved() / GIB
+        self.backend.onload()
+        self._weights_off = self._offloaded = False
+
     def train_step(self, batch: TrainBatch, sft: TrainBatch | None = None) -> dict[str, float]:
-        return self.backend.train_step(batch, sft)
+        self.onload()
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        metrics = self.backend.train_step(batch, sft)
+        if self.device == "cuda":
+            self._memory["gpu_train_peak_gib_max"] = torch.cuda.max_memory_reserved() / GIB
+        return metrics | self._memory
 
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        self.onload()
         return self.backend.ref_logprobs(batch)
 
     def data_parallel_coords(self) -> tuple[int, int, bool]:
@@ -150,6 +177,8 @@ class TrainWorker:
         must iterate the buckets: with sharded weights (FSDP2) each full tensor is gathered
         collectively, so the other ranks take part and drop what they gathered."""
         started = time.perf_counter()
+        if self._weights_off:  # (the optimizer's state may stay off: the sync reads weights)
+            self.onload()
         buckets = self.backend.named_tensor_buckets(bucket_bytes)
         if self.spec.placement == "colocate" and self.device == "cuda":
             # Trainer and engine share GPUs, and NCCL refuses two ranks on one device: pass
@@ -197,13 +226,16 @@ class TrainWorker:
         """sha256 of every weight as the engines receive it (for sync checks); collective."""
         from kuberl_wire.codec import tensor_sha256
 
+        self.onload()
         return {name: tensor_sha256(t) for bucket in self.backend.named_tensor_buckets(1 << 26)
                 for name, t in bucket}
 
     def save(self, path: str) -> None:
+        self.onload()
         self.backend.save(path)
 
     def load(self, path: str) -> None:
+        self.onload()
         self.backend.load(path)
 
 
@@ -371,6 +403,15 @@ class TrainGroup:
         if len(present) != len(parts):
             raise RuntimeError("the training backend has no reference model (klCoef is 0)")
         return self.layout.gather(present, rows, batch.input_ids.shape)
+
+    def offload(self, *, optimizer: bool, weights: bool) -> int:
+        """Every rank frees its GPU memory (colocated handoff); the bytes freed, summed."""
+        freed: list[int] = ray.get([w.offload.remote(optimizer, weights)
+                                    for w in self.workers])
+        return sum(freed)
+
+    def onload(self) -> None:
+        ray.get([w.onload.remote() for w in self.workers])
 
     def push_weights(self, engine_urls: list[str], version: int, bucket_bytes: int) -> float:
         seconds = ray.get([w.push_weights.remote(engine_urls, version, bucket_bytes,

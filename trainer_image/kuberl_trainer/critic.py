@@ -49,6 +49,7 @@ class CriticWorker(TrainWorker):
         from kuberl_trainer.backends.value import ValueBackend
 
         assert isinstance(self.backend, ValueBackend)
+        self.onload()
         return self.backend.values(batch)
 
 
@@ -87,6 +88,14 @@ class CriticGroup:
         stats = combine_rank_metrics(results)
         keep = ("value_loss", "vf_clipfrac", "value_mean")
         return {k if k in keep else f"critic_{k}": v for k, v in stats.items()}
+
+    def offload(self, *, optimizer: bool, weights: bool) -> int:
+        freed: list[int] = ray.get([w.offload.remote(optimizer, weights)
+                                    for w in self.workers])
+        return sum(freed)
+
+    def onload(self) -> None:
+        ray.get([w.onload.remote() for w in self.workers])
 
     def save(self, path: str) -> None:
         ray.get([w.save.remote(f"{path}/{CRITIC_DIR}") for w in self.workers])

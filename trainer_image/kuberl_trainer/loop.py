@@ -47,22 +47,23 @@ def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
     """Steps start..total-1; returns the weight version reached. Raises on engine death."""
     for step in range(start, total):
         t0 = time.perf_counter()
-        rollout = parts.aio.run_until_complete(parts.rollout.generate(step))  # -> batch
-        offload = parts.memory.engines_release()  # colocated: the GPUs are the trainer's
+        # -> batch; colocated, once sampled, the GPUs pass from the engines to the trainers
+        rollout = parts.aio.run_until_complete(parts.rollout.generate(step))
         t1 = time.perf_counter()
         stats = parts.train.train(rollout.batch, rollout.sft)  # pi_old, pi_ref, step(s)
         if parts.critic is not None:
             stats |= parts.critic.train(rollout.batch)  # towards GAE's returns
+        parts.memory.trained()  # colocated: the optimizer's state to host memory
         t2 = time.perf_counter()
         weight_version += 1
-        onload = parts.memory.engines_take_weights()
+        parts.memory.before_sync()  # colocated: the engines' weights come back first
         parts.train.push_weights(parts.engines.urls, weight_version, parts.bucket_bytes)
-        onload += parts.memory.engines_take_cache()  # ready to generate again
+        parts.memory.to_engines()  # colocated: the GPUs pass back to the engines
         t3 = time.perf_counter()
+        handoff = parts.memory.step_metrics()  # seconds within the phases' times
         record = {"step": step, **rollout.metrics, **stats, "weight_version": weight_version,
-                  "time_generate_s": t1 - t0 - offload, "time_train_s": t2 - t1,
-                  "time_sync_s": t3 - t2 - onload, "time_offload_s": offload,
-                  "time_onload_s": onload, "time_step_s": t3 - t0}
+                  "time_generate_s": t1 - t0, "time_train_s": t2 - t1,
+                  "time_sync_s": t3 - t2, "time_step_s": t3 - t0, **handoff}
         every = parts.eval_interval
         if every and (step + 1) % every == 0:
             record.update(parts.aio.run_until_complete(parts.rollout.evaluate(step)))

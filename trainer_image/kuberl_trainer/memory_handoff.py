@@ -1,55 +1,119 @@
 """The colocated step's memory handoff between engines and trainers (placement: colocate).
 
 Colocated engines and training ranks share GPUs. An SGLang engine holds its static pool
-(weights, KV cache, CUDA graphs: `--mem-fraction-static` of each GPU) until told otherwise, so
-the training phase would run in what the pool leaves. Around training the loop therefore moves
-memory, in slime's order (`--offload-rollout`):
+(weights, KV cache, CUDA graphs: `--mem-fraction-static` of each GPU) until told otherwise, and
+a training rank holds its weights and optimizer state; neither phase fits beside the other's
+peak for a model of real size. So every step moves memory, in slime's order
+(`--offload-rollout`, `--offload-train`):
 
-1. after generation: every engine releases all of it (`/release_memory_occupation`, no tags);
-2. training runs with the GPU to itself;
-3. before the weight sync: engines take back their weights' memory (`tags: ["weights"]`),
-   which the update then fills (by CUDA IPC, per TP rank);
-4. after it: engines take back the KV cache and CUDA graphs, and generate again.
+1. sampling done: every engine releases all of its pool (`/release_memory_occupation`, no
+   tags), and the training ranks (a shared critic too) bring back what they offloaded; the
+   reference and critic passes and training then have the GPU;
+2. training done: the ranks offload the optimizer's state (`training.offload.optimizer`);
+3. engines take back their weights' memory (`tags: ["weights"]`), which the sync fills (CUDA
+   IPC per TP rank);
+4. sync done: the ranks offload their weights (`training.offload.weights`), and the engines
+   take back the KV cache and CUDA graphs, ready to generate.
 
-Each transition is one call from the loop; its seconds go into the step's metrics
-(time_offload_s: 1, time_onload_s: 3 + 4). Disaggregated engines have GPUs of their own: the
-handoff does nothing there. The same calls run on CPU (the reference engine records them:
-GET /get_event_log), so a CPU test checks the order a GPU run depends on.
+Each transition is one call from the loop (2 to 4) or from the rollout manager once the
+step's sampling is over (1). Their seconds go into the step's metrics: `time_offload_s`
+(releases and offloads) and `time_onload_s` (onloads and resumes); `offload_gib` is what the
+training ranks freed. Disaggregated engines have GPUs of their own: every call does nothing.
+The same calls run on CPU, where nothing is freed but the reference engine records each
+request (GET /get_event_log), so a CPU test checks the order a GPU run depends on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Protocol
 
+from kuberl_api.spec import OffloadSpec
 from kuberl_trainer.engine_client import EngineClient
 from kuberl_wire.protocol import memory_occupation
 
 WEIGHTS = ("weights",)
 CACHE_AND_GRAPHS = ("kv_cache", "cuda_graph")  # SGLang's GPU_MEMORY_TYPE_* besides weights
+GIB = float(1 << 30)
+
+
+class Ranks(Protocol):
+    """A group of training (or shared critic) ranks: TrainGroup, CriticGroup."""
+
+    def offload(self, *, optimizer: bool, weights: bool) -> int: ...
+    def onload(self) -> None: ...
 
 
 class MemoryHandoff:
-    def __init__(self, client: EngineClient, aio: asyncio.AbstractEventLoop, *,
-                 colocated: bool) -> None:
-        self.client, self.aio, self.on = client, aio, colocated
+    """`offload`: what training ranks offload (the spec's trainer_offload); None turns the
+    handoff off (disaggregated). `ranks`: the groups sharing the engines' GPUs."""
 
-    def _post(self, path: str, tags: tuple[str, ...] | None) -> float:
+    def __init__(self, client: EngineClient, aio: asyncio.AbstractEventLoop,
+                 ranks: list[Ranks], offload: OffloadSpec | None) -> None:
+        self.client, self.aio, self.ranks, self.offload = client, aio, ranks, offload
+        self.times = {"time_offload_s": 0.0, "time_onload_s": 0.0}
+        self.freed = 0
+
+    @property
+    def on(self) -> bool:
+        return self.offload is not None
+
+    async def _post(self, path: str, tags: tuple[str, ...] | None) -> None:
+        await self.client.post_all(path, memory_occupation(tags), in_step=True)
+
+    def _engines(self, path: str, tags: tuple[str, ...] | None) -> None:
+        self.aio.run_until_complete(self._post(path, tags))
+
+    def _timed(self, key: str, started: float) -> None:
+        self.times[key] += time.perf_counter() - started
+
+    async def to_trainers(self) -> None:
+        """1: sampling is over; the GPUs go to the training ranks. (A coroutine: the rollout
+        manager calls it on the engine client's loop. The onload blocks that loop, which has
+        nothing else to do until the trainers' passes.)"""
         if not self.on:
-            return 0.0
+            return
         started = time.perf_counter()
-        self.aio.run_until_complete(self.client.post_all(path, memory_occupation(tags),
-                                                         in_step=True))
-        return time.perf_counter() - started
+        await self._post("/release_memory_occupation", None)
+        self._timed("time_offload_s", started)
+        started = time.perf_counter()
+        for group in self.ranks:
+            group.onload()
+        self._timed("time_onload_s", started)
 
-    def engines_release(self) -> float:
-        """After generation: the engines' whole static pool goes back to the GPU."""
-        return self._post("/release_memory_occupation", None)
+    def trained(self) -> None:
+        """2: the optimizer's state leaves the GPU until the next step's training."""
+        if self.offload is None or not self.offload.optimizer:
+            return
+        started = time.perf_counter()
+        self.freed += sum(group.offload(optimizer=True, weights=False) for group in self.ranks)
+        self._timed("time_offload_s", started)
 
-    def engines_take_weights(self) -> float:
-        """Before the weight sync: room for the weights it writes."""
-        return self._post("/resume_memory_occupation", WEIGHTS)
+    def before_sync(self) -> None:
+        """3: room for the weights the sync writes into the engines."""
+        if not self.on:
+            return
+        started = time.perf_counter()
+        self._engines("/resume_memory_occupation", WEIGHTS)
+        self._timed("time_onload_s", started)
 
-    def engines_take_cache(self) -> float:
-        """After the sync: the KV cache and CUDA graphs, so generation can start."""
-        return self._post("/resume_memory_occupation", CACHE_AND_GRAPHS)
+    def to_engines(self) -> None:
+        """4: the training ranks' weights leave; the engines' cache comes back."""
+        if self.offload is None:
+            return
+        started = time.perf_counter()
+        if self.offload.weights:
+            self.freed += sum(group.offload(optimizer=False, weights=True)
+                              for group in self.ranks)
+        self._timed("time_offload_s", started)
+        started = time.perf_counter()
+        self._engines("/resume_memory_occupation", CACHE_AND_GRAPHS)
+        self._timed("time_onload_s", started)
+
+    def step_metrics(self) -> dict[str, float]:
+        """This step's handoff metrics (then reset for the next)."""
+        out = {**self.times, "offload_gib": self.freed / GIB} if self.on else {}
+        self.times = dict.fromkeys(self.times, 0.0)
+        self.freed = 0
+        return out

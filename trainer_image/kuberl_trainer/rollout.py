@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,8 +61,12 @@ class RolloutManager:
     def __init__(self, spec: RLJobSpec, source: PromptSource, client: EngineClient,
                  tokenizer: Any, reward_fn: Callable[[str, str], float], *,
                  seed: int = 0, ref_logprobs: TokenFn | None = None,
-                 values: TokenFn | None = None, sft_source: PromptSource | None = None) -> None:
+                 values: TokenFn | None = None, sft_source: PromptSource | None = None,
+                 sampled: Callable[[], Awaitable[None]] | None = None) -> None:
         self.spec, self.source, self.client, self.seed = spec, source, client, seed
+        # Called once a step's sampling is over, before the trainers' passes over the batch
+        # (colocated: the GPUs go from the engines to the trainers, memory_handoff.py).
+        self.sampled = sampled
         self.tokenizer, self.reward_fn = tokenizer, reward_fn
         if estimators.needs_reference(spec.algorithm) and ref_logprobs is None:
             raise ValueError("klPenalty: reward and on_policy_distillation need the trainer's "
@@ -119,6 +123,8 @@ class RolloutManager:
         # Which prompts this step saw: a resumed run must see exactly the same ones.
         metrics["prompts_sha"] = hashlib.sha256(
             "\n".join(f"{s.epoch}:{s.index}" for s in samples).encode()).hexdigest()[:16]
+        if self.sampled is not None:
+            await self.sampled()
         rewards = torch.tensor([r.reward for r in responses], dtype=torch.float32)
         scores = torch.tensor([r.score for r in responses], dtype=torch.float32)
         batch = pack(responses, torch.zeros(len(responses)), self.tokenizer.pad_token_id)

@@ -24,7 +24,7 @@ from kuberl_trainer.critic import CriticGroup
 from kuberl_trainer.data import PromptSource
 from kuberl_trainer.engine_client import EngineClient, EngineError
 from kuberl_trainer.loop import Parts, train
-from kuberl_trainer.memory_handoff import MemoryHandoff
+from kuberl_trainer.memory_handoff import MemoryHandoff, Ranks
 from kuberl_trainer.metrics_log import MetricsLog
 from kuberl_trainer.placement import layout, local_resources
 from kuberl_trainer.preflight import Checked
@@ -110,21 +110,22 @@ class Session:
     def train(self, progress: Progress) -> None:
         assert self.trainers is not None and self.engines is not None
         tokenizer = AutoTokenizer.from_pretrained(self.checked.tokenizer_path)
+        memory = MemoryHandoff(self.client, self.aio, self._colocated_ranks(),
+                               self.spec.trainer_offload)
         parts = Parts(
             aio=self.aio,
             rollout=RolloutManager(self.spec, self.source, self.client, tokenizer,
                                    self.checked.reward_fn, seed=self.opts.seed,
                                    ref_logprobs=self.trainers.ref_logprobs,
                                    values=self.critic.values if self.critic else None,
-                                   sft_source=self.sft_source),
+                                   sft_source=self.sft_source, sampled=memory.to_trainers),
             train=self.trainers, engines=self.engines, critic=self.critic,
             log=MetricsLog(self.opts.output_dir, prometheus_port=self.opts.prometheus_port,
                            tensorboard_dir=self.opts.tensorboard,
                            wandb_project=self.opts.wandb_project, run_name=self.job.name),
             checkpointer=self, reporter=_Watchers(progress, self),
             bucket_bytes=1 << 26, eval_interval=self.spec.schedule.eval_interval,
-            memory=MemoryHandoff(self.client, self.aio,
-                                 colocated=self.spec.placement == "colocate"))
+            memory=memory)
         progress.bar.n = self.step
         try:
             self.weight_version = train(parts, self.step, self.spec.schedule.num_rollouts,
@@ -134,6 +135,12 @@ class Session:
         finally:
             parts.log.close()
             progress.close()
+
+    def _colocated_ranks(self) -> list[Ranks]:
+        """The rank groups on the engines' GPUs: the trainers, and a shared critic."""
+        assert self.trainers is not None
+        shared = self.critic is not None and self.spec.critic.placement == "shared"
+        return [self.trainers, *([self.critic] if shared and self.critic else [])]
 
     # ------------------------------------------------------------ checkpoints
     def due(self, step: int) -> bool:

@@ -171,6 +171,17 @@ class Backend(Protocol):
         ``bucket_bytes`` each (a single larger tensor gets a bucket of its own)."""
         ...
 
+    def offload(self, *, optimizer: bool, weights: bool) -> int:
+        """Free this rank's GPU memory for colocated engines (placement: colocate): the
+        optimizer's state and/or the weights to host memory, gradients dropped. Returns the
+        bytes freed (0 on CPU). Several calls add up; `onload` undoes them all, and must come
+        before anything else is asked of the backend."""
+        ...
+
+    def onload(self) -> None:
+        """Bring back what `offload` freed (a no-op when nothing is off)."""
+        ...
+
     def save(self, dir: str | Path) -> None:
         """Collective. Write model (an HF directory), optimizer, scheduler and RNG state."""
         ...

@@ -45,6 +45,7 @@ from kuberl_trainer.backends.hf_files import (
     keep_source_dtype,
     read_safetensors_dir,
 )
+from kuberl_trainer.backends.offload import Offload, optimizer_state
 from kuberl_trainer.backends.optim import (
     OptimConfig,
     build_optimizer,
@@ -90,6 +91,7 @@ class FSDPBackend:
         config = optim or optim_config(spec)
         self.optimizer = build_optimizer(self.module.parameters(), self._lr(), config)
         self.scheduler = build_scheduler(self.optimizer, config)
+        self._offloaded: list[Offload] = []  # what `offload` freed, most recent last
 
     # What a subclass (the PPO value model, backends/value.py) builds differently.
 
@@ -284,6 +286,31 @@ class FSDPBackend:
     def data_parallel_coords(self) -> tuple[int, int, bool]:
         """Every rank is a data-parallel rank of its own (no model parallelism)."""
         return self.rank, self.world_size, True
+
+    # -- colocated memory handoff ------------------------------------------------------------
+
+    def offload(self, *, optimizer: bool, weights: bool) -> int:
+        """Free this rank's GPU memory for colocated engines: the optimizer's state and/or the
+        weights (the trainable model's, the reference model's, and their buffers), kept in
+        host memory; gradients are dropped (the next step sets them anew). Returns the bytes
+        freed; nothing on CPU. Undone by `onload`, and before anything that needs them."""
+        keep: list[Tensor] = []
+        if optimizer:
+            keep += optimizer_state(self.optimizer)
+        if weights:
+            for model in (self.module, self.ref):
+                if model is not None:
+                    keep += [*model.parameters(), *model.buffers()]
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        part = Offload(keep, discard=grads)
+        part.offload()
+        self._offloaded.append(part)
+        return part.bytes
+
+    def onload(self) -> None:
+        """Everything `offload` freed, back on the GPU (a no-op when nothing is off)."""
+        while self._offloaded:
+            self._offloaded.pop().onload()
 
     # -- weights -----------------------------------------------------------------------------
 

@@ -1,0 +1,107 @@
+"""Freeing a training rank's GPU memory between phases and restoring it (colocated placement).
+
+While colocated engines generate, a training rank's weights, optimizer state and gradient
+buffers would sit on the GPU the engines' pool needs. `Offload` keeps a set of tensors' bytes in
+pinned host memory and frees their GPU storage, then brings them back.
+
+It works on storages, not tensors: each storage is copied to the host and resized to 0 bytes
+(the caching allocator gets the block back, and `torch.cuda.empty_cache()` returns it to the
+device for the engine process), then resized and refilled. Every tensor, view and wrapper that
+uses the storage (an nn.Parameter, the local shard inside an FSDP2 DTensor, Megatron's params
+and grads, which are views of one contiguous buffer) keeps its identity, so optimizers, DDP
+hooks and FSDP's bookkeeping need not know. (`module.to("cpu")` would replace parameters and
+break such references; torch_memory_saver, which SGLang uses, pauses CUDA virtual memory
+instead and needs its own CUDA build: the images here have none.) Storages whose contents need
+not survive (gradient buffers, zeroed before the next use) are freed without a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+
+def _local(t: Tensor) -> Tensor:
+    """The tensor holding a DTensor's local shard, or `t` itself."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, Tensor) else t
+
+
+def _byte_view(storage: torch.UntypedStorage, device: torch.device) -> Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+class Offload:
+    """`keep`: tensors whose values must survive; `discard`: tensors whose storage may come
+    back with any contents (they are zeroed). Only tensors on `device` count (a CPU rank has
+    nothing to free), unless `device` is given explicitly for a test."""
+
+    def __init__(self, keep: Iterable[Tensor], discard: Iterable[Tensor] = (), *,
+                 device: torch.device | None = None) -> None:
+        self.keep = self._storages(keep, device)
+        kept = {s.data_ptr() for s, _ in self.keep}
+        self.discard = [(s, d) for s, d in self._storages(discard, device)
+                        if s.data_ptr() not in kept]
+        self.host: list[Tensor] = []
+        self.nbytes = [s.nbytes() for s, _ in self.keep] + [s.nbytes() for s, _ in self.discard]
+        self.offloaded = False
+
+    @staticmethod
+    def _storages(tensors: Iterable[Tensor], device: torch.device | None
+                  ) -> list[tuple[torch.UntypedStorage, torch.device]]:
+        seen: dict[int, tuple[torch.UntypedStorage, torch.device]] = {}
+        for t in tensors:
+            local = _local(t)
+            on = local.device.type == "cuda" if device is None else local.device == device
+            if on and local.untyped_storage().nbytes():
+                storage = local.untyped_storage()
+                seen.setdefault(storage.data_ptr(), (storage, local.device))
+        return list(seen.values())
+
+    @property
+    def bytes(self) -> int:
+        """GPU bytes this frees."""
+        return sum(self.nbytes)
+
+    def offload(self) -> None:
+        if self.offloaded:
+            return
+        self.host = []
+        for storage, device in self.keep:
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8,
+                               pin_memory=device.type == "cuda")
+            host.copy_(_byte_view(storage, device), non_blocking=True)
+            self.host.append(host)
+        _synchronize(self.keep + self.discard)  # the copies must land before the frees
+        for storage, _ in self.keep + self.discard:
+            storage.resize_(0)
+        self.offloaded = True
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # back to the device, where the engine process can use it
+
+    def onload(self) -> None:
+        if not self.offloaded:
+            return
+        sizes = iter(self.nbytes)
+        for (storage, device), host in zip(self.keep, self.host, strict=True):
+            storage.resize_(next(sizes))
+            _byte_view(storage, device).copy_(host, non_blocking=True)
+        for storage, device in self.discard:
+            storage.resize_(next(sizes))
+            _byte_view(storage, device).zero_()
+        _synchronize(self.keep + self.discard)
+        self.host = []
+        self.offloaded = False
+
+
+def _synchronize(storages: list[tuple[torch.UntypedStorage, torch.device]]) -> None:
+    for device in {d for _, d in storages if d.type == "cuda"}:
+        torch.cuda.synchronize(device)
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The tensors of a torch optimizer's per-parameter state (Adam's moments, step counts)."""
+    return [v for state in optimizer.state.values() for v in state.values()
+            if isinstance(v, Tensor)]
