@@ -8,7 +8,7 @@ import copy
 import torch
 from torch import nn
 
-from kuberl_trainer.backends.offload import Offload, optimizer_state
+from kuberl_trainer.backends.offload import Offload, Offloads, optimizer_state
 
 CPU = torch.device("cpu")
 
@@ -61,3 +61,17 @@ def test_cpu_tensors_are_left_alone_by_default() -> None:
     off = Offload([t])  # only GPU tensors count unless a device is named
     off.offload()
     assert off.bytes == 0 and t.untyped_storage().nbytes() == 40
+
+
+def test_offloads_reuse_host_buffers_and_skip_a_kind_already_off() -> None:
+    weights, state = torch.randn(64), torch.randn(32)
+    parts = Offloads(device=CPU)
+    assert parts.offload("weights", [weights]) == 64 * 4
+    host = parts.active["weights"].host[0]
+    assert parts.offload("weights", [weights]) == 0  # already off: not twice
+    assert parts.offload("optimizer", [state]) == 32 * 4
+    parts.onload()
+    assert not parts.active and weights.untyped_storage().nbytes() == 64 * 4
+    parts.offload("weights", [weights])
+    assert parts.active["weights"].host[0] is host  # the same pinned buffer, not a new one
+    parts.onload()

@@ -45,7 +45,7 @@ from kuberl_trainer.backends.hf_files import (
     keep_source_dtype,
     read_safetensors_dir,
 )
-from kuberl_trainer.backends.offload import Offload, optimizer_state
+from kuberl_trainer.backends.offload import Offloads, optimizer_state
 from kuberl_trainer.backends.optim import (
     OptimConfig,
     build_optimizer,
@@ -91,7 +91,7 @@ class FSDPBackend:
         config = optim or optim_config(spec)
         self.optimizer = build_optimizer(self.module.parameters(), self._lr(), config)
         self.scheduler = build_scheduler(self.optimizer, config)
-        self._offloaded: list[Offload] = []  # what `offload` freed, most recent last
+        self._offloads = Offloads()  # what `offload` freed (colocated handoff)
 
     # What a subclass (the PPO value model, backends/value.py) builds differently.
 
@@ -294,23 +294,22 @@ class FSDPBackend:
         weights (the trainable model's, the reference model's, and their buffers), kept in
         host memory; gradients are dropped (the next step sets them anew). Returns the bytes
         freed; nothing on CPU. Undone by `onload`, and before anything that needs them."""
-        keep: list[Tensor] = []
+        for param in self.module.parameters():
+            param.grad = None  # the next step's zero_grad(set_to_none=True) would drop them
+        freed = 0
         if optimizer:
-            keep += optimizer_state(self.optimizer)
+            freed += self._offloads.offload("optimizer", optimizer_state(self.optimizer))
         if weights:
-            for model in (self.module, self.ref):
-                if model is not None:
-                    keep += [*model.parameters(), *model.buffers()]
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        part = Offload(keep, discard=grads)
-        part.offload()
-        self._offloaded.append(part)
-        return part.bytes
+            freed += self._offloads.offload("weights", [
+                t for model in (self.module, self.ref) if model is not None
+                for t in (*model.parameters(), *model.buffers())])
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # what the gradients held, too
+        return freed
 
     def onload(self) -> None:
         """Everything `offload` freed, back on the GPU (a no-op when nothing is off)."""
-        while self._offloaded:
-            self._offloaded.pop().onload()
+        self._offloads.onload()
 
     # -- weights -----------------------------------------------------------------------------
 

@@ -51,7 +51,7 @@ from kuberl_trainer.backends.hf_files import (
     copy_tokenizer,
     read_safetensors_dir,
 )
-from kuberl_trainer.backends.offload import Offload, optimizer_state
+from kuberl_trainer.backends.offload import Offloads, optimizer_state
 from kuberl_trainer.backends.optim import MAX_GRAD_NORM, LrMultiplier, optim_config
 from kuberl_trainer.backends.rng import rng_state, set_rng_state
 from kuberl_trainer.backends.step_metrics import StepMetrics
@@ -134,7 +134,7 @@ class MegatronBackend:
         o = optim_config(spec)
         self.lr_at = LrMultiplier(o.warmup_steps, o.decay_steps, o.min_lr_ratio, o.decay_style)
         self.steps = 0  # optimizer steps taken (the LR schedule's position)
-        self._offloaded: list[Offload] = []  # what `offload` freed, most recent last
+        self._offloads = Offloads()  # what `offload` freed (colocated handoff)
 
     # -- construction ------------------------------------------------------------------------
 
@@ -197,25 +197,22 @@ class MegatronBackend:
         master shards and Adam moments (12 of the 16-18 bytes a parameter costs); the weights'
         the bf16 parameter buffers of the model and the reference model; the fp32 gradient
         buffers are dropped (zeroed at the next step's start)."""
-        keep: list[Tensor] = []
+        freed = self._offloads.offload("grads", [], [
+            p.main_grad for p in self.model.parameters()
+            if getattr(p, "main_grad", None) is not None])
         if optimizer:
-            for inner in self._inner_optimizers():
-                keep += optimizer_state(inner)
-                keep += [p for group in inner.param_groups for p in group["params"]]
+            freed += self._offloads.offload("optimizer", [
+                t for inner in self._inner_optimizers()
+                for t in (*optimizer_state(inner),
+                          *(p for group in inner.param_groups for p in group["params"]))])
         if weights:
-            for model in (self.model, self.ref):
-                if model is not None:
-                    keep += [*model.parameters(), *model.buffers()]
-        grads = [p.main_grad for p in self.model.parameters()
-                 if getattr(p, "main_grad", None) is not None]
-        part = Offload(keep, discard=grads)
-        part.offload()
-        self._offloaded.append(part)
-        return part.bytes
+            freed += self._offloads.offload("weights", [
+                t for model in (self.model, self.ref) if model is not None
+                for t in (*model.parameters(), *model.buffers())])
+        return freed
 
     def onload(self) -> None:
-        while self._offloaded:
-            self._offloaded.pop().onload()
+        self._offloads.onload()
 
     # -- the driver's view -------------------------------------------------------------------
 

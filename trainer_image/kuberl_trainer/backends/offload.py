@@ -36,15 +36,18 @@ def _byte_view(storage: torch.UntypedStorage, device: torch.device) -> Tensor:
 class Offload:
     """`keep`: tensors whose values must survive; `discard`: tensors whose storage may come
     back with any contents (they are zeroed). Only tensors on `device` count (a CPU rank has
-    nothing to free), unless `device` is given explicitly for a test."""
+    nothing to free), unless `device` is given explicitly for a test. `reuse`: an earlier
+    Offload of the same tensors, whose pinned host buffers this one takes over (pinning
+    tens of GB anew every step would cost seconds)."""
 
     def __init__(self, keep: Iterable[Tensor], discard: Iterable[Tensor] = (), *,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, reuse: Offload | None = None) -> None:
         self.keep = self._storages(keep, device)
         kept = {s.data_ptr() for s, _ in self.keep}
         self.discard = [(s, d) for s, d in self._storages(discard, device)
                         if s.data_ptr() not in kept]
         self.host: list[Tensor] = []
+        self.spare: list[Tensor] = [] if reuse is None else reuse.spare
         self.nbytes = [s.nbytes() for s, _ in self.keep] + [s.nbytes() for s, _ in self.discard]
         self.offloaded = False
 
@@ -69,9 +72,11 @@ class Offload:
         if self.offloaded:
             return
         self.host = []
-        for storage, device in self.keep:
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8,
-                               pin_memory=device.type == "cuda")
+        for i, (storage, device) in enumerate(self.keep):
+            host = self.spare[i] if i < len(self.spare) else None
+            if host is None or host.numel() != storage.nbytes():
+                host = torch.empty(storage.nbytes(), dtype=torch.uint8,
+                                   pin_memory=device.type == "cuda")
             host.copy_(_byte_view(storage, device), non_blocking=True)
             self.host.append(host)
         _synchronize(self.keep + self.discard)  # the copies must land before the frees
@@ -92,7 +97,7 @@ class Offload:
             storage.resize_(next(sizes))
             _byte_view(storage, device).zero_()
         _synchronize(self.keep + self.discard)
-        self.host = []
+        self.spare, self.host = self.host, []  # kept for the next offload of these tensors
         self.offloaded = False
 
 
@@ -105,3 +110,27 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     """The tensors of a torch optimizer's per-parameter state (Adam's moments, step counts)."""
     return [v for state in optimizer.state.values() for v in state.values()
             if isinstance(v, Tensor)]
+
+
+class Offloads:
+    """A backend's offloaded parts by kind ("optimizer", "weights", "grads"): a kind already
+    off is not offloaded twice, `onload` restores them all (newest first), and each kind's
+    pinned host buffers are reused from one offload to the next."""
+
+    def __init__(self, *, device: torch.device | None = None) -> None:
+        self.device = device  # (tests: count CPU tensors; see Offload)
+        self.active: dict[str, Offload] = {}  # insertion order: offload order
+        self.last: dict[str, Offload] = {}
+
+    def offload(self, kind: str, keep: Iterable[Tensor], discard: Iterable[Tensor] = ()) -> int:
+        """Free `kind`'s tensors (see Offload); the bytes freed (0 when already off)."""
+        if kind in self.active:
+            return 0
+        part = Offload(keep, discard, device=self.device, reuse=self.last.get(kind))
+        part.offload()
+        self.active[kind] = self.last[kind] = part
+        return part.bytes
+
+    def onload(self) -> None:
+        for kind in reversed(list(self.active)):
+            self.active.pop(kind).onload()

@@ -1,0 +1,193 @@
+"""Colocated memory handoff on GPUs: a job whose trainer and engine pool do not fit together.
+
+Runs the same Session as `kuberl run` (local Ray, fsdp trainer, reference engine with a static
+GPU pool of `--fraction` of each card, colocated) on a random-weight model of a real shape,
+twice side by side:
+
+- `off`: no handoff (the engines keep their pool while training runs, the trainers keep
+  everything while the engines generate): expected to fail with CUDA out of memory;
+- `on`: the handoff of kuberl_trainer/memory_handoff.py (engines release after sampling,
+  trainers offload optimizer state and weights around the sync).
+
+After every sync every TP process's weights are compared with the trainer's (sha256). Prints a
+table: steps done, step seconds, offload/onload seconds and their share of the step, the
+trainers' peak GPU memory while training and what they hold while the engines generate, the
+bytes offloaded, weights exact; plus the device's peak memory in use (nvidia-smi, sampled).
+
+    PYTHONPATH=<ray, pydantic, aiohttp>:operator:trainer_image:rollout_image:wire:bench \\
+        python3 bench/gpu_colocated_memory.py --shape qwen2.5-3b --gpus 1 --modes off on
+    ... --gpus 2 --engine-tp 2 --modes on     # TP=2 engine over two trainer ranks (FSDP2)
+
+Never part of `make test`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+from gpu_common import build_model
+from gpu_loop import manifest
+
+
+def job(out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    loop_args = argparse.Namespace(
+        prompts=args.prompts, samples=args.samples, response_len=args.response_len,
+        micro_batch=args.micro_batch, backend="fsdp", placement="colocate", steps=args.steps,
+        engine_tp=args.engine_tp, engine_nodes=1)
+    doc = manifest(out, loop_args)
+    spec = doc["spec"]
+    spec["training"]["gpusPerNode"] = args.gpus
+    spec["rollout"]["engineArgs"]["mem-fraction-static"] = str(args.fraction)
+    return doc
+
+
+class DeviceMemory:
+    """The most memory in use on any GPU (nvidia-smi), sampled while a run goes on."""
+
+    def __init__(self) -> None:
+        self.peak_mib = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.25):
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
+                                  "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, check=False).stdout
+            used = [int(x) for x in out.split() if x.isdigit()]
+            self.peak_mib = max([self.peak_mib, *used])
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.peak_mib / 1024
+
+
+def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    from kuberl_api import parse
+    from kuberl_trainer import session as session_mod
+    from kuberl_trainer.memory_handoff import MemoryHandoff
+    from kuberl_trainer.preflight import check
+    from kuberl_trainer.progress import Progress
+    from kuberl_trainer.run import Options
+    from kuberl_trainer.session import Session
+
+    rlj = parse(job(args.out, args))
+    if mode == "off":  # the counterfactual: no handoff at all
+        session_mod.MemoryHandoff = (  # type: ignore[misc]
+            lambda client, aio, ranks, offload: MemoryHandoff(client, aio, ranks, None))
+    else:
+        session_mod.MemoryHandoff = MemoryHandoff  # type: ignore[misc]
+    run_dir = args.out / f"run-{mode}-{int(time.time())}"
+    opts = Options(address=None, in_cluster=False, output_dir=run_dir,
+                   checkpoint_dir=run_dir / "ckpt", prometheus_port=0, tensorboard=None, seed=0)
+    session = Session(rlj, opts, check(rlj.spec))
+    exact: list[bool] = []
+    error = ""
+    memory = DeviceMemory()
+    try:
+        session.start()
+        assert session.trainers is not None and session.engines is not None
+        trainers, urls, push = session.trainers, session.engines.urls, session.trainers.push_weights
+
+        def push_and_check(engine_urls: list[str], version: int, bucket_bytes: int) -> float:
+            seconds = push(engine_urls, version, bucket_bytes)
+            want = trainers.checksums()
+            ranks = []
+            for url in engine_urls:
+                with urllib.request.urlopen(f"{url}/get_weights_checksum?all_ranks=true",
+                                            timeout=900) as answer:
+                    ranks += json.loads(answer.read())["tp_ranks"]
+            exact.append(len(ranks) == len(urls) * args.engine_tp and all(
+                {k: r[k] for k in want} == want for r in ranks))
+            return seconds
+
+        trainers.push_weights = push_and_check  # type: ignore[method-assign]
+        session.train(Progress(args.steps))
+    except Exception as exc:  # the off run is expected to fail: show how
+        text = str(exc)
+        error = next((line.strip() for line in text.splitlines() if "out of memory" in line),
+                     text.splitlines()[0] if text else type(exc).__name__)[:160]
+    finally:
+        session.close()
+        peak = memory.stop()
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] \
+        if (run_dir / "metrics.jsonl").exists() else []
+    steady = rows[1:] or rows
+    mean = (lambda k: statistics.fmean(r.get(k, 0.0) for r in steady)) if steady else (
+        lambda k: float("nan"))
+    step = mean("time_step_s")
+    handoff = mean("time_offload_s") + mean("time_onload_s")
+    return {"mode": mode, "steps": len(rows), "error": error, "step_s": step,
+            "offload_s": mean("time_offload_s"), "onload_s": mean("time_onload_s"),
+            "share": handoff / step if steady else float("nan"),
+            "train_peak_gib": max((r.get("gpu_train_peak_gib_max", 0) for r in rows),
+                                  default=float("nan")),
+            "resident_gib": max((r.get("gpu_resident_gib_max", 0) for r in rows),
+                                default=float("nan")),
+            "offload_gib": mean("offload_gib"), "device_peak_gib": peak,
+            "exact": bool(exact) and all(exact), "syncs": len(exact)}
+
+
+def settle(limit_s: float = 90.0) -> None:
+    """Wait until the cards are (nearly) empty again: a run's processes exit after it."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
+                              "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=False).stdout
+        if all(int(x) < 2048 for x in out.split() if x.isdigit()):
+            return
+        time.sleep(1)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("/tmp/kuberl-colocated"))
+    p.add_argument("--shape", default="qwen2.5-3b")
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--engine-tp", type=int, default=1)
+    p.add_argument("--fraction", type=float, default=0.7)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--response-len", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--modes", nargs="+", default=["off", "on"], choices=["off", "on"])
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    build_model(args.out, args.shape)
+    rows = []
+    for mode in args.modes:
+        rows.append(run(mode, args))
+        settle()  # the next run starts on empty cards
+    print(f"\n{args.shape}, {torch.cuda.get_device_name(0)} x{args.gpus}, engine TP "
+          f"{args.engine_tp}, mem-fraction-static {args.fraction}, fsdp fp32 trainer, "
+          f"{args.prompts * args.samples} samples/step, means of steps 2+")
+    print("| handoff | steps done | step s | offload s | onload s | share of step | "
+          "trainer peak GiB (train) | trainer GiB while engines generate | offloaded GiB | "
+          "device peak GiB | weights exact after every sync |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        done = f"{r['steps']}" + (f" ({r['error']})" if r["error"] else "")
+        print(f"| {r['mode']} | {done} | {r['step_s']:.2f} | {r['offload_s']:.2f} | "
+              f"{r['onload_s']:.2f} | {r['share']:.1%} | {r['train_peak_gib']:.1f} | "
+              f"{r['resident_gib']:.1f} | {r['offload_gib']:.1f} | {r['device_peak_gib']:.1f} "
+              f"| {'yes' if r['exact'] else 'no'} ({r['syncs']} syncs) |")
+    (args.out / "colocated.json").write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
