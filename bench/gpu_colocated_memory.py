@@ -171,21 +171,20 @@ def main() -> int:
     rows = []
     for mode in args.modes:
         rows.append(run(mode, args))
+        r = rows[-1]  # printed at once: a run cut off by a time limit still shows the others
+        done = f"{r['steps']}" + (f" ({r['error']})" if r["error"] else "")
+        print(f"ROW | {r['mode']} | {done} | {r['step_s']:.2f} | {r['offload_s']:.2f} | "
+              f"{r['onload_s']:.2f} | {r['share']:.1%} | {r['train_peak_gib']:.1f} | "
+              f"{r['resident_gib']:.1f} | {r['offload_gib']:.1f} | {r['device_peak_gib']:.1f} "
+              f"| {'yes' if r['exact'] else 'no'} ({r['syncs']} syncs) |", flush=True)
+        (args.out / "colocated.json").write_text(json.dumps(rows, indent=2))
         settle()  # the next run starts on empty cards
     print(f"\n{args.shape}, {torch.cuda.get_device_name(0)} x{args.gpus}, engine TP "
           f"{args.engine_tp}, mem-fraction-static {args.fraction}, fsdp fp32 trainer, "
-          f"{args.prompts * args.samples} samples/step, means of steps 2+")
-    print("| handoff | steps done | step s | offload s | onload s | share of step | "
-          "trainer peak GiB (train) | trainer GiB while engines generate | offloaded GiB | "
-          "device peak GiB | weights exact after every sync |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        done = f"{r['steps']}" + (f" ({r['error']})" if r["error"] else "")
-        print(f"| {r['mode']} | {done} | {r['step_s']:.2f} | {r['offload_s']:.2f} | "
-              f"{r['onload_s']:.2f} | {r['share']:.1%} | {r['train_peak_gib']:.1f} | "
-              f"{r['resident_gib']:.1f} | {r['offload_gib']:.1f} | {r['device_peak_gib']:.1f} "
-              f"| {'yes' if r['exact'] else 'no'} ({r['syncs']} syncs) |")
-    (args.out / "colocated.json").write_text(json.dumps(rows, indent=2))
+          f"{args.prompts * args.samples} samples/step, means of steps 2+; columns: handoff | "
+          "steps done | step s | offload s | onload s | share of step | trainer peak GiB "
+          "(train) | trainer GiB while engines generate | offloaded GiB | device peak GiB | "
+          "weights exact after every sync")
     return 0
 
 
