@@ -45,7 +45,7 @@ from kuberl_trainer.backends.hf_files import (
     keep_source_dtype,
     read_safetensors_dir,
 )
-from kuberl_trainer.backends.offload import Offloads, optimizer_state
+from kuberl_trainer.backends.offload import Offloads, optimizer_state, release_cached
 from kuberl_trainer.backends.optim import (
     OptimConfig,
     build_optimizer,
@@ -303,8 +303,7 @@ class FSDPBackend:
             freed += self._offloads.offload("weights", [
                 t for model in (self.module, self.ref) if model is not None
                 for t in (*model.parameters(), *model.buffers())])
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # what the gradients held, too
+        release_cached()  # what the gradients and the sync's buckets held, too
         return freed
 
     def onload(self) -> None:

@@ -51,7 +51,7 @@ from kuberl_trainer.backends.hf_files import (
     copy_tokenizer,
     read_safetensors_dir,
 )
-from kuberl_trainer.backends.offload import Offloads, optimizer_state
+from kuberl_trainer.backends.offload import Offloads, optimizer_state, release_cached
 from kuberl_trainer.backends.optim import MAX_GRAD_NORM, LrMultiplier, optim_config
 from kuberl_trainer.backends.rng import rng_state, set_rng_state
 from kuberl_trainer.backends.step_metrics import StepMetrics
@@ -209,6 +209,7 @@ class MegatronBackend:
             freed += self._offloads.offload("weights", [
                 t for model in (self.model, self.ref) if model is not None
                 for t in (*model.parameters(), *model.buffers())])
+        release_cached()  # what the sync's buckets held, too
         return freed
 
     def onload(self) -> None:

@@ -83,8 +83,7 @@ class Offload:
         for storage, _ in self.keep + self.discard:
             storage.resize_(0)
         self.offloaded = True
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # back to the device, where the engine process can use it
+        release_cached()
 
     def onload(self) -> None:
         if not self.offloaded:
@@ -99,6 +98,15 @@ class Offload:
         _synchronize(self.keep + self.discard)
         self.spare, self.host = self.host, []  # kept for the next offload of these tensors
         self.offloaded = False
+
+
+def release_cached() -> None:
+    """Hand the caching allocator's free blocks back to the device, where the engine process
+    can use them. Blocks a colocated weight sync exported by CUDA IPC stay held until the
+    engine has closed its handles: collect those first."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
 
 
 def _synchronize(storages: list[tuple[torch.UntypedStorage, torch.device]]) -> None:
