@@ -337,9 +337,8 @@ ZERO_DIVISORS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("engine-zero", set_("rollout.gpusPerEngine", 0), "spec.rollout.gpusPerEngine", ""),
     ("disaggregated-engine-zero", disagg(gpus=8, gpusPerEngine=0),
      "spec.rollout.gpusPerEngine", ""),
-    # an engine (1 GPU) no longer fits on a node of 0 GPUs: that rule holds, and says so
-    ("rollout-node-zero", disagg(gpus=16, gpusPerNode=0), "spec.rollout.gpusPerNode",
-     "spec.rollout.gpusPerEngine"),
+    # gpusPerNode is the tiling rule's divisor: only its minimum is reported
+    ("rollout-node-zero", disagg(gpus=16, gpusPerNode=0), "spec.rollout.gpusPerNode", ""),
 ]
 
 
@@ -379,9 +378,9 @@ OVERFLOWS: list[tuple[str, Callable[[dict[str, Any]], None], str, str, str]] = [
      f"{LE} {MAX_GPUS_PER_ENGINE}"),
     ("disaggregated-gpus-huge", disagg(gpus=HUGE + 2), "spec.rollout.gpus", "",
      f"{LE} {MAX_ROLLOUT_GPUS}"),
-    # an engine (1 GPU) no longer fits on a node of fewer than 0 GPUs: that rule says so
+    # the tiling rule divides by gpusPerNode: only its minimum is reported
     ("rollout-node-huge-negative", disagg(gpus=16, gpusPerNode=-HUGE),
-     "spec.rollout.gpusPerNode", "spec.rollout.gpusPerEngine", f"{GE} 1"),
+     "spec.rollout.gpusPerNode", "", f"{GE} 1"),
 ]
 
 

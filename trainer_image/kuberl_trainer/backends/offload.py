@@ -104,8 +104,8 @@ def release_cached() -> None:
     """Hand the caching allocator's free blocks back to the device, where the engine process
     can use them. Blocks a colocated weight sync exported by CUDA IPC stay held until the
     engine has closed its handles: collect those first."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.ipc_collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
         torch.cuda.empty_cache()
 
 
