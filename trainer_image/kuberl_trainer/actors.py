@@ -354,7 +354,23 @@ def placed(shape: ActorShape, count: int, what: str) -> list[dict[str, Any]]:
     return [in_bundle(shape, pg, i) for i in range(count)]
 
 
-class TrainGroup:
+class RankGroup:
+    """Actors of TrainWorker (or a subclass) driven together: the colocated handoff's
+    moves (memory_handoff.Ranks)."""
+
+    workers: list[Any]
+
+    def offload(self, *, optimizer: bool, weights: bool) -> int:
+        """Every rank frees its GPU memory; the bytes freed, summed."""
+        freed: list[int] = ray.get([w.offload.remote(optimizer, weights)
+                                    for w in self.workers])
+        return sum(freed)
+
+    def onload(self) -> None:
+        ray.get([w.onload.remote() for w in self.workers])
+
+
+class TrainGroup(RankGroup):
     """The training workers, driven together: data-parallel shards of every batch.
     `one_machine`: every actor shares the driver's machine (a local run), so CPU workers
     split its cores. `log_dir`: where their output goes (train-<rank>.log)."""
@@ -403,15 +419,6 @@ class TrainGroup:
         if len(present) != len(parts):
             raise RuntimeError("the training backend has no reference model (klCoef is 0)")
         return self.layout.gather(present, rows, batch.input_ids.shape)
-
-    def offload(self, *, optimizer: bool, weights: bool) -> int:
-        """Every rank frees its GPU memory (colocated handoff); the bytes freed, summed."""
-        freed: list[int] = ray.get([w.offload.remote(optimizer, weights)
-                                    for w in self.workers])
-        return sum(freed)
-
-    def onload(self) -> None:
-        ray.get([w.onload.remote() for w in self.workers])
 
     def push_weights(self, engine_urls: list[str], version: int, bucket_bytes: int) -> float:
         seconds = ray.get([w.push_weights.remote(engine_urls, version, bucket_bytes,

@@ -16,6 +16,7 @@ import torch
 
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.actors import (
+    RankGroup,
     TrainGroup,
     TrainWorker,
     combine_rank_metrics,
@@ -53,7 +54,7 @@ class CriticWorker(TrainWorker):
         return self.backend.values(batch)
 
 
-class CriticGroup:
+class CriticGroup(RankGroup):
     """The critic workers, driven together (data-parallel shards, like ``TrainGroup``)."""
 
     def __init__(self, spec: RLJobSpec, layout: Layout, trainers: TrainGroup, *,
@@ -88,14 +89,6 @@ class CriticGroup:
         stats = combine_rank_metrics(results)
         keep = ("value_loss", "vf_clipfrac", "value_mean")
         return {k if k in keep else f"critic_{k}": v for k, v in stats.items()}
-
-    def offload(self, *, optimizer: bool, weights: bool) -> int:
-        freed: list[int] = ray.get([w.offload.remote(optimizer, weights)
-                                    for w in self.workers])
-        return sum(freed)
-
-    def onload(self) -> None:
-        ray.get([w.onload.remote() for w in self.workers])
 
     def save(self, path: str) -> None:
         ray.get([w.save.remote(f"{path}/{CRITIC_DIR}") for w in self.workers])
