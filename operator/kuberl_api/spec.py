@@ -792,6 +792,20 @@ class RolloutSpec(ApiModel):
         return self
 
     @model_validator(mode="after")
+    def _memory_fraction(self) -> RolloutSpec:
+        value = self.engine_args.get("mem-fraction-static")
+        if value is None:
+            return self
+        try:
+            fraction = float(value)
+        except ValueError:
+            fraction = float("nan")  # (for SGLang engines the flag check above named the type)
+        check(0 < fraction < 1, "engineArgs", {"mem-fraction-static": value},
+              "mem-fraction-static is the share of each GPU an engine's static pool (weights "
+              "and KV cache) takes: a number between 0 and 1, exclusive")
+        return self
+
+    @model_validator(mode="after")
     def _reference_engine_flags(self) -> RolloutSpec:
         if self.engine == "reference":
             check(not self.engine_list_args, "engineListArgs", sorted(self.engine_list_args),

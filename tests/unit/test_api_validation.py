@@ -433,6 +433,19 @@ SGLANG_REFUSES: list[tuple[str, dict[str, Any], str, str]] = [
 ]
 
 
+@pytest.mark.parametrize("engine", ["sglang", "reference"])
+@pytest.mark.parametrize("fraction", ["0", "1", "1.5", "-0.2", "none"])
+def test_memory_fraction_outside_zero_one_is_refused(engine: str, fraction: str) -> None:
+    edit = both(disagg(gpus=8, engineArgs={"mem-fraction-static": fraction}),
+                set_("rollout.engine", engine))
+    words = "takes a number" if (engine, fraction) == ("sglang", "none") else "between 0 and 1"
+    assert any(p.startswith("spec.rollout.engineArgs") and words in p
+               for p in _problems(edit)), _problems(edit)
+    ok = both(disagg(gpus=8, engineArgs={"mem-fraction-static": "0.85"}),
+              set_("rollout.engine", engine))
+    assert not _problems(ok)
+
+
 @pytest.mark.parametrize(("case", "rollout", "field", "words"), SGLANG_REFUSES,
                          ids=[c[0] for c in SGLANG_REFUSES])
 def test_flags_sglang_would_refuse_are_refused_by_the_model(case: str, rollout: dict[str, Any],
