@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_common import build_model
+from gpu_common import build_model, gpu_memory_used_gib
 from gpu_loop import manifest
 
 
@@ -55,23 +54,19 @@ class DeviceMemory:
     """The most memory in use on any GPU (nvidia-smi), sampled while a run goes on."""
 
     def __init__(self) -> None:
-        self.peak_mib = 0
+        self.peak_gib = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
     def _sample(self) -> None:
         while not self._stop.wait(0.25):
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
-                                  "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, check=False).stdout
-            used = [int(x) for x in out.split() if x.isdigit()]
-            self.peak_mib = max([self.peak_mib, *used])
+            self.peak_gib = max([self.peak_gib, *gpu_memory_used_gib()])
 
     def stop(self) -> float:
         self._stop.set()
         self._thread.join()
-        return self.peak_mib / 1024
+        return self.peak_gib
 
 
 def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -144,10 +139,7 @@ def settle(limit_s: float = 90.0) -> None:
     """Wait until the cards are (nearly) empty again: a run's processes exit after it."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
-                              "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, check=False).stdout
-        if all(int(x) < 2048 for x in out.split() if x.isdigit()):
+        if all(used < 2 for used in gpu_memory_used_gib()):
             return
         time.sleep(1)
 

@@ -6,6 +6,7 @@ Nothing here touches a GPU at import; the scripts that import it run on the GPU 
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -134,3 +135,10 @@ def train_flops(params: int, layers: int, hidden: int, lengths: list[int]) -> fl
     per token, i.e. 12 * layers * hidden * s^2 / 2 per sequence of length s)."""
     tokens = sum(lengths)
     return 6.0 * params * tokens + 6.0 * layers * hidden * sum(s * s for s in lengths)
+
+
+def gpu_memory_used_gib() -> list[float]:
+    """Memory in use on each GPU as nvidia-smi shows it (what other processes see), GiB."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,"
+                          "nounits"], capture_output=True, text=True, check=True).stdout
+    return [int(x) / 1024 for x in out.split()]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 import urllib.error
@@ -23,14 +22,8 @@ import urllib.request
 from pathlib import Path
 
 import torch
-from gpu_common import build_model, card  # bench/ on path
+from gpu_common import build_model, card, gpu_memory_used_gib as used_gb  # bench/ on path
 from gpu_tp_sync import start_engine
-
-
-def used_gb() -> list[float]:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,"
-                          "nounits"], capture_output=True, text=True, check=True).stdout
-    return [int(x) / 1024 for x in out.split()]
 
 
 def post(url: str, path: str, body: dict[str, object]) -> tuple[int, str]:

@@ -491,16 +491,15 @@ class EngineGroup:
                  for parts, (_, addr), key in zip(self.parts, heads, secrets_, strict=True)
                  for part in parts[1:]])
         self.urls: list[str] = [url for url, _ in heads]
-        self.actors = [parts[0] for parts in self.parts]
-        self._failed_part: dict[str, int] = {}
+        self._failed_part: dict[str, int] = {}  # engine URL -> the node first seen dead
 
     def dead(self) -> dict[str, int]:
         """Engines a server process of which exited (any node's), with the exit code."""
-        codes: list[list[Any]] = [ray.get([p.poll.remote() for p in parts])
-                                  for parts in self.parts]
+        codes: list[Any] = ray.get([p.poll.remote() for parts in self.parts for p in parts])
+        nodes = len(self.parts[0])
         out: dict[str, int] = {}
-        for url, per_node in zip(self.urls, codes, strict=True):
-            for rank, code in enumerate(per_node):
+        for e, url in enumerate(self.urls):
+            for rank, code in enumerate(codes[e * nodes:(e + 1) * nodes]):
                 if code is not None:
                     out[url] = code
                     self._failed_part.setdefault(url, rank)
