@@ -113,6 +113,13 @@ def _shown(value: object) -> object:
 DEFAULT_TRAINER_IMAGE = "ghcr.io/kuberl/trainer:0.1.0"
 DEFAULT_ROLLOUT_IMAGE = "ghcr.io/kuberl/rollout:0.1.0"
 DEFAULT_GPUS_PER_NODE = 8
+# The share of each GPU a colocated engine's static pool (weights, KV cache) takes unless
+# rollout.memoryFraction says otherwise. SGLang sizes its pool as if alone on the GPU (up to
+# ~0.9 of large cards); colocated, the training ranks keep their CUDA context, NCCL buffers and
+# whatever they do not offload beside it while the engines generate. 0.7 is what slime's
+# colocated example scripts pass (--sglang-mem-fraction-static 0.7); with the optimizer and
+# weights offloaded it leaves a 7B model's ranks on 8x80 GB ~20 GB a GPU.
+COLOCATED_MEMORY_FRACTION = 0.7
 
 class Storage(ApiModel):
     """A PersistentVolumeClaim mounted into every pod of the job at `mountPath`."""
@@ -519,6 +526,8 @@ class OffloadSpec(ApiModel):
                           "reference and training passes.")
 
 
+MEMORY_SAVER_COLOCATED = ("colocated SGLang engines need enable-memory-saver to release their "
+                          "GPU memory to the trainers between phases: leave it on")
 OFFLOAD_COLOCATED_ONLY = ("training.offload applies to placement: colocate only (disaggregated "
                           "engines have GPUs of their own): leave it at its defaults")
 
@@ -607,6 +616,7 @@ KUBERL_ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
     "the rollout GPUs (cuda with GPUs, cpu without)": ("device",),
     "the CPU cores the engine shares": ("torch-threads",),
     "the Ray node the engine runs on: a second free port": ("nccl-port",),
+    "rollout.memoryFraction": ("mem-fraction-static",),
     "rollout.gpusPerEngine and gpusPerNode (an engine spans gpusPerEngine / gpusPerNode "
     "nodes) and the Ray nodes its parts run on": (
         "dist-init-addr", "nccl-init-addr", "nnodes", "node-rank"),
@@ -631,9 +641,9 @@ ENGINE_FLAG_REFUSAL = {flag: reason for reason, flags in ENGINE_FLAGS_REFUSED.it
 # The reference engine's own flags (kuberl_rollout.reference's argparse) that kuberl leaves to
 # the user; it refuses any other flag at start.
 REFERENCE_ENGINE_FLAGS = ("dtype", "weight-version", "max-batch-size", "batch-wait-ms",
-                          "weight-sync-timeout", "mem-fraction-static")
+                          "weight-sync-timeout")
 ENGINE_ARG_NAMES = ("engineArgs keys are flag names without the leading '--': lowercase "
-                    "letters, digits and '-' (e.g. mem-fraction-static)")
+                    "letters, digits and '-' (e.g. chunked-prefill-size)")
 REFERENCE_ENGINE_ARGS = ("the reference engine takes only these engineArgs: "
                          + ", ".join(REFERENCE_ENGINE_FLAGS))
 MAX_ENGINE_LIST_ITEMS = 256
@@ -715,18 +725,27 @@ class RolloutSpec(ApiModel):
     resources: Resources = Field(default_factory=Resources,
                                  description="CPU and memory per rollout pod (placement: "
                                  "disaggregated only).")
+    memory_fraction: float | None = Field(
+        None, gt=0, lt=1,
+        description="The share of each engine GPU the engine's static pool takes: its weights "
+        "and KV cache (SGLang's --mem-fraction-static), between 0 and 1 exclusive. Colocated "
+        "engines on GPUs default to " + str(COLOCATED_MEMORY_FRACTION) + " (they release the "
+        "pool while the trainers train; the training ranks keep their CUDA context and what "
+        "they do not offload beside it while the engines generate). Otherwise unset: SGLang "
+        "sizes the pool itself, the reference engine reserves none.")
     engine_args: dict[str, str] = Field(
         default_factory=dict, max_length=64,
         description="Extra engine server flags without the leading '--', e.g. "
-        "{mem-fraction-static: '0.8'}; a switch (SGLang's store_true flags) is 'true' (or '') "
+        "{chunked-prefill-size: '4096'}; a switch (SGLang's store_true flags) is 'true' (or '') "
         "for on and 'false' for off (e.g. enable-memory-saver: 'true'); not the flags kuberl "
         "sets itself (model-path, tokenizer-path, host, port, nccl-port, tp-size, "
-        "random-seed/seed, device, torch-threads, dist-init-addr, nnodes, node-rank) nor "
+        "random-seed/seed, device, torch-threads, dist-init-addr, nnodes, node-rank, "
+        "mem-fraction-static: see memoryFraction) nor "
         "dp-size, pp-size, base-gpu-id, gpu-id-step, skip-tokenizer-init, api-key. SGLang "
         "engines: names, switches, value types and choices are checked against SGLang "
         "0.5.6's own flags when the job is validated. "
-        "Colocated SGLang engines get enable-memory-saver: 'true' and mem-fraction-static: "
-        "'0.7' unless set here. The reference engine takes only "
+        "Colocated SGLang engines on GPUs get enable-memory-saver (the memory handoff needs "
+        "it: 'false' is refused there). The reference engine takes only "
         + ", ".join(REFERENCE_ENGINE_FLAGS) + ".",
         json_schema_extra=cel_rules(
             cel(f"self.all(k, k.matches('{ENGINE_ARG_PATTERN}'))", ENGINE_ARG_NAMES),
@@ -789,20 +808,6 @@ class RolloutSpec(ApiModel):
             for key, values in sorted(self.engine_list_args.items()):
                 problem = engine_list_arg_problem(key, values)
                 check(problem is None, "engineListArgs", {key: values}, str(problem))
-        return self
-
-    @model_validator(mode="after")
-    def _memory_fraction(self) -> RolloutSpec:
-        value = self.engine_args.get("mem-fraction-static")
-        if value is None:
-            return self
-        try:
-            fraction = float(value)
-        except ValueError:
-            fraction = float("nan")  # (for SGLang engines the flag check above named the type)
-        check(0 < fraction < 1, "engineArgs", {"mem-fraction-static": value},
-              "mem-fraction-static is the share of each GPU an engine's static pool (weights "
-              "and KV cache) takes: a number between 0 and 1, exclusive")
         return self
 
     @model_validator(mode="after")
@@ -1044,6 +1049,11 @@ class RLJobSpec(ApiModel):
             cel("self.placement == 'colocate' || "
                 f"{_at_defaults('self.training.offload', OffloadSpec)}",
                 OFFLOAD_COLOCATED_ONLY, ".training.offload"),
+            cel("self.placement != 'colocate' || self.rollout.engine != 'sglang' || "
+                "!has(self.rollout.engineArgs) || "
+                "!('enable-memory-saver' in self.rollout.engineArgs) || "
+                "self.rollout.engineArgs['enable-memory-saver'] != 'false'",
+                MEMORY_SAVER_COLOCATED, ".rollout.engineArgs"),
             cel("self.placement != 'disaggregated' || has(self.rollout.gpus)",
                 "rollout.gpus is required when placement is disaggregated", ".rollout.gpus"),
             cel("self.placement != 'colocate' || !has(self.rollout.gpus) || "
@@ -1216,6 +1226,17 @@ class RLJobSpec(ApiModel):
         return self
 
     @property
+    def engine_memory_fraction(self) -> float | None:
+        """The engines' static pool share of each GPU (--mem-fraction-static), or None to leave
+        it to the engine: rollout.memoryFraction, by default COLOCATED_MEMORY_FRACTION for
+        colocated engines on GPUs."""
+        if self.rollout.memory_fraction is not None:
+            return self.rollout.memory_fraction
+        if self.placement == "colocate" and self.rollout_gpus:
+            return COLOCATED_MEMORY_FRACTION
+        return None
+
+    @property
     def trainer_offload(self) -> OffloadSpec | None:
         """What training ranks offload between phases: training.offload, by default both
         parts when colocated; None when disaggregated (no memory handoff)."""
@@ -1243,6 +1264,10 @@ class RLJobSpec(ApiModel):
               self.rollout.engine, SGLANG_NEEDS_GPUS)
         check(on_cpu or self.rollout.engines is None, "rollout.engines", self.rollout.engines,
               ENGINES_ON_CPU_ONLY)
+        saver = self.rollout.engine_args.get("enable-memory-saver")
+        check(not (self.placement == "colocate" and self.rollout.engine == "sglang"
+                   and saver == "false"), "rollout.engineArgs",
+              {"enable-memory-saver": saver}, MEMORY_SAVER_COLOCATED)
 
     def _check_eval(self) -> None:
         interval, sets = self.schedule.eval_interval, self.data.eval_sets

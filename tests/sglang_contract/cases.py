@@ -13,7 +13,7 @@ from typing import Any
 
 from kuberl_api import load, parse
 from kuberl_api.spec import RLJobSpec
-from kuberl_trainer.engine_command import COLOCATED_MEM_FRACTION_STATIC, engine_command
+from kuberl_trainer.engine_command import engine_command
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -48,19 +48,16 @@ def _spec(**spec: Any) -> RLJobSpec:
 
 def _base_expect(spec: RLJobSpec, node_rank: int = 0) -> dict[str, Any]:
     colocated = spec.placement == "colocate" and bool(spec.rollout_gpus)
-    args = spec.rollout.engine_args
     nodes = spec.engine_nodes
     expect: dict[str, Any] = {
         "model_path": spec.model.path, "host": "0.0.0.0", "port": PORT, "nccl_port": NCCL_PORT,
         "tp_size": spec.rollout.gpus_per_engine, "random_seed": SEED,
         "tokenizer_path": spec.model.tokenizer,
-        "enable_memory_saver": colocated and args.get("enable-memory-saver") != "false",
+        "enable_memory_saver": colocated,  # (SGLang's default False: refused colocated)
+        "mem_fraction_static": spec.engine_memory_fraction,
         "nnodes": nodes, "node_rank": node_rank,
         "dist_init_addr": DIST_INIT_ADDR if nodes > 1 else None,
     }
-    fraction = args.get("mem-fraction-static",
-                        COLOCATED_MEM_FRACTION_STATIC if colocated else None)
-    expect["mem_fraction_static"] = None if fraction is None else float(fraction)
     return expect
 
 
@@ -81,9 +78,12 @@ def variant_cases() -> list[Case]:
         ("colocated-tp2-tokenizer", {**colocated, "model": {"path": "/models/qwen",
                                                             "tokenizer": "/models/tok"},
                                      "rollout": {"gpusPerEngine": 2}}, {}),
-        ("colocated-tp4-overrides", {**colocated, "rollout": {"gpusPerEngine": 4, "engineArgs": {
-            "mem-fraction-static": "0.55", "enable-memory-saver": "false"}}}, {}),
+        ("colocated-tp4-fraction", {**colocated, "rollout": {"gpusPerEngine": 4,
+                                                             "memoryFraction": 0.55}},
+         {"mem_fraction_static": 0.55}),
         ("disaggregated-tp2", {**disagg, "rollout": {"gpus": 8, "gpusPerEngine": 2}}, {}),
+        ("disaggregated-fraction", {**disagg, "rollout": {"gpus": 8, "memoryFraction": 0.85}},
+         {"mem_fraction_static": 0.85}),
         ("disaggregated-tp4-switches", {**disagg, "rollout": {
             "gpus": 8, "gpusPerEngine": 4, "engineArgs": {
                 "enable-memory-saver": "true", "skip-server-warmup": "",

@@ -233,6 +233,11 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
      "spec.rollout.engineArgs", "gpusPerNode"),
     ("engine-arg-dist-init-addr", set_("rollout.engineArgs", {"dist-init-addr": "a:1"}),
      "spec.rollout.engineArgs", "Ray nodes"),
+    ("engine-arg-mem-fraction", set_("rollout.engineArgs", {"mem-fraction-static": "0.8"}),
+     "spec.rollout.engineArgs", "kuberl sets it from rollout.memoryFraction"),
+    ("colocated-sglang-without-memory-saver",
+     set_("rollout.engineArgs", {"enable-memory-saver": "false"}), "spec.rollout.engineArgs",
+     "need enable-memory-saver to release their GPU memory"),
     ("offload-when-disaggregated", both(disagg(gpus=8), set_("training.offload",
                                                              {"optimizer": False})),
      "spec.training.offload", "placement: colocate only"),
@@ -418,8 +423,8 @@ SGLANG_REFUSES: list[tuple[str, dict[str, Any], str, str]] = [
      "SGLang 0.5.6 has no flag --mem-fraction-statik; did you mean mem-fraction-static?"),
     ("switch-with-a-value", {"engineArgs": {"enable-memory-saver": "yes"}},
      "spec.rollout.engineArgs", "--enable-memory-saver is a switch"),
-    ("not-a-number", {"engineArgs": {"mem-fraction-static": "70%"}},
-     "spec.rollout.engineArgs", "--mem-fraction-static takes a number, not '70%'"),
+    ("not-a-number", {"engineArgs": {"schedule-conservativeness": "70%"}},
+     "spec.rollout.engineArgs", "--schedule-conservativeness takes a number, not '70%'"),
     ("not-an-integer", {"engineArgs": {"context-length": "8k"}}, "spec.rollout.engineArgs",
      "--context-length takes an integer"),
     ("not-a-choice", {"engineArgs": {"attention-backend": "flash"}},
@@ -434,16 +439,23 @@ SGLANG_REFUSES: list[tuple[str, dict[str, Any], str, str]] = [
 
 
 @pytest.mark.parametrize("engine", ["sglang", "reference"])
-@pytest.mark.parametrize("fraction", ["0", "1", "1.5", "-0.2", "none"])
-def test_memory_fraction_outside_zero_one_is_refused(engine: str, fraction: str) -> None:
-    edit = both(disagg(gpus=8, engineArgs={"mem-fraction-static": fraction}),
-                set_("rollout.engine", engine))
-    words = "takes a number" if (engine, fraction) == ("sglang", "none") else "between 0 and 1"
-    assert any(p.startswith("spec.rollout.engineArgs") and words in p
-               for p in _problems(edit)), _problems(edit)
-    ok = both(disagg(gpus=8, engineArgs={"mem-fraction-static": "0.85"}),
-              set_("rollout.engine", engine))
-    assert not _problems(ok)
+@pytest.mark.parametrize("fraction", [0, 1, 1.5, -0.2, "0.5x"])
+def test_memory_fraction_outside_zero_one_is_refused(engine: str, fraction: Any) -> None:
+    edit = both(disagg(gpus=8, memoryFraction=fraction), set_("rollout.engine", engine))
+    problems = _problems(edit)
+    assert any(p.startswith("spec.rollout.memoryFraction") for p in problems), problems
+    assert any("memoryFraction" in p for p in admit(SCHEMA, _manifest(edit)))  # kubectl too
+    ok = both(disagg(gpus=8, memoryFraction=0.85), set_("rollout.engine", engine))
+    assert not _problems(ok) and not admit(SCHEMA, _manifest(ok))
+
+
+def test_memory_fraction_defaults_to_what_colocated_engines_on_gpus_need() -> None:
+    colocated = parse(_manifest(lambda m: None)).spec
+    assert colocated.placement == "colocate" and colocated.engine_memory_fraction == 0.7
+    assert parse(_manifest(disagg(gpus=8))).spec.engine_memory_fraction is None
+    assert parse(_manifest(ON_CPU)).spec.engine_memory_fraction is None
+    assert parse(_manifest(set_("rollout.memoryFraction", 0.5))).spec.engine_memory_fraction \
+        == 0.5
 
 
 @pytest.mark.parametrize(("case", "rollout", "field", "words"), SGLANG_REFUSES,
@@ -470,7 +482,8 @@ def _problems(edit: Callable[[dict[str, Any]], None]) -> list[str]:
 
 def test_sglang_flags_as_users_write_them_pass() -> None:
     parse(_manifest(disagg(gpus=8, engineArgs={
-        "mem-fraction-static": "0.8", "enable-memory-saver": "", "disable-radix-cache": "false",
+        "schedule-conservativeness": "0.8", "enable-memory-saver": "",
+        "disable-radix-cache": "false",
         "context-length": "32768", "attention-backend": "fa3", "log-level": "warning",
         "json-model-override-args": '{"rope_scaling": null}', "cuda-graph-max-bs": "64"},
         engineListArgs={"cuda-graph-bs": ["1", "2", "4"]})))
@@ -595,10 +608,11 @@ GOOD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
                                     set_("schedule.evalInterval", 10))),
     ("cpu-rollout-engines", both(ON_CPU, set_("rollout.engines", 2),
                                  set_("rollout.engineArgs", {"dtype": "bfloat16"}))),
-    ("sglang-engine-args", set_("rollout.engineArgs", {"mem-fraction-static": "0.8",
-                                                       "chunked-prefill-size": "4096"})),
+    ("sglang-engine-args", both(set_("rollout.memoryFraction", 0.8), set_(
+        "rollout.engineArgs", {"schedule-conservativeness": "0.8",
+                               "chunked-prefill-size": "4096"}))),
     ("sglang-engine-switches-and-lists", both(
-        set_("rollout.engineArgs", {"enable-memory-saver": "false", "skip-server-warmup": "true"}),
+        set_("rollout.engineArgs", {"enable-memory-saver": "true", "skip-server-warmup": "true"}),
         set_("rollout.engineListArgs", {"cuda-graph-bs": ["1", "2", "4"]}))),
     ("network-on-a-cpu-job-with-a-gpu-critic",
      both(ON_CPU, ppo(set_("critic", {"placement": "dedicated", "gpusPerNode": 1})),

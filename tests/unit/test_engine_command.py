@@ -36,25 +36,25 @@ def flag(cmd: list[str], name: str) -> str | None:
 
 def test_sglang_gets_ports_tp_seed_tokenizer_and_engine_args() -> None:
     cmd = command(model={"path": "/m", "tokenizer": "/tok"}, placement="disaggregated",
-                  rollout={"gpus": 8, "gpusPerEngine": 2, "engineArgs": {
-                      "mem-fraction-static": "0.7", "enable-memory-saver": ""}})
+                  rollout={"gpus": 8, "gpusPerEngine": 2, "memoryFraction": 0.8,
+                           "engineArgs": {"enable-memory-saver": "", "disable-radix-cache": ""}})
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     assert flag(cmd, "--port") == "30001" and flag(cmd, "--nccl-port") == "30002"
     assert flag(cmd, "--tp-size") == "2" and flag(cmd, "--random-seed") == "7"
     assert flag(cmd, "--tokenizer-path") == "/tok"  # engines detokenize what rewards read
-    assert flag(cmd, "--mem-fraction-static") == "0.7"
+    assert flag(cmd, "--mem-fraction-static") == "0.8"  # rollout.memoryFraction
     # an empty value is a switch: the next flag (args go in name order) follows it directly
-    assert cmd[cmd.index("--enable-memory-saver") + 1] == "--mem-fraction-static"
+    assert cmd[cmd.index("--disable-radix-cache") + 1] == "--enable-memory-saver"
 
 
 def test_colocated_sglang_saves_memory_unless_told_otherwise() -> None:
     colocated = {"training": {"backend": "megatron", "gpusPerNode": 8}, "placement": "colocate"}
     cmd = command(**colocated)
     assert "--enable-memory-saver" in cmd and flag(cmd, "--mem-fraction-static") == "0.7"
-    cmd = command(**colocated, rollout={"engineArgs": {"enable-memory-saver": "false",
-                                                       "mem-fraction-static": "0.5"}})
-    assert "--enable-memory-saver" not in cmd and flag(cmd, "--mem-fraction-static") == "0.5"
-    assert cmd.count("--mem-fraction-static") == 1
+    cmd = command(**colocated, rollout={"memoryFraction": 0.5,
+                                        "engineArgs": {"enable-memory-saver": "true"}})
+    assert flag(cmd, "--mem-fraction-static") == "0.5"
+    assert cmd.count("--mem-fraction-static") == 1 and cmd.count("--enable-memory-saver") == 1
     disaggregated = command(placement="disaggregated", rollout={"gpus": 8})
     assert "--enable-memory-saver" not in disaggregated
     assert "--mem-fraction-static" not in disaggregated
@@ -78,9 +78,12 @@ def test_reference_engine_gets_tp_size_and_its_own_flags() -> None:
     assert flag(cmd, "--tp-size") == "1" and "--nccl-port" not in cmd
     assert "--tokenizer-path" not in cmd  # the engine reads the model directory's
     assert flag(cmd, "--max-batch-size") == "64"
+    assert "--mem-fraction-static" not in cmd  # no GPU pool to size on CPU
     gpu = command(training={"backend": "megatron", "gpusPerNode": 4},
                   rollout={"engine": "reference", "gpusPerEngine": 2})
     assert flag(gpu, "--tp-size") == "2" and flag(gpu, "--device") == "cuda"
+    # colocated on GPUs it holds the same static pool an SGLang engine would
+    assert flag(gpu, "--mem-fraction-static") == "0.7"
 
 
 def test_reference_engine_parses_every_command(monkeypatch: pytest.MonkeyPatch) -> None:

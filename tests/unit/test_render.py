@@ -529,7 +529,7 @@ def test_no_output_depends_on_dict_ordering(make_rljob: MakeJob) -> None:
     labels = {"b": "2", "a": "1", "c": "3"}
     selector = {"zone": "z1", "pool": "h100", "arch": "amd64"}
     nccl = {"NCCL_IB_HCA": "mlx5", "NCCL_DEBUG": "WARN", "NCCL_IB_GID_INDEX": "3"}
-    engine_args = {"mem-fraction-static": "0.8", "chunked-prefill-size": "4096"}
+    engine_args = {"schedule-conservativeness": "0.8", "chunked-prefill-size": "4096"}
 
     def build(order: Callable[[dict[str, str]], dict[str, str]]) -> str:
         spec = {**DISAGG,

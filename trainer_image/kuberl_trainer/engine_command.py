@@ -16,9 +16,11 @@ What kuberl passes to SGLang (`python -m sglang.launch_server`) and why:
                                    port on node rank 0's node); SGLang's ranks >= 1 answer only
                                    /health on their own port
   --random-seed S                  the run's seed + the engine's index
+  --mem-fraction-static F          spec.engine_memory_fraction: rollout.memoryFraction, by
+                                   default 0.7 for colocated engines on GPUs (the reference
+                                   engine reserves its pool the same way); unset otherwise
   colocate with rollout GPUs:      --enable-memory-saver (what SGLang needs to release and
-                                   resume its memory, handing it to training between phases) and
-                                   --mem-fraction-static 0.7 (COLOCATED_MEM_FRACTION_STATIC)
+                                   resume its memory, handing it to training between phases)
   then rollout.engineArgs and      see engine_arg_flags
   engineListArgs
 The reference engine (`python -m kuberl_rollout.reference`) gets the same model, host, port,
@@ -35,13 +37,6 @@ from kuberl_api.spec import RLJobSpec
 # The SGLang release the rollout image is built on (Dockerfile.rollout's base image tag) and
 # the contract tier checks against (Makefile's SGLANG_VERSION): keep the three equal.
 SGLANG_VERSION = "0.5.6"
-
-# The share of each GPU a colocated SGLang engine takes for its weights and KV cache. SGLang
-# sizes it as if alone on the GPU (its default is up to ~0.9 of the memory on large GPUs);
-# colocated, the training process keeps its CUDA context, NCCL buffers and allocator cache on
-# the same GPU while the engine runs, so leave it ~30%. 0.7 is what slime's colocated example
-# scripts pass (--sglang-mem-fraction-static 0.7). engineArgs mem-fraction-static overrides.
-COLOCATED_MEM_FRACTION_STATIC = "0.7"
 
 # engineArgs values that turn a switch (SGLang's store_true flags) on or leave it off.
 TRUE_VALUES, FALSE_VALUES = ("", "true"), ("false",)
@@ -73,8 +68,7 @@ def colocated_sglang(spec: RLJobSpec) -> bool:
 def default_engine_args(spec: RLJobSpec) -> dict[str, EngineArgValue]:
     """The engineArgs kuberl adds itself unless the spec's engineArgs set them."""
     if colocated_sglang(spec):
-        return {"enable-memory-saver": "true",
-                "mem-fraction-static": COLOCATED_MEM_FRACTION_STATIC}
+        return {"enable-memory-saver": "true"}
     return {}
 
 
@@ -110,5 +104,7 @@ def engine_command(spec: RLJobSpec, *, model_path: str, port: int, nccl_port: in
                "--tp-size", str(r.gpus_per_engine), "--random-seed", str(seed), *multi_node]
     if spec.model.tokenizer:  # the engines detokenize the text rewards are read from
         cmd += ["--tokenizer-path", spec.model.tokenizer]
+    if spec.engine_memory_fraction is not None:
+        cmd += ["--mem-fraction-static", str(spec.engine_memory_fraction)]
     return cmd + engine_arg_flags(
         default_engine_args(spec) | dict(r.engine_args) | dict(r.engine_list_args))
