@@ -41,12 +41,13 @@ from gpu_loop import manifest
 def job(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     loop_args = argparse.Namespace(
         prompts=args.prompts, samples=args.samples, response_len=args.response_len,
-        micro_batch=args.micro_batch, backend="fsdp", placement="colocate", steps=args.steps,
+        micro_batch=args.micro_batch, backend=args.backend, placement="colocate",
+        steps=args.steps,
         engine_tp=args.engine_tp, engine_nodes=1)
     doc = manifest(out, loop_args)
     spec = doc["spec"]
     spec["training"]["gpusPerNode"] = args.gpus
-    spec["rollout"]["engineArgs"]["mem-fraction-static"] = str(args.fraction)
+    spec["rollout"]["memoryFraction"] = args.fraction
     return doc
 
 
@@ -89,6 +90,7 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
                    checkpoint_dir=run_dir / "ckpt", prometheus_port=0, tensorboard=None, seed=0)
     session = Session(rlj, opts, check(rlj.spec))
     exact: list[bool] = []
+    check_s: list[float] = []  # the checks' own seconds, taken out of the step times
     error = ""
     memory = DeviceMemory()
     try:
@@ -96,16 +98,23 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         assert session.trainers is not None and session.engines is not None
         trainers, urls, push = session.trainers, session.engines.urls, session.trainers.push_weights
 
-        def push_and_check(engine_urls: list[str], version: int, bucket_bytes: int) -> float:
-            seconds = push(engine_urls, version, bucket_bytes)
-            want = trainers.checksums()
-            ranks = []
+        def engine_ranks(engine_urls: list[str], out: list[dict[str, str]]) -> None:
             for url in engine_urls:
                 with urllib.request.urlopen(f"{url}/get_weights_checksum?all_ranks=true",
                                             timeout=900) as answer:
-                    ranks += json.loads(answer.read())["tp_ranks"]
+                    out += json.loads(answer.read())["tp_ranks"]
+
+        def push_and_check(engine_urls: list[str], version: int, bucket_bytes: int) -> float:
+            seconds = push(engine_urls, version, bucket_bytes)
+            started = time.perf_counter()
+            ranks: list[dict[str, str]] = []  # the engines hash while the trainers do
+            engines = threading.Thread(target=engine_ranks, args=(engine_urls, ranks))
+            engines.start()
+            want = trainers.checksums()
+            engines.join()
             exact.append(len(ranks) == len(urls) * args.engine_tp and all(
                 {k: r[k] for k in want} == want for r in ranks))
+            check_s.append(time.perf_counter() - started)
             return seconds
 
         trainers.push_weights = push_and_check  # type: ignore[method-assign]
@@ -122,7 +131,9 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     steady = rows[1:] or rows
     mean = (lambda k: statistics.fmean(r.get(k, 0.0) for r in steady)) if steady else (
         lambda k: float("nan"))
-    step = mean("time_step_s")
+    # the step as a job without the bench's checks would take it
+    checking = statistics.fmean(check_s[1:] or check_s) if check_s else 0.0
+    step = mean("time_step_s") - checking
     handoff = mean("time_offload_s") + mean("time_onload_s")
     return {"mode": mode, "steps": len(rows), "error": error, "step_s": step,
             "offload_s": mean("time_offload_s"), "onload_s": mean("time_onload_s"),
@@ -132,7 +143,9 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             "resident_gib": max((r.get("gpu_resident_gib_max", 0) for r in rows),
                                 default=float("nan")),
             "offload_gib": mean("offload_gib"), "device_peak_gib": peak,
-            "exact": bool(exact) and all(exact), "syncs": len(exact)}
+            "exact": bool(exact) and all(exact), "syncs": len(exact),
+            "gen_s": mean("time_generate_s"), "train_s": mean("time_train_s"),
+            "sync_s": mean("time_sync_s") - checking, "check_s": checking}
 
 
 def settle(limit_s: float = 90.0) -> None:
@@ -156,6 +169,7 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--response-len", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--backend", default="fsdp", choices=["fsdp", "megatron"])
     p.add_argument("--modes", nargs="+", default=["off", "on"], choices=["off", "on"])
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -165,16 +179,19 @@ def main() -> int:
         rows.append(run(mode, args))
         r = rows[-1]  # printed at once: a run cut off by a time limit still shows the others
         done = f"{r['steps']}" + (f" ({r['error']})" if r["error"] else "")
-        print(f"ROW | {r['mode']} | {done} | {r['step_s']:.2f} | {r['offload_s']:.2f} | "
+        print(f"ROW | {r['mode']} | {done} | {r['step_s']:.2f} | {r['gen_s']:.2f} | "
+              f"{r['train_s']:.2f} | {r['sync_s']:.2f} | {r['offload_s']:.2f} | "
               f"{r['onload_s']:.2f} | {r['share']:.1%} | {r['train_peak_gib']:.1f} | "
               f"{r['resident_gib']:.1f} | {r['offload_gib']:.1f} | {r['device_peak_gib']:.1f} "
               f"| {'yes' if r['exact'] else 'no'} ({r['syncs']} syncs) |", flush=True)
         (args.out / "colocated.json").write_text(json.dumps(rows, indent=2))
         settle()  # the next run starts on empty cards
+    trainer = "fsdp fp32" if args.backend == "fsdp" else "megatron bf16 (fp32 master, Adam)"
     print(f"\n{args.shape}, {torch.cuda.get_device_name(0)} x{args.gpus}, engine TP "
-          f"{args.engine_tp}, mem-fraction-static {args.fraction}, fsdp fp32 trainer, "
+          f"{args.engine_tp}, memoryFraction {args.fraction}, {trainer} trainer, "
           f"{args.prompts * args.samples} samples/step, means of steps 2+; columns: handoff | "
-          "steps done | step s | offload s | onload s | share of step | trainer peak GiB "
+          "steps done | step s | generate s | train s | sync s (without the checks) | offload s | "
+          "onload s | share of step | trainer peak GiB "
           "(train) | trainer GiB while engines generate | offloaded GiB | device peak GiB | "
           "weights exact after every sync")
     return 0

@@ -78,7 +78,8 @@ def build_model(out: Path, shape: str) -> Path:
                       num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
                       tie_word_embeddings=True, max_position_embeddings=4096,
                       torch_dtype="bfloat16", eos_token_id=1, pad_token_id=0)
-    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # (3B: minutes on CPU)
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(model_dir)
     build_tokenizer(vocab).save_pretrained(str(model_dir))
     return model_dir
