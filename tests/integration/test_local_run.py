@@ -76,8 +76,7 @@ def test_every_engine_process_holds_the_trainers_weights_after_every_step(
         trainers, urls = session.trainers, session.engines.urls
         push = trainers.push_weights
 
-        def push_and_check(engine_urls: list[str], version: int, bucket_bytes: int) -> float:
-            seconds = push(engine_urls, version, bucket_bytes)
+        def check(engine_urls: list[str], version: int) -> None:
             want = trainers.checksums()
             for url in engine_urls:
                 with urllib.request.urlopen(f"{url}/get_weights_checksum?all_ranks=true",
@@ -86,6 +85,14 @@ def test_every_engine_process_holds_the_trainers_weights_after_every_step(
                 assert len(ranks) == tp, (url, len(ranks))
                 for rank, sums in enumerate(ranks):
                     assert {k: sums[k] for k in want} == want, (url, rank, version)
+
+        # Colocated engines released their weights at start (discarded, as SGLang's are):
+        # the start-up sync gave them back.
+        check(urls, 0)
+
+        def push_and_check(engine_urls: list[str], version: int, bucket_bytes: int) -> float:
+            seconds = push(engine_urls, version, bucket_bytes)
+            check(engine_urls, version)
             synced.append(version)
             return seconds
 
@@ -128,13 +135,14 @@ def handoff_sequence(events: list[dict[str, Any]]) -> list[str]:
 
 
 def expected_handoff(placement: str, steps: int) -> list[str]:
-    """Colocated: after generating, release everything; the weights' memory back before the
+    """Colocated: at start, release everything for the trainers to build in, then the
+    start-up sync; after generating, release everything; the weights' memory back before the
     update, the KV cache and graphs after it; never a generation while released (it would be
     refused: generate_refused). Disaggregated engines keep their GPUs."""
     if placement != "colocate":
         return ["generate", "update"] * steps
-    return ["generate", "release_memory:all", "resume_memory:weights", "update",
-            "resume_memory:kv_cache,cuda_graph"] * steps
+    sync = ["resume_memory:weights", "update", "resume_memory:kv_cache,cuda_graph"]
+    return ["release_memory:all", *sync] + ["generate", "release_memory:all", *sync] * steps
 
 
 RESUMABLE = {

@@ -359,9 +359,13 @@ async def test_tensor_update_rejects_unknown_names_and_changes_nothing(
         await client.request(pair[0], "POST", "/continue_generation", {})
 
 
-async def test_release_and_resume_memory(pair: list[str]) -> None:
+async def test_release_and_resume_memory(pair: list[str],
+                                         reference_model: torch.nn.Module) -> None:
+    """As SGLang's memory saver without --enable-weights-cpu-backup: released weights are
+    gone, and a resume brings back memory that only a weight update makes the model again."""
     url = pair[0]
     async with EngineClient([url], request_timeout_s=30) as client:
+        before = await checksums(client)
         await client.request(url, "POST", "/release_memory_occupation", {"tags": None})
         with pytest.raises(EngineError, match="resume_memory_occupation") as err:
             await client.generate_one(PROMPTS[0], GREEDY)
@@ -374,6 +378,32 @@ async def test_release_and_resume_memory(pair: list[str]) -> None:
         await client.request(url, "POST", "/resume_memory_occupation", {"tags": None})
         assert (await client.generate_one(PROMPTS[0], GREEDY)).completion_tokens == 12
         await client.request(url, "GET", "/health_generate")
+        after = await checksums(client)
+        assert after[0].keys() == before[0].keys()
+        nonzero = [n for n, t in reference_model.state_dict().items() if t.any()]
+        assert nonzero and all(after[0][n] != before[0][n] for n in nonzero)  # all lost
+        await send_tensors(client, [trainer_params(reference_model.state_dict(),
+                                                   reference_model)], weight_version="restored")
+        assert await checksums(client) == before
+
+
+@pytest.mark.parametrize("backup", [False, True], ids=["discarded", "cpu-backup"])
+def test_released_weights_are_lost_unless_backed_up(model_dir: Path, backup: bool) -> None:
+    """--enable-weights-cpu-backup (SGLang's flag) keeps released weights' values in host
+    memory; without it a release frees them and a resume brings back zeros."""
+    from kuberl_rollout.reference.engine import ReferenceEngine
+
+    engine = ReferenceEngine(str(model_dir), weights_cpu_backup=backup)
+    before = engine.checksums()
+    engine.release(["weights"])
+    assert all(p.numel() == 0 for p in engine.model.parameters()) != backup
+    engine.resume(["weights"])
+    after = engine.checksums()
+    assert after.keys() == before.keys()
+    if backup:
+        assert after == before
+    else:
+        assert after != before and all(not p.any() for p in engine.model.parameters())
 
 
 async def test_abort_request_finishes_running_requests_as_abort(pair: list[str]) -> None:

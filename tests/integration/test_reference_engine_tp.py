@@ -217,6 +217,10 @@ async def test_slime_shaped_requests(tp_engines: list[str], reference_model: tor
             await client.request(url, "POST", "/resume_memory_occupation", {"tags": tags})
         out = await client.request(url, "POST", "/generate", {**gen, "sampling_params": GREEDY})
         assert out["meta_info"]["weight_version"] == "slime-1"
+        # every TP rank lost its weights, as SGLang's do: the update below restores them
+        nonzero = [n for n, t in state.items() if t.any()]
+        lost = await every_rank(client)
+        assert all(rank[n] != sums(state)[n] for rank in lost[0] for n in nonzero)
         await send_tensors(client, [trainer_params(reference_model.state_dict(),
                                                    reference_model)],
                            weight_version="restored", tp_sizes=[TP])

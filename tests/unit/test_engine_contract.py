@@ -18,6 +18,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kuberl_rollout.reference import sampling as ref_sampling, server as ref_server
 from kuberl_trainer.engine_client import SamplingParams, generate_request
 from kuberl_trainer.engine_command import SGLANG_VERSION
@@ -143,3 +145,19 @@ def test_one_sglang_version_everywhere() -> None:
     assert make is not None and make.group(1) == SGLANG_VERSION
     reqs = (repo / "tests" / "sglang_contract" / "requirements.txt").read_text().splitlines()
     assert f"sglang=={SGLANG_VERSION}" in reqs
+
+
+def test_reference_pool_is_sized_as_sglang_sizes_it() -> None:
+    """SGLang 0.5.6: pool = mem_fraction_static x (free before the weights load) - weights.
+    80 GB free, 0.7, 12 GB of weights -> 44 GB; a trainer already holding 24 GB leaves 56
+    free -> 27.2 GB (a smaller pool, not an error); too little -> SGLang's own refusal."""
+    from kuberl_rollout.reference.engine import static_pool_bytes
+
+    gb = 10**9
+    assert static_pool_bytes(0.7, 80 * gb, 12 * gb) == 44 * gb
+    assert static_pool_bytes(0.7, 56 * gb, 12 * gb) == int(27.2 * gb)
+    with pytest.raises(RuntimeError, match=r"Not enough memory\. Please try to increase "
+                                           r"--mem-fraction-static"):
+        static_pool_bytes(0.2, 56 * gb, 12 * gb)
+    with pytest.raises(ValueError, match=r"in \(0, 1\)"):
+        static_pool_bytes(1.0, 80 * gb, 1)

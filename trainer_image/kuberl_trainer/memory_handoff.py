@@ -15,6 +15,12 @@ peak for a model of real size. So every step moves memory, in slime's order
 4. sync done: the ranks offload their weights (`training.offload.weights`), and the engines
    take back the KV cache and CUDA graphs, ready to generate.
 
+Before the first step (Session.start): the engines start alone on their GPUs, as each sizes
+its pool from the memory free when it starts (SGLang: mem_fraction_static x free, less the
+weights), then release all of it (`at_start`); the training ranks build their models in the
+room; then 3 and 4 as after a step: the engines get back the weights' memory and the trainers'
+weights (SGLang discards released weights), then their cache.
+
 Each transition is one call from the loop (2 to 4) or from the rollout manager once the
 step's sampling is over (1). Their seconds go into the step's metrics: `time_offload_s`
 (releases and offloads) and `time_onload_s` (onloads and resumes); `offload_gib` is what the
@@ -47,7 +53,8 @@ class Ranks(Protocol):
 
 class MemoryHandoff:
     """`offload`: what training ranks offload (the spec's trainer_offload); None turns the
-    handoff off (disaggregated). `ranks`: the groups sharing the engines' GPUs."""
+    handoff off (disaggregated). `ranks`: the groups sharing the engines' GPUs (set once they
+    exist: the engines release their memory before the ranks are built)."""
 
     def __init__(self, client: EngineClient, aio: asyncio.AbstractEventLoop,
                  ranks: list[Ranks], offload: OffloadSpec | None) -> None:
@@ -67,6 +74,14 @@ class MemoryHandoff:
 
     def _timed(self, key: str, started: float) -> None:
         self.times[key] += time.perf_counter() - started
+
+    def at_start(self) -> None:
+        """0: the engines, started alone, release everything before the ranks are built."""
+        if not self.on:
+            return
+        started = time.perf_counter()
+        self._engines("/release_memory_occupation", None)
+        self._timed("time_offload_s", started)
 
     async def to_trainers(self) -> None:
         """1: sampling is over; the GPUs go to the training ranks. (A coroutine: the rollout

@@ -48,6 +48,7 @@ class Session:
         self.engines: EngineGroup | None = None
         self.trainers: TrainGroup | None = None
         self.critic: CriticGroup | None = None
+        self.memory: MemoryHandoff
         self.sft_source: PromptSource | None = None
         self.step = 0
         self.weight_version = 0
@@ -76,23 +77,45 @@ class Session:
         local = not self.opts.address
         self.engines = EngineGroup(self.spec, lay, seed=self.opts.seed, one_machine=local,
                                    log_dir=logs)
+        self.client = EngineClient(self.engines.urls)
+        self.memory = MemoryHandoff(self.client, self.aio, [], self.spec.trainer_offload)
+        if self.memory.on:  # colocated: the engines start alone, then make room (see there)
+            self._wait_for_engines()
+            self.memory.at_start()
         self.trainers = TrainGroup(self.spec, lay, one_machine=local, log_dir=logs)
         self.critic = (CriticGroup(self.spec, lay, self.trainers, one_machine=local,
                                    log_dir=logs)
                        if self.spec.has_critic else None)
-        self.client = EngineClient(self.engines.urls)
-        self.aio.run_until_complete(self.client.wait_healthy(
-            timeout_s=ENGINE_START_TIMEOUT_S, exited=self.engines.dead))
+        self.memory.ranks = self._colocated_ranks()
+        if not self.memory.on:  # (disaggregated: engines and trainers start side by side)
+            self._wait_for_engines()
         d = self.spec.data
         self.source = PromptSource(d.prompts, d.input_key, d.label_key, seed=self.opts.seed)
         self.sft_source = (PromptSource(d.sft.path, d.input_key, d.label_key,
                                         seed=self.opts.seed) if d.sft else None)
-        self._resume()
+        resumed = self._resume()
+        self._first_sync(resumed)
 
-    def _resume(self) -> None:
+    def _wait_for_engines(self) -> None:
+        assert self.engines is not None
+        self.aio.run_until_complete(self.client.wait_healthy(
+            timeout_s=ENGINE_START_TIMEOUT_S, exited=self.engines.dead))
+
+    def _first_sync(self, resumed: bool) -> None:
+        """The engines start from the base model and, colocated, released even that: they
+        get the trainers' weights (a resumed job's, or the base model's), then their cache."""
+        assert self.trainers is not None and self.engines is not None
+        if not (self.memory.on or resumed):
+            return
+        self.memory.before_sync()
+        self.trainers.push_weights(self.engines.urls, self.weight_version, 1 << 26)
+        self.memory.to_engines()
+        self.memory.step_metrics()  # (start-up's moves are not the first step's)
+
+    def _resume(self) -> bool:
         found = ckpt.latest(self.opts.checkpoint_dir)
         if found is None:
-            return
+            return False
         step, path = found
         assert self.trainers is not None and self.engines is not None
         self.trainers.load(str(path))
@@ -103,15 +126,13 @@ class Session:
         if self.sft_source is not None and state.sft_data:
             self.sft_source.load_state_dict(state.sft_data)
         self.step, self.weight_version = state.step, state.weight_version
-        # Engines start from the base model: give them the resumed weights before generating.
-        self.trainers.push_weights(self.engines.urls, self.weight_version, 1 << 26)
         LOG.info("resumed from %s (step %d)", path, step)
+        return True
 
     def train(self, progress: Progress) -> None:
         assert self.trainers is not None and self.engines is not None
         tokenizer = AutoTokenizer.from_pretrained(self.checked.tokenizer_path)
-        memory = MemoryHandoff(self.client, self.aio, self._colocated_ranks(),
-                               self.spec.trainer_offload)
+        memory = self.memory
         parts = Parts(
             aio=self.aio,
             rollout=RolloutManager(self.spec, self.source, self.client, tokenizer,

@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --device cuda: the share of each GPU that weights plus a KV-cache "
                         "pool take at start, as in SGLang (released and restored with the "
                         "kv_cache tag); default: no pool")
+    p.add_argument("--enable-weights-cpu-backup", action="store_true",
+                   help="keep the weights' values in host memory while released (SGLang's "
+                        "flag); without it a release discards them, as SGLang's does, and "
+                        "only a weight update after the resume restores the model")
     p.add_argument("--max-batch-size", type=int, default=256)
     p.add_argument("--batch-wait-ms", type=float, default=5.0,
                    help="how long the first request of a batch waits for others to join")
@@ -93,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
                   os.environ.get(ENGINE_SECRET_ENV, "").encode())
     rank_args = RankArgs(args.model_path, args.tokenizer_path, args.device, args.dtype,
                          args.seed, args.weight_version, args.weight_sync_timeout,
-                         args.torch_threads, args.mem_fraction_static, per_node)
+                         args.torch_threads, args.mem_fraction_static, per_node,
+                         args.enable_weights_cpu_backup)
     if args.node_rank > 0:
         serve_other_node(args, rank_args, nodes)
         return
@@ -102,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = ReferenceEngine(args.model_path, tokenizer_path=args.tokenizer_path,
                              device=rank_device(args.device, 0), dtype=args.dtype,
                              seed=args.seed, weight_version=args.weight_version,
-                             mem_fraction_static=args.mem_fraction_static)
+                             mem_fraction_static=args.mem_fraction_static,
+                             weights_cpu_backup=args.enable_weights_cpu_backup)
     server = Server(engine, max_batch_size=args.max_batch_size,
                     batch_wait_s=args.batch_wait_ms / 1000,
                     weight_sync_timeout_s=args.weight_sync_timeout,

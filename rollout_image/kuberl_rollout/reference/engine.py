@@ -31,6 +31,8 @@ from kuberl_rollout.reference.sampling import (
 )
 from kuberl_wire.codec import tensor_sha256
 
+GB = 1e9
+
 LOG = logging.getLogger("kuberl.reference")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -75,18 +77,41 @@ class _Row:
     finish: Finish | None = None
 
 
+def static_pool_bytes(fraction: float, free_at_start: int, weights: int) -> int:
+    """The KV-cache pool SGLang 0.5.6 reserves (ModelRunner.profile_max_num_token): the memory
+    free before loading x mem_fraction_static, less what the weights took. So an engine that
+    starts beside another process's allocations gets a smaller pool, not an error, and only
+    a pool of nothing is refused, in SGLang's words."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"--mem-fraction-static must be in (0, 1), got {fraction}")
+    pool = int(free_at_start * fraction) - weights
+    if pool <= 0:
+        raise RuntimeError(
+            "Not enough memory. Please try to increase --mem-fraction-static. Current value: "
+            f"{fraction} (of {free_at_start / GB:.1f} GB free at start; the weights took "
+            f"{weights / GB:.1f} GB)")
+    return pool
+
+
 class ReferenceEngine:
     def __init__(self, model_path: str, *, tokenizer_path: str | None = None,
                  device: str = "cpu", dtype: str = "float32", seed: int = 0,
                  weight_version: str = "default",
-                 mem_fraction_static: float | None = None) -> None:
+                 mem_fraction_static: float | None = None,
+                 weights_cpu_backup: bool = False) -> None:
         self.model_path = model_path
+        self.weights_cpu_backup = weights_cpu_backup
+        self._released_shapes: list[tuple[torch.nn.Parameter, torch.Size]] = []
         self.tokenizer_path = tokenizer_path or model_path
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path,
                                                        local_files_only=True)
         model: Any = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True,
                                                           dtype=DTYPES[dtype])
+        # What the GPU has free before the weights land (SGLang measures it after creating
+        # its CUDA context and process groups, before loading): the static pool's base.
+        free_at_start = (torch.cuda.mem_get_info(self.device)[0]
+                         if self.device.type == "cuda" else 0)
         self.model = model.to(self.device).eval()
         self.model.requires_grad_(False)
         self.vocab_size = int(self.model.config.vocab_size)
@@ -98,14 +123,14 @@ class ReferenceEngine:
         self.weight_version = weight_version
         self.released: set[str] = set()
         self._target_cache: dict[str, torch.Tensor] | None = None
-        # SGLang's static memory on a GPU: weights plus a KV-cache pool take
-        # mem_fraction_static of the card at start, the pool sized by what the weights leave.
-        # A stand-in pool of the same size makes the same demands of a colocated trainer
-        # (release kv_cache before training, or run out of memory); None: no pool.
+        # SGLang's static memory on a GPU (see static_pool_bytes). A stand-in pool of the
+        # same size makes the same demands of a colocated trainer (release kv_cache before
+        # training, or run out of memory); None: no pool.
         self.kv_pool_bytes = 0
         self._kv_pool: torch.Tensor | None = None
         if mem_fraction_static is not None and self.device.type == "cuda":
-            self.kv_pool_bytes = self._pool_bytes(mem_fraction_static)
+            self.kv_pool_bytes = static_pool_bytes(
+                mem_fraction_static, free_at_start, torch.cuda.memory_allocated(self.device))
             self._kv_pool = self._allocate_pool()
         self.original_logprob = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in {
             "1", "true", "yes"}
@@ -325,18 +350,6 @@ class ReferenceEngine:
     def checksums(self) -> dict[str, str]:
         return {name: tensor_sha256(t) for name, t in self.named_tensors().items()}
 
-    def _pool_bytes(self, fraction: float) -> int:
-        if not 0 < fraction < 1:
-            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {fraction}")
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        weights = torch.cuda.memory_allocated(self.device)
-        pool = int(total * fraction) - weights
-        if pool <= 0:
-            raise ValueError(f"--mem-fraction-static {fraction} of {total / 1e9:.1f} GB leaves no "
-                             f"room for the KV cache after {weights / 1e9:.1f} GB of weights; "
-                             "increase it (SGLang: Not enough memory)")
-        return pool
-
     def _allocate_pool(self) -> torch.Tensor:
         """torch.cuda.OutOfMemoryError when the card has no room (another process holds it),
         as SGLang fails to start or resume then."""
@@ -347,22 +360,42 @@ class ReferenceEngine:
         if "kv_cache" in chosen and self._kv_pool is not None:
             self._kv_pool = None
             torch.cuda.empty_cache()
-        if "weights" in chosen and "weights" not in self.released and self.device.type == "cuda":
-            # SGLang discards the weights; moving them to host memory frees the GPU the same
-            # way and keeps resume correct even without a weight update in between.
-            self.model.to("cpu")
-            self._target_cache = None  # the parameters now hold other tensors
-            torch.cuda.empty_cache()
+        if "weights" in chosen and "weights" not in self.released:
+            self._release_weights()
         self.released |= chosen
 
     def resume(self, tags: Sequence[str] | None) -> None:
         chosen = self._tags(tags)
         if "kv_cache" in chosen and self.kv_pool_bytes and self._kv_pool is None:
             self._kv_pool = self._allocate_pool()
-        if "weights" in chosen and "weights" in self.released and self.device.type == "cuda":
-            self.model.to(self.device)
-            self._target_cache = None
+        if "weights" in chosen and "weights" in self.released:
+            self._resume_weights()
         self.released -= chosen
+
+    def _release_weights(self) -> None:
+        """SGLang (torch_memory_saver) frees the weights' memory and, without
+        --enable-weights-cpu-backup, their values: a resume maps fresh memory that only a weight
+        update makes the model again. Here the parameters' storage goes the same way (on CPU
+        too, so a CPU run shows what a GPU run would) and comes back zeroed; with the backup
+        the values wait in host memory."""
+        if self.weights_cpu_backup:
+            self.model.to("cpu")
+        else:
+            self._released_shapes = [(p, p.shape) for p in self.model.parameters()]
+            for param, _ in self._released_shapes:
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self._target_cache = None  # the parameters now hold other tensors
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _resume_weights(self) -> None:
+        if self.weights_cpu_backup:
+            self.model.to(self.device)
+        else:
+            for param, shape in self._released_shapes:
+                param.data = torch.zeros(shape, dtype=param.dtype, device=self.device)
+            self._released_shapes = []
+        self._target_cache = None
 
     @staticmethod
     def _tags(tags: Sequence[str] | None) -> set[str]:

@@ -55,6 +55,7 @@ class RankArgs:
     torch_threads: int = 0
     mem_fraction_static: float | None = None
     ranks_per_node: int = 0  # 0: every rank on one node
+    weights_cpu_backup: bool = False
 
 
 def local_gpu(tp_rank: int, ranks_per_node: int) -> int:
@@ -231,7 +232,8 @@ def _peer_main(conn: Connection, args: RankArgs, tp_rank: int) -> None:
         engine = ReferenceEngine(args.model_path, tokenizer_path=args.tokenizer_path,
                                  device=device, dtype=args.dtype, seed=args.seed,
                                  weight_version=args.weight_version,
-                                 mem_fraction_static=args.mem_fraction_static)
+                                 mem_fraction_static=args.mem_fraction_static,
+                                 weights_cpu_backup=args.weights_cpu_backup)
         receiver = Receiver(engine, tp_rank=tp_rank, timeout_s=args.weight_sync_timeout_s)
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
