@@ -75,3 +75,18 @@ def test_offloads_reuse_host_buffers_and_skip_a_kind_already_off() -> None:
     parts.offload("weights", [weights])
     assert parts.active["weights"].host[0] is host  # the same pinned buffer, not a new one
     parts.onload()
+
+
+def test_onload_of_one_kind_leaves_the_others_off() -> None:
+    """A colocated sync reads the weights only: Adam's state stays in host memory, or it would
+    take the room the engines' KV cache is about to resume into."""
+    weights, state = torch.randn(64), torch.randn(32)
+    want_w, want_s = weights.clone(), state.clone()
+    parts = Offloads(device=CPU)
+    parts.offload("optimizer", [state])
+    parts.offload("weights", [weights])
+    parts.onload(["weights"])
+    assert list(parts.active) == ["optimizer"] and torch.equal(weights, want_w)
+    assert state.untyped_storage().nbytes() == 0
+    parts.onload()
+    assert not parts.active and torch.equal(state, want_s)

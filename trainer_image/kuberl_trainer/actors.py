@@ -38,6 +38,7 @@ from kuberl_wire.protocol import ENGINE_SECRET_ENV
 
 SYNC_TIMEOUT_S = 300.0
 GIB = float(1 << 30)
+WEIGHTS = ("weights",)  # the offloaded kind a sync and a checksum read (backends/offload.py)
 ENGINE_LOG_TAIL_LINES = 200  # kept by an engine actor (EngineServer.log_tail)
 
 
@@ -147,12 +148,17 @@ class TrainWorker:
         self._offloaded = True
         return self.backend.offload(optimizer=optimizer, weights=weights)
 
-    def onload(self) -> None:
+    def onload(self, kinds: tuple[str, ...] | None = None) -> None:
+        """Back on the GPU: everything offloaded, or only `kinds` (WEIGHTS for the calls that
+        read weights alone: a colocated sync must not bring Adam's state back beside the
+        engines' cache)."""
         if self._offloaded and self.device == "cuda":
-            # what this rank held from the GPU while the engines had it
+            # what this rank held from the GPU while the engines had it (once per offload)
             self._memory["gpu_resident_gib_max"] = torch.cuda.memory_reserved() / GIB
-        self.backend.onload()
-        self._weights_off = self._offloaded = False
+        self._offloaded = False
+        self.backend.onload(kinds)
+        if kinds is None or "weights" in kinds:
+            self._weights_off = False
 
     def train_step(self, batch: TrainBatch, sft: TrainBatch | None = None) -> dict[str, float]:
         self.onload()
@@ -177,8 +183,8 @@ class TrainWorker:
         must iterate the buckets: with sharded weights (FSDP2) each full tensor is gathered
         collectively, so the other ranks take part and drop what they gathered."""
         started = time.perf_counter()
-        if self._weights_off:  # (the optimizer's state may stay off: the sync reads weights)
-            self.onload()
+        if self._weights_off:
+            self.onload(WEIGHTS)
         buckets = self.backend.named_tensor_buckets(bucket_bytes)
         if self.spec.placement == "colocate" and self.device == "cuda":
             # Trainer and engine share GPUs, and NCCL refuses two ranks on one device: pass
@@ -226,7 +232,7 @@ class TrainWorker:
         """sha256 of every weight as the engines receive it (for sync checks); collective."""
         from kuberl_wire.codec import tensor_sha256
 
-        self.onload()
+        self.onload(WEIGHTS)
         return {name: tensor_sha256(t) for bucket in self.backend.named_tensor_buckets(1 << 26)
                 for name, t in bucket}
 

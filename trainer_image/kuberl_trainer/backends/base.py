@@ -14,7 +14,7 @@ predicted there and its log-prob is 0.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -178,8 +178,9 @@ class Backend(Protocol):
         before anything else is asked of the backend."""
         ...
 
-    def onload(self) -> None:
-        """Bring back what `offload` freed (a no-op when nothing is off)."""
+    def onload(self, kinds: Collection[str] | None = None) -> None:
+        """Bring back what `offload` freed: all of it, or only `kinds` ("weights",
+        "optimizer"; a no-op when nothing is off)."""
         ...
 
     def save(self, dir: str | Path) -> None:

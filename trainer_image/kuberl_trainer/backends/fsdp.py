@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -306,9 +306,10 @@ class FSDPBackend:
         release_cached()  # what the gradients and the sync's buckets held, too
         return freed
 
-    def onload(self) -> None:
-        """Everything `offload` freed, back on the GPU (a no-op when nothing is off)."""
-        self._offloads.onload()
+    def onload(self, kinds: Collection[str] | None = None) -> None:
+        """What `offload` freed, back on the GPU: all of it, or only `kinds` (a no-op when
+        nothing is off)."""
+        self._offloads.onload(kinds)
 
     # -- weights -----------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ import json
 import logging
 import math
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -212,8 +212,8 @@ class MegatronBackend:
         release_cached()  # what the sync's buckets held, too
         return freed
 
-    def onload(self) -> None:
-        self._offloads.onload()
+    def onload(self, kinds: Collection[str] | None = None) -> None:
+        self._offloads.onload(kinds)
 
     # -- the driver's view -------------------------------------------------------------------
 

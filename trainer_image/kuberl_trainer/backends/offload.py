@@ -17,7 +17,7 @@ not survive (gradient buffers, zeroed before the next use) are freed without a c
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 from torch import Tensor
@@ -139,6 +139,8 @@ class Offloads:
         self.active[kind] = self.last[kind] = part
         return part.bytes
 
-    def onload(self) -> None:
+    def onload(self, kinds: Collection[str] | None = None) -> None:
+        """Restore every kind that is off, or only those of `kinds`."""
         for kind in reversed(list(self.active)):
-            self.active.pop(kind).onload()
+            if kinds is None or kind in kinds:
+                self.active.pop(kind).onload()
