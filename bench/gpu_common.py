@@ -82,6 +82,9 @@ def build_model(out: Path, shape: str) -> Path:
         model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(model_dir)
     build_tokenizer(vocab).save_pretrained(str(model_dir))
+    del model
+    if torch.cuda.is_available():  # the driver keeps no GPU memory from the build
+        torch.cuda.empty_cache()
     return model_dir
 
 
