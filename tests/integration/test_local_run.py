@@ -136,13 +136,14 @@ def handoff_sequence(events: list[dict[str, Any]]) -> list[str]:
 
 def expected_handoff(placement: str, steps: int) -> list[str]:
     """Colocated: at start, release everything for the trainers to build in, then the
-    start-up sync; after generating, release everything; the weights' memory back before the
+    start-up sync; at the end, release everything for the last save; after generating, release everything; the weights' memory back before the
     update, the KV cache and graphs after it; never a generation while released (it would be
     refused: generate_refused). Disaggregated engines keep their GPUs."""
     if placement != "colocate":
         return ["generate", "update"] * steps
     sync = ["resume_memory:weights", "update", "resume_memory:kv_cache,cuda_graph"]
-    return ["release_memory:all", *sync] + ["generate", "release_memory:all", *sync] * steps
+    return (["release_memory:all", *sync] + ["generate", "release_memory:all", *sync] * steps
+            + ["release_memory:all"])  # the run's last save: the trainers' whole state back
 
 
 RESUMABLE = {

@@ -53,23 +53,27 @@ def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
         stats = parts.train.train(rollout.batch, rollout.sft)  # pi_old, pi_ref, step(s)
         if parts.critic is not None:
             stats |= parts.critic.train(rollout.batch)  # towards GAE's returns
+        weight_version += 1
+        # A checkpoint while the trainers hold their GPUs (colocated, every byte of their
+        # state is still there and the engines' memory is released)
+        ckpt, saved_s = None, time.perf_counter()
+        if parts.checkpointer.due(step + 1):
+            ckpt = (step + 1, parts.checkpointer.save(step + 1, weight_version))
+        saved_s = time.perf_counter() - saved_s
         parts.memory.trained()  # colocated: the optimizer's state to host memory
         t2 = time.perf_counter()
-        weight_version += 1
         parts.memory.before_sync()  # colocated: the engines' weights come back first
         parts.train.push_weights(parts.engines.urls, weight_version, parts.bucket_bytes)
         parts.memory.to_engines()  # colocated: the GPUs pass back to the engines
         t3 = time.perf_counter()
         handoff = parts.memory.step_metrics()  # seconds within the phases' times
         record = {"step": step, **rollout.metrics, **stats, "weight_version": weight_version,
-                  "time_generate_s": t1 - t0, "time_train_s": t2 - t1,
-                  "time_sync_s": t3 - t2, "time_step_s": t3 - t0, **handoff}
+                  "time_generate_s": t1 - t0, "time_train_s": t2 - t1 - saved_s,
+                  "time_sync_s": t3 - t2, "time_step_s": t3 - t0 - saved_s, **handoff,
+                  **({"time_save_s": saved_s} if ckpt else {})}
         every = parts.eval_interval
         if every and (step + 1) % every == 0:
             record.update(parts.aio.run_until_complete(parts.rollout.evaluate(step)))
         parts.log.write(record)
-        ckpt = None
-        if parts.checkpointer.due(step + 1):
-            ckpt = (step + 1, parts.checkpointer.save(step + 1, weight_version))
         parts.reporter.step(step, record, ckpt)
     return weight_version

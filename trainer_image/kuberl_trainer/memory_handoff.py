@@ -17,9 +17,11 @@ peak for a model of real size. So every step moves memory, in slime's order
 
 Before the first step (Session.start): the engines start alone on their GPUs, as each sizes
 its pool from the memory free when it starts (SGLang: mem_fraction_static x free, less the
-weights), then release all of it (`at_start`); the training ranks build their models in the
-room; then 3 and 4 as after a step: the engines get back the weights' memory and the trainers'
-weights (SGLang discards released weights), then their cache.
+weights), then release all of it (`release_engines`); the training ranks build their models
+in the room; then 3 and 4 as after a step: the engines get back the weights' memory and the
+trainers' weights (SGLang discards released weights), then their cache. Checkpoints are
+written after training, before 2, while the trainers hold their GPUs; the save at a run's end
+comes after another `release_engines`.
 
 Each transition is one call from the loop (2 to 4) or from the rollout manager once the
 step's sampling is over (1). Their seconds go into the step's metrics: `time_offload_s`
@@ -75,8 +77,9 @@ class MemoryHandoff:
     def _timed(self, key: str, started: float) -> None:
         self.times[key] += time.perf_counter() - started
 
-    def at_start(self) -> None:
-        """0: the engines, started alone, release everything before the ranks are built."""
+    def release_engines(self) -> None:
+        """0: the engines, started alone, release everything before the ranks are built (and
+        at a run's end, before the trainers' last save)."""
         if not self.on:
             return
         started = time.perf_counter()

@@ -81,7 +81,7 @@ class Session:
         self.memory = MemoryHandoff(self.client, self.aio, [], self.spec.trainer_offload)
         if self.memory.on:  # colocated: the engines start alone, then make room (see there)
             self._wait_for_engines()
-            self.memory.at_start()
+            self.memory.release_engines()
         self.trainers = TrainGroup(self.spec, lay, one_machine=local, log_dir=logs)
         self.critic = (CriticGroup(self.spec, lay, self.trainers, one_machine=local,
                                    log_dir=logs)
@@ -189,7 +189,18 @@ class Session:
         if self.trainers is not None and self.step > 0:
             latest = ckpt.latest(self.opts.checkpoint_dir)
             if latest is None or latest[0] < self.step:
+                self._room_to_save()
                 self.save(self.step, self.weight_version)
+
+    def _room_to_save(self) -> None:
+        """Colocated, the engines hold their pool between steps and a save brings the
+        trainers' whole state back: at the end of a run (done, interrupted) the engines
+        release it first; they generate no more."""
+        if self.memory.on:
+            try:
+                self.memory.release_engines()
+            except Exception as exc:  # (an engine gone: its memory is free anyway)
+                LOG.warning("engines did not release their memory before the save: %s", exc)
 
     # ------------------------------------------------------------------ errors
     def explain(self, exc: BaseException) -> str:
