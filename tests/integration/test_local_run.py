@@ -136,9 +136,10 @@ def handoff_sequence(events: list[dict[str, Any]]) -> list[str]:
 
 def expected_handoff(placement: str, steps: int) -> list[str]:
     """Colocated: at start, release everything for the trainers to build in, then the
-    start-up sync; at the end, release everything for the last save; after generating, release everything; the weights' memory back before the
-    update, the KV cache and graphs after it; never a generation while released (it would be
-    refused: generate_refused). Disaggregated engines keep their GPUs."""
+    start-up sync; after generating, release everything; the weights' memory back before the
+    update, the KV cache and graphs after it; at the end, release everything for the last
+    save; never a generation while released (it would be refused: generate_refused).
+    Disaggregated engines keep their GPUs."""
     if placement != "colocate":
         return ["generate", "update"] * steps
     sync = ["resume_memory:weights", "update", "resume_memory:kv_cache,cuda_graph"]

@@ -211,4 +211,4 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
     """sha256 of the tensor's raw bytes in its own dtype (contiguous, on CPU): two tensors
     hash equal iff dtype-level bytes are equal, whatever device they live on."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(flat.numpy()).hexdigest()  # (the buffer itself: no bytes copy)
+    return hashlib.sha256(flat.numpy().data).hexdigest()  # (its buffer: no bytes copy)
