@@ -107,6 +107,7 @@ class Session:
         assert self.trainers is not None and self.engines is not None
         if not (self.memory.on or resumed):
             return
+        self.memory.trained()  # (megatron's fp32 master weights exist from the start)
         self.memory.before_sync()
         self.trainers.push_weights(self.engines.urls, self.weight_version, 1 << 26)
         self.memory.to_engines()
