@@ -56,10 +56,10 @@ def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
         weight_version += 1
         # A checkpoint while the trainers hold their GPUs (colocated, every byte of their
         # state is still there and the engines' memory is released)
-        ckpt, saved_s = None, time.perf_counter()
+        ckpt, saving = None, time.perf_counter()
         if parts.checkpointer.due(step + 1):
             ckpt = (step + 1, parts.checkpointer.save(step + 1, weight_version))
-        saved_s = time.perf_counter() - saved_s
+        saved_s = time.perf_counter() - saving
         parts.memory.trained()  # colocated: the optimizer's state to host memory
         t2 = time.perf_counter()
         parts.memory.before_sync()  # colocated: the engines' weights come back first
