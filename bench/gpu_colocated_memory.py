@@ -91,7 +91,7 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     session = Session(rlj, opts, check(rlj.spec))
     exact: list[bool] = []
     check_s: list[float] = []  # the checks' own seconds, taken out of the step times
-    error = ""
+    error = trace = ""
     memory = DeviceMemory()
     try:
         session.start()
@@ -121,8 +121,12 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         session.train(Progress(args.steps))
     except Exception as exc:  # the off run is expected to fail: show how
         text = str(exc)
-        error = next((line.strip() for line in text.splitlines() if "out of memory" in line),
-                     text.splitlines()[0] if text else type(exc).__name__)[:160]
+        trace = text
+        # a Ray error's first line names the actor call; the cause is the last "...Error:" line
+        lines = [line.strip() for line in text.splitlines()]
+        error = next((line for line in lines if "out of memory" in line),
+                     next((line for line in reversed(lines) if "Error" in line),
+                          lines[0] if lines else type(exc).__name__))[:200]
     finally:
         session.close()
         peak = memory.stop()
@@ -135,7 +139,8 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     checking = statistics.fmean(check_s[1:] or check_s) if check_s else 0.0
     step = mean("time_step_s") - checking
     handoff = mean("time_offload_s") + mean("time_onload_s")
-    return {"mode": mode, "steps": len(rows), "error": error, "step_s": step,
+    return {"mode": mode, "steps": len(rows), "error": error, "trace": trace[-4000:],
+            "step_s": step,
             "offload_s": mean("time_offload_s"), "onload_s": mean("time_onload_s"),
             "share": handoff / step if steady else float("nan"),
             "train_peak_gib": max((r.get("gpu_train_peak_gib_max", 0) for r in rows),

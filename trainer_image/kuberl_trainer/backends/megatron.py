@@ -206,9 +206,11 @@ class MegatronBackend:
                 for t in (*optimizer_state(inner),
                           *(p for group in inner.param_groups for p in group["params"]))])
         if weights:
+            # nn.Module's own methods: Megatron's DDP wrapper shadows `buffers` with its list
+            # of parameter-and-gradient buffers.
             freed += self._offloads.offload("weights", [
                 t for model in (self.model, self.ref) if model is not None
-                for t in (*model.parameters(), *model.buffers())])
+                for t in (*torch.nn.Module.parameters(model), *torch.nn.Module.buffers(model))])
         release_cached()  # what the sync's buckets held, too
         return freed
 
