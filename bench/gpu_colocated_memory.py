@@ -38,6 +38,22 @@ from gpu_common import build_model, gpu_memory_used_gib
 from gpu_loop import manifest
 
 
+def fed_from_own_gpu(engine_urls: list[str], version: str, tp: int) -> bool:
+    """Whether, in weight version `version`'s sync, every TP rank of every engine read only
+    tensors on its own GPU (the engine's event log names each rank's device and where its
+    tensors were): what the colocated sync's routing promises."""
+    ok = True
+    for url in engine_urls:
+        with urllib.request.urlopen(f"{url}/get_event_log", timeout=60) as answer:
+            events = json.loads(answer.read())["events"]
+        updates = [e for e in events
+                   if e["op"] == "update_from_tensor" and e.get("weight_version") == version]
+        ok = ok and bool(updates) and all(
+            len(e["ranks"]) == tp and all(r["from"] == [r["device"]] for r in e["ranks"])
+            for e in updates)
+    return ok
+
+
 def job(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     loop_args = argparse.Namespace(
         prompts=args.prompts, samples=args.samples, response_len=args.response_len,
@@ -90,6 +106,7 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
                    checkpoint_dir=run_dir / "ckpt", prometheus_port=0, tensorboard=None, seed=0)
     session = Session(rlj, opts, check(rlj.spec))
     exact: list[bool] = []
+    own_gpu: list[bool] = []  # every TP rank read its tensors on its own GPU, every sync
     check_s: list[float] = []  # the checks' own seconds, taken out of the step times
     error = trace = ""
     memory = DeviceMemory()
@@ -114,6 +131,7 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             engines.join()
             exact.append(len(ranks) == len(urls) * args.engine_tp and all(
                 {k: r[k] for k in want} == want for r in ranks))
+            own_gpu.append(fed_from_own_gpu(engine_urls, str(version), args.engine_tp))
             check_s.append(time.perf_counter() - started)
             return seconds
 
@@ -149,6 +167,7 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
                                 default=float("nan")),
             "offload_gib": mean("offload_gib"), "device_peak_gib": peak,
             "exact": bool(exact) and all(exact), "syncs": len(exact),
+            "own_gpu": bool(own_gpu) and all(own_gpu),
             "gen_s": mean("time_generate_s"), "train_s": mean("time_train_s"),
             "sync_s": mean("time_sync_s") - checking, "check_s": checking}
 
@@ -188,7 +207,8 @@ def main() -> int:
               f"{r['train_s']:.2f} | {r['sync_s']:.2f} | {r['offload_s']:.2f} | "
               f"{r['onload_s']:.2f} | {r['share']:.1%} | {r['train_peak_gib']:.1f} | "
               f"{r['resident_gib']:.1f} | {r['offload_gib']:.1f} | {r['device_peak_gib']:.1f} "
-              f"| {'yes' if r['exact'] else 'no'} ({r['syncs']} syncs) |", flush=True)
+              f"| {'yes' if r['exact'] else 'no'} ({r['syncs']} syncs) "
+              f"| {'yes' if r['own_gpu'] else 'no'} |", flush=True)
         (args.out / "colocated.json").write_text(json.dumps(rows, indent=2))
         settle()  # the next run starts on empty cards
     trainer = "fsdp fp32" if args.backend == "fsdp" else "megatron bf16 (fp32 master, Adam)"
@@ -198,7 +218,7 @@ def main() -> int:
           "steps done | step s | generate s | train s | sync s (without the checks) | offload s | "
           "onload s | share of step | trainer peak GiB "
           "(train) | trainer GiB while engines generate | offloaded GiB | device peak GiB | "
-          "weights exact after every sync")
+          "weights exact after every sync | every engine TP rank read its tensors on its own GPU")
     return 0
 
 

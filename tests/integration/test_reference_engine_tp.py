@@ -106,7 +106,8 @@ async def test_distributed_sync_reaches_every_tp_process(
 
 async def test_each_tp_process_reads_its_own_tensor_entry(
         tp_engines: list[str], reference_model: torch.nn.Module) -> None:
-    """Entry r goes to TP rank r (on GPUs: handles to the tensors on rank r's own GPU)."""
+    """Entry r goes to TP rank r (on GPUs: handles to the tensors on rank r's own GPU), and
+    the engine's event log names the device each rank read its tensors from."""
     url = tp_engines[0]
     original = trainer_params(reference_model.state_dict(), reference_model)
     one, two = perturbed(reference_model, 11), perturbed(reference_model, 12)
@@ -117,6 +118,12 @@ async def test_each_tp_process_reads_its_own_tensor_entry(
             weight_version="split", flush_cache=False)
         await client.post_all("/update_weights_from_tensor", body)
         assert await every_rank(client) == [[sums(one), sums(two)]]
+        # The engine's record says where each rank's tensors were (a GPU run checks that a
+        # colocated sync feeds each rank from its own GPU; here every rank is on the CPU).
+        events = (await client.request(url, "GET", "/get_event_log"))["events"]
+        assert events[-1]["op"] == "update_from_tensor"
+        assert events[-1]["ranks"] == [{"tp_rank": r, "device": "cpu", "from": ["cpu"]}
+                                       for r in range(TP)]
         # One entry for two TP ranks: SGLang's rank 1 would index past the list. Refused, and
         # rank 1 is named.
         single = protocol.update_weights_from_tensor(

@@ -393,13 +393,12 @@ class Server:
         if request.query.get("all_ranks", "").lower() not in ("1", "true"):
             return web.json_response(await self.on_worker(self.engine.checksums))
 
-        def local(_: Any) -> dict[str, str]:
-            return self.engine.checksums()
+        return web.json_response({"tp_ranks": await self.on_worker(
+            self._each_rank, "checksums", lambda _: self.engine.checksums())})
 
-        def every_rank() -> list[Any]:
-            return [local(None)] if self.peers is None else self.peers.run("checksums", None,
-                                                                             local)
-        return web.json_response({"tp_ranks": await self.on_worker(every_rank)})
+    def _each_rank(self, op: str, local: Callable[[Any], T]) -> list[T]:
+        """Every TP rank's answer to `op` (worker thread), in rank order."""
+        return [local(None)] if self.peers is None else self.peers.run(op, None, local)
 
     async def event_log(self, _: web.Request) -> web.Response:
         """The operations asked of this engine, oldest first (the last EVENT_LOG_SIZE): a
@@ -429,7 +428,11 @@ class Server:
             LOG.warning("weight operation failed: %s", exc)
             self.record(f"{op}_failed")
             return web.json_response({"success": False, "message": str(exc)}, status=400)
-        self.record(op, weight_version=self.engine.weight_version)
+        detail: dict[str, Any] = {}
+        if op == "update_from_tensor":  # which GPU each rank's tensors came from
+            detail["ranks"] = await self.on_worker(self._each_rank, "tensor_sources",
+                                                   self.receiver.tensor_sources)
+        self.record(op, weight_version=self.engine.weight_version, **detail)
         return web.json_response({"success": True, "message": message})
 
     async def init_group(self, request: web.Request) -> web.Response:

@@ -244,6 +244,7 @@ def _peer_main(conn: Connection, args: RankArgs, tp_rank: int) -> None:
         "update_from_distributed": receiver.update_from_distributed,
         "update_from_tensor": receiver.update_from_tensor,
         "checksums": lambda _: engine.checksums(),
+        "tensor_sources": receiver.tensor_sources,
         "release": engine.release,
         "resume": engine.resume,
     }

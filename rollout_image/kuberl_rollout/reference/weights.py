@@ -67,6 +67,15 @@ class Receiver:
         self.tp_rank = tp_rank
         self.timeout_s = timeout_s
         self.groups: dict[str, WeightSyncGroup] = {}
+        # The devices the last update_weights_from_tensor's tensors lived on: a colocated
+        # sync must hand each TP rank the tensors of the trainer rank on its own GPU (SGLang
+        # would copy another GPU's peer to peer, silently slower), so runs check this.
+        self.sources: list[str] = []
+
+    def tensor_sources(self, _: Any = None) -> dict[str, Any]:
+        """This rank's device and where its last tensor update's tensors were."""
+        return {"tp_rank": self.tp_rank, "device": str(self.engine.device),
+                "from": self.sources}
 
     def init_group(self, body: Mapping[str, Any]) -> str:
         backend = str(body.get("backend") or "nccl")
@@ -140,6 +149,7 @@ class Receiver:
         started = time.perf_counter()
         named = codec.decode_named_tensors(payloads[self.tp_rank],
                                            flattened=load_format == FLATTENED)
+        self.sources = sorted({str(t.device) for _, t in named})
         count = self.engine.load_weights(named)
         # The tensors may be the trainer's memory (IPC handles): it may reuse them as soon as
         # we answer, so the copies must be done by then.
