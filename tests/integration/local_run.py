@@ -48,6 +48,35 @@ def manifest(tiny: Path, tmp: Path, name: str, **spec: Any) -> Path:
     return path
 
 
+def example_on_cpu(tiny: Path, tmp: Path, example: str, steps: int = 2) -> Path:
+    """examples/<example> as a CPU runs it: its placement, engine layout (gpusPerEngine),
+    memory settings (offload, memoryFraction), algorithm and schedule kinds as written; the
+    model, data and reward the tiny job's; what needs a cluster (PVCs, node pools, resources)
+    or CUDA (Megatron, SGLang, GPU counts) swapped for the local equivalent."""
+    doc = yaml.safe_load((ROOT / "examples" / example).read_text())
+    spec = doc["spec"]
+    spec["model"] = {"path": str(tiny / "model")}
+    spec["data"] = {"prompts": str(tiny / "data" / "train.jsonl"), "inputKey": "prompt",
+                    "labelKey": "label", "rolloutBatchSize": 16,
+                    "nSamplesPerPrompt": spec["data"]["nSamplesPerPrompt"], "maxPromptLen": 8,
+                    "maxResponseLen": 4,
+                    "evalSets": [{"name": "addition", "path": str(tiny / "data" / "eval.jsonl")}]}
+    spec["reward"] = {"type": "exact"}
+    spec["algorithm"] = {**spec["algorithm"], "lr": 5e-4}
+    training = spec["training"]
+    for cluster_only in ("nodePool", "resources", "parallelism"):  # parallelism: Megatron's
+        training.pop(cluster_only, None)
+    training.update(backend="fsdp", nodes=1, gpusPerNode=0, microBatchSize=64)
+    spec["rollout"] = {**spec["rollout"], "engine": "reference", "gpus": 0}
+    # every step evaluated (the engines generate again after the sync); saveInterval as
+    # written, so the run's end saves (the engines release for it)
+    spec["schedule"] = {**spec["schedule"], "numRollouts": steps, "evalInterval": 1}
+    spec["checkpoint"] = {"path": "/checkpoints"}
+    path = tmp / example
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # so `tests.integration.toy_rewards` imports
 
 

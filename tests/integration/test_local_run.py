@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.integration import learning
-from tests.integration.local_run import ENV, KUBERL, kuberl_run, manifest, metrics
+from tests.integration.local_run import ENV, KUBERL, example_on_cpu, kuberl_run, manifest, metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -39,7 +39,9 @@ ENGINE_LAYOUTS = {
     # The examples' engine shape (gpusPerEngine 2) on CPU: reference engines of two processes
     # each, every one of them a member of the weight-update group.
     "disaggregated-tp2": ("disaggregated", {"gpus": 0, "engines": 2, "gpusPerEngine": 2}),
-    "colocated-tp2": ("colocate", {"gpus": 0, "gpusPerEngine": 2}),
+    # examples/colocated-single-node.yaml as a CPU runs it (local_run.example_on_cpu): TP 2
+    # reference engines sharing the trainer's devices, its offload and memoryFraction as set.
+    "colocated-single-node-example": ("colocate", "colocated-single-node.yaml"),
     # Engines wider than a node: each engine's two processes on two "nodes" (actors), node 1's
     # rank joining the group from there (SGLang's --nnodes 2).
     "disaggregated-tp2-over-2-nodes": ("disaggregated", {"gpus": 0, "engines": 2,
@@ -62,7 +64,8 @@ def test_every_engine_process_holds_the_trainers_weights_after_every_step(
     from kuberl_trainer.session import Session
 
     placement, rollout = ENGINE_LAYOUTS[layout]
-    job = load(manifest(tiny, tmp_path, "sync", placement=placement, rollout=rollout,
+    job = load(example_on_cpu(tiny, tmp_path, rollout) if isinstance(rollout, str) else
+               manifest(tiny, tmp_path, "sync", placement=placement, rollout=rollout,
                         schedule={"numRollouts": 2}))
     opts = Options(address=None, in_cluster=False, output_dir=tmp_path / "out",
                    checkpoint_dir=tmp_path / "ckpt", prometheus_port=0, tensorboard=None,
@@ -101,7 +104,9 @@ def test_every_engine_process_holds_the_trainers_weights_after_every_step(
         for url in urls:  # the memory handoff, as each engine recorded what it was asked
             with urllib.request.urlopen(f"{url}/get_event_log", timeout=60) as answer:
                 events = json.loads(answer.read())["events"]
-            assert handoff_sequence(events) == expected_handoff(placement, steps=2), url
+            evals = (job.spec.schedule.eval_interval or 0) if job.spec.data.eval_sets else 0
+            saves = job.spec.schedule.save_interval or 0
+            assert handoff_sequence(events) == expected_handoff(placement, 2, evals, saves), url
         assert len(urls) == job.spec.num_engines
         assert [len(parts) for parts in session.engines.parts] == (
             [job.spec.engine_nodes] * len(urls))
@@ -134,17 +139,23 @@ def handoff_sequence(events: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def expected_handoff(placement: str, steps: int) -> list[str]:
+def expected_handoff(placement: str, steps: int, evals: int = 0, saves: int = 0) -> list[str]:
     """Colocated: at start, release everything for the trainers to build in, then the
     start-up sync; after generating, release everything; the weights' memory back before the
-    update, the KV cache and graphs after it; at the end, release everything for the last
-    save; never a generation while released (it would be refused: generate_refused).
-    Disaggregated engines keep their GPUs."""
-    if placement != "colocate":
-        return ["generate", "update"] * steps
-    sync = ["resume_memory:weights", "update", "resume_memory:kv_cache,cuda_graph"]
-    return (["release_memory:all", *sync] + ["generate", "release_memory:all", *sync] * steps
-            + ["release_memory:all"])  # the run's last save: the trainers' whole state back
+    update, the KV cache and graphs after it; the evaluation (every `evals` steps) generates
+    after the step's sync; at the end, unless the last step saved (every `saves` steps, right
+    after training), release everything for the last save; never a generation while
+    released (it would be refused: generate_refused). Disaggregated engines keep their
+    GPUs."""
+    sync = (["update"] if placement != "colocate" else
+            ["resume_memory:weights", "update", "resume_memory:kv_cache,cuda_graph"])
+    ops = [] if placement != "colocate" else ["release_memory:all", *sync]
+    for step in range(1, steps + 1):
+        ops += ["generate", *([] if placement != "colocate" else ["release_memory:all"]), *sync]
+        ops += ["generate"] if evals and step % evals == 0 else []
+    if placement == "colocate" and not (saves and steps % saves == 0):
+        ops.append("release_memory:all")  # the run's last save: the trainers' whole state back
+    return [op for i, op in enumerate(ops) if i == 0 or ops[i - 1] != op]
 
 
 RESUMABLE = {
