@@ -979,8 +979,41 @@ _HAS_GPU_PODS = (f"(self.training.gpusPerNode > 0 || !{_ROLLOUT_ON_CPU} || "
                  "(self.algorithm.advantageEstimator == 'ppo' && self.critic.placement == "
                  "'dedicated' && self.critic.gpusPerNode > 0))")
 
-MODE_ASYNC = ("mode: async is not supported yet (the training loop is synchronous); use "
-              "mode: sync")
+STALENESS_ONE_STEP_OFF = ("async.maxStaleness above 1 (fully asynchronous training) is not "
+                          "supported yet: 1 (one-step-off) is")
+PARTIAL_ROLLOUT_NOT_YET = ("async.partialRollout is not supported yet: one-step-off finishes "
+                           "each rollout before the weight update that follows it")
+
+
+class AsyncSpec(ApiModel):
+    """mode: async. Only one-step-off runs today: step k+1's rollout is generated, under the
+    weights step k started from, while step k trains; the weights go to the engines between
+    rollouts."""
+
+    model_config = {
+        "json_schema_extra": cel_rules(
+            cel("self.maxStaleness <= 1", STALENESS_ONE_STEP_OFF, ".maxStaleness"),
+            cel("!self.partialRollout", PARTIAL_ROLLOUT_NOT_YET, ".partialRollout")),
+    }
+
+    max_staleness: int = Field(
+        1, ge=1, le=1024, description="How many policy versions the oldest token of a training "
+        "sample may lag the policy being trained: 1 is one-step-off (the only value supported "
+        "yet).")
+    partial_rollout: bool = Field(
+        False, description="Generations in flight at a weight update continue under the new "
+        "weights (not supported yet).")
+
+    @model_validator(mode="after")
+    def _supported(self) -> AsyncSpec:
+        check(self.max_staleness <= 1, "maxStaleness", self.max_staleness,
+              STALENESS_ONE_STEP_OFF)
+        check(not self.partial_rollout, "partialRollout", True, PARTIAL_ROLLOUT_NOT_YET)
+        return self
+
+
+ASYNC_DISAGGREGATED = ("mode: async needs placement: disaggregated (colocated engines and "
+                       "trainers take turns with the same GPUs: there is nothing to overlap)")
 SGLANG_NEEDS_GPUS = "engine sglang needs GPUs (rollout on CPU): use engine: reference"
 ENGINES_ON_CPU_ONLY = ("rollout.engines applies only when rollout runs on CPU (no rollout "
                        "GPUs); with GPUs the engine count is rollout GPUs / gpusPerEngine")
@@ -1011,7 +1044,8 @@ def _colocated_from_training(name: str) -> str:
 class RLJobSpec(ApiModel):
     model_config = {
         "json_schema_extra": cel_rules(
-            cel("self.mode == 'sync'", MODE_ASYNC, ".mode"),
+            cel("self.mode == 'sync' || self.placement == 'disaggregated'",
+                ASYNC_DISAGGREGATED, ".mode"),
             cel(f"!{_ROLLOUT_ON_CPU} || self.rollout.engine == 'reference'", SGLANG_NEEDS_GPUS,
                 ".rollout.engine"),
             cel(f"!has(self.rollout.engines) || !{_ROLLOUT_ON_GPU}", ENGINES_ON_CPU_ONLY,
@@ -1141,7 +1175,9 @@ class RLJobSpec(ApiModel):
     placement: Placement = "colocate"
     mode: Literal["sync", "async"] = Field(
         "sync", description="sync: generate, then train, then push weights, each step; async: "
-        "not supported yet.")
+        "the next step's rollout is generated while this step trains (disaggregated only; "
+        "see async).")
+    async_: AsyncSpec = Field(default_factory=AsyncSpec, alias="async")
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     network: NetworkSpec = Field(default_factory=NetworkSpec)
@@ -1209,7 +1245,8 @@ class RLJobSpec(ApiModel):
 
     @model_validator(mode="after")
     def _cross_section(self) -> RLJobSpec:
-        check(self.mode == "sync", "mode", self.mode, MODE_ASYNC)
+        check(self.mode == "sync" or self.placement == "disaggregated", "mode", self.mode,
+              ASYNC_DISAGGREGATED)
         if self.placement == "disaggregated":
             check(self.rollout.gpus is not None, "rollout.gpus", None,
                   "rollout.gpus is required when placement is disaggregated")

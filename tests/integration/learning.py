@@ -273,6 +273,11 @@ ALGORITHMS: dict[str, Scenario] = {
                         "klLossType": "k3"}),
 }
 
+# mode async, one-step-off (test_local_run.py): the default job's GRPO, disaggregated (the
+# only placement async runs in), each step trained on samples one version old.
+ASYNC_ONE_STEP_OFF = _algorithm({}, placement="disaggregated", rollout={"gpus": 0},
+                                mode="async", schedule={"saveInterval": 3})
+
 # On-policy distillation from a GRPO teacher (test_algorithms.py). Over 8 seeds the student's
 # first-token KL to the teacher fell to 0.0022 of its start on average (sd 0.0026, worst
 # 0.007; the line, 0.1, is 37 sd away), and it closed 0.992 of the reward gap to the teacher
@@ -289,4 +294,4 @@ MIXED_SFT = Scenario(demonstrations_nll, {"algorithm": {"sftCoef": 1.0}},
                      thresholds={"demo_nll_ratio": 0.05}, prepare=sevens)
 
 SCENARIOS: dict[str, Scenario] = {**ALGORITHMS, "on_policy_distillation": DISTILLATION,
-                                  "mixed-sft": MIXED_SFT}
+                                  "mixed-sft": MIXED_SFT, "async-one-step-off": ASYNC_ONE_STEP_OFF}

@@ -49,6 +49,52 @@ ENGINE_LAYOUTS = {
 }
 
 
+def test_async_one_step_off_learns_on_samples_one_version_old(tiny: Path,
+                                                             tmp_path: Path) -> None:
+    """mode async: every step after the first trains on a rollout the engines generated
+    under the previous weights (as they report them) while the step before trained; the
+    bound (maxStaleness 1) holds in every step, and the job learns as a sync one does."""
+    scenario = learning.ASYNC_ONE_STEP_OFF
+    outcome = scenario.run(tiny, tmp_path)
+    rows = outcome.rows
+    assert [r["step"] for r in rows] == list(range(8))
+    assert [r["weight_version"] for r in rows] == list(range(1, 9))
+    assert [(r["staleness_mean"], r["staleness_max"]) for r in rows] == (
+        [(0.0, 0.0)] + [(1.0, 1.0)] * 7)
+    assert all(r["dropped_stale_samples"] == 0 for r in rows)
+    for r in rows:  # the overlap's accounting adds up
+        assert r["time_wait_rollout_s"] >= 0 and r["time_wait_train_s"] >= 0
+        assert 0 <= r["overlap_fraction"] <= 1 and r["overlap_efficiency"] > 0
+        assert r["time_step_s"] >= r["time_train_s"] + r["time_sync_s"]
+    assert rows[-1]["overlap_fraction"] == 0  # nothing left to generate beside the last step
+    failures = scenario.failures(outcome)
+    assert not failures, failures
+
+
+def test_async_resume_draws_the_prompts_of_the_rollout_it_did_not_train(
+        tiny: Path, tmp_path: Path) -> None:
+    """A checkpoint written after step 3 of an async run, when step 4's rollout (drawn from
+    the prompts, generated) already existed: it holds no rollout, and a run resumed from it
+    draws step 4's prompts again (the same as the uninterrupted run trained on), generates
+    them under the restored weights, and never trains on a sample older than the bound."""
+    import shutil
+
+    spec = {"placement": "disaggregated", "rollout": {"gpus": 0}, "mode": "async",
+            "schedule": {"numRollouts": 6, "saveInterval": 3}}
+    whole = manifest(tiny, tmp_path, "whole", **spec)
+    assert kuberl_run(whole, tmp_path / "a").returncode == 0
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step_3",
+                    tmp_path / "b" / "checkpoints" / "step_3")
+    res = kuberl_run(manifest(tiny, tmp_path, "resumed", **spec), tmp_path / "b")
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert [r["step"] for r in b] == [3, 4, 5]
+    assert [r["prompts_sha"] for r in b] == [r["prompts_sha"] for r in a[3:]]
+    # regenerated under the restored weights (version 3): fresher than the bound asks
+    assert [r["staleness_max"] for r in b] == [0.0, 1.0, 1.0]
+
+
 @pytest.mark.parametrize("layout", ENGINE_LAYOUTS)
 def test_every_engine_process_holds_the_trainers_weights_after_every_step(
         tiny: Path, tmp_path: Path, layout: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import statistics
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,8 +40,18 @@ class Response:
     logprobs: list[float]
     text: str
     truncated: bool
+    weight_version: str | None = None  # the engine's, as it reported it (the behaviour policy)
     reward: float = 0.0  # the verifier's
     score: float = 0.0   # what advantages are computed from: reward + shaping
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """The prompt sources' states (PromptSource.state_dict): the RL prompts' and, with
+    data.sft, the demonstrations'."""
+
+    data: dict[str, int]
+    sft_data: dict[str, int]
 
 
 @dataclass
@@ -48,6 +59,8 @@ class Rollout:
     batch: TrainBatch
     metrics: dict[str, Any] = field(default_factory=dict)
     sft: TrainBatch | None = None  # the step's demonstrations (algorithm.sftCoef)
+    versions: list[str | None] = field(default_factory=list)  # each response's weight version
+    seconds: float = 0.0  # generating, grading and packing it
 
 
 TokenFn = Callable[[TrainBatch], torch.Tensor]
@@ -77,6 +90,7 @@ class RolloutManager:
         if (spec.data.sft is not None) != (sft_source is not None):
             raise ValueError("data.sft and the SFT prompt source come together")
         self.sft_source = sft_source
+        self._positions: dict[int, DataPosition] = {}  # see position_before
         self.eval_sets = [
             (e.name, PromptSource(e.path, spec.data.input_key, spec.data.label_key,
                                   seed=seed).samples(), e.n_samples_per_prompt)
@@ -107,12 +121,24 @@ class RolloutManager:
             [ids for ids in prompt_ids for _ in range(n)], params, group=n)
         return [Response(sample=samples[i // n], prompt_ids=prompt_ids[i // n],
                          output_ids=list(o.output_ids), logprobs=list(o.logprobs or []),
-                         text=o.text, truncated=o.finish_reason == "length")
+                         text=o.text, truncated=o.finish_reason == "length",
+                         weight_version=o.weight_version)
                 for i, o in enumerate(outs)]
+
+    def position_before(self, step: int) -> DataPosition | None:
+        """Where the prompt sources stood when step `step`'s rollout began drawing, if it
+        has begun: a checkpoint after step-1 steps records this, not where they stand now
+        (mode async has drawn the next step's prompts already), so a resumed run draws them
+        again."""
+        return self._positions.get(step)
 
     async def generate(self, step: int) -> Rollout:
         d, algo = self.spec.data, self.spec.algorithm
         n = d.n_samples_per_prompt
+        started = time.perf_counter()
+        self._positions = {step: DataPosition(
+            self.source.state_dict(),
+            self.sft_source.state_dict() if self.sft_source is not None else {})}
         samples = self.source.next_batch(d.rollout_batch_size)
         responses = await self._graded(step, samples, n)
         metrics: dict[str, Any] = {}
@@ -156,7 +182,9 @@ class RolloutManager:
             batch.advantages = estimators.token_advantages(algo, scores, n, batch.loss_mask,
                                                            kl=kl)
         metrics.update(self._metrics(responses, rewards, scores, batch))
-        return Rollout(batch=batch, metrics=metrics, sft=self._demonstrations())
+        return Rollout(batch=batch, metrics=metrics, sft=self._demonstrations(),
+                       versions=[r.weight_version for r in responses],
+                       seconds=time.perf_counter() - started)
 
     def _demonstrations(self) -> TrainBatch | None:
         """`data.sft.batchSize` demonstrations, packed like responses: the prompt, then the

@@ -23,7 +23,7 @@ from kuberl_trainer.actors import EngineGroup, TrainGroup
 from kuberl_trainer.critic import CriticGroup
 from kuberl_trainer.data import PromptSource
 from kuberl_trainer.engine_client import EngineClient, EngineError
-from kuberl_trainer.loop import Parts, train
+from kuberl_trainer.loop import Parts, train, train_one_step_off
 from kuberl_trainer.memory_handoff import MemoryHandoff, Ranks
 from kuberl_trainer.metrics_log import MetricsLog
 from kuberl_trainer.placement import layout, local_resources
@@ -50,6 +50,7 @@ class Session:
         self.critic: CriticGroup | None = None
         self.memory: MemoryHandoff
         self.sft_source: PromptSource | None = None
+        self.rollout: RolloutManager | None = None
         self.step = 0
         self.weight_version = 0
         self.aio = asyncio.new_event_loop()  # one loop for the run: the HTTP session lives on it
@@ -134,13 +135,14 @@ class Session:
         assert self.trainers is not None and self.engines is not None
         tokenizer = AutoTokenizer.from_pretrained(self.checked.tokenizer_path)
         memory = self.memory
+        self.rollout = RolloutManager(self.spec, self.source, self.client, tokenizer,
+                                      self.checked.reward_fn, seed=self.opts.seed,
+                                      ref_logprobs=self.trainers.ref_logprobs,
+                                      values=self.critic.values if self.critic else None,
+                                      sft_source=self.sft_source, sampled=memory.to_trainers)
         parts = Parts(
             aio=self.aio,
-            rollout=RolloutManager(self.spec, self.source, self.client, tokenizer,
-                                   self.checked.reward_fn, seed=self.opts.seed,
-                                   ref_logprobs=self.trainers.ref_logprobs,
-                                   values=self.critic.values if self.critic else None,
-                                   sft_source=self.sft_source, sampled=memory.to_trainers),
+            rollout=self.rollout,
             train=self.trainers, engines=self.engines, critic=self.critic,
             log=MetricsLog(self.opts.output_dir, prometheus_port=self.opts.prometheus_port,
                            tensorboard_dir=self.opts.tensorboard,
@@ -150,8 +152,9 @@ class Session:
             memory=memory)
         progress.bar.n = self.step
         try:
-            self.weight_version = train(parts, self.step, self.spec.schedule.num_rollouts,
-                                        self.weight_version)
+            loop = train_one_step_off if self.spec.mode == "async" else train
+            self.weight_version = loop(parts, self.step, self.spec.schedule.num_rollouts,
+                                       self.weight_version)
             self.step = self.spec.schedule.num_rollouts
             self.save_now()
         finally:
@@ -173,9 +176,14 @@ class Session:
     def save(self, step: int, weight_version: int) -> str:
         assert self.trainers is not None
         self.weight_version = weight_version
+        # Where the prompts stood before step `step`'s rollout: mode async has drawn them
+        # already, and a checkpoint holds no rollout (a resumed run generates it again).
+        drawn = self.rollout.position_before(step) if self.rollout is not None else None
         state = ckpt.TrainerState(
-            step=step, data=self.source.state_dict(), weight_version=weight_version,
-            sft_data=self.sft_source.state_dict() if self.sft_source else {})
+            step=step, weight_version=weight_version,
+            data=drawn.data if drawn else self.source.state_dict(),
+            sft_data=(drawn.sft_data if drawn else
+                      self.sft_source.state_dict() if self.sft_source else {}))
         path = ckpt.save(self.opts.checkpoint_dir, step, state, self._write_models,
                          keep=self.spec.checkpoint.keep)
         return str(path)
