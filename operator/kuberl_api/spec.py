@@ -288,6 +288,17 @@ OVERLONG_PENALTY_APPLIES = ("overlongPenalty applies only with overlongBuffer (D
 MIN_LR_APPLIES = "minLrRatio applies only when lrDecayStyle decays (linear or cosine)"
 
 
+class ImportanceMaskSpec(ApiModel):
+    """Masked importance sampling (docs/algorithms.md): drop the policy loss of tokens (or
+    whole responses) whose ratio pi_old / pi_rollout leaves [low, high]."""
+
+    level: Literal["token", "sequence"] = Field(
+        "token", description="token: each token by its own ratio; sequence: a response by its "
+        "geometric-mean ratio, all its tokens kept or dropped together.")
+    low: float = Field(0.5, gt=0, le=1, description="Lower edge of the band (<= 1).")
+    high: float = Field(2.0, ge=1, le=1000, description="Upper edge of the band (>= 1).")
+
+
 class AlgorithmSpec(ApiModel):
     """The RL algorithm; docs/algorithms.md has each option's formula and paper."""
 
@@ -355,6 +366,10 @@ class AlgorithmSpec(ApiModel):
         None, gt=0, le=100, description="Truncated importance sampling: weight each token's "
         "policy loss by min(pi_old / pi_rollout, tisCap), correcting for the engines' own "
         "log-probs differing from the trainer's; unset: off.")
+    importance_mask: ImportanceMaskSpec | None = Field(
+        None, description="Masked importance sampling: tokens (or responses) whose ratio "
+        "pi_old / pi_rollout leaves [low, high] leave the policy loss; with tisCap, the "
+        "tokens kept are also weighted; unset: off.")
     kl_coef: float = Field(0.0, ge=0, le=100, description="Weight of the KL term; 0: off.")
     kl_loss_type: KlType = Field(
         "low_var_kl", description="Estimator of the KL term (k1, k2, k3, low_var_kl); only "

@@ -42,7 +42,13 @@ def _unwrap_optional(node: Schema) -> Schema:
     rest = {k: v for k, v in node.items() if k != "anyOf"}
     if rest.get("default", ...) is None:
         del rest["default"]
+        rest[UNSET_BY_DEFAULT] = True  # (see _default_nested_objects)
     return {**real[0], **rest}
+
+
+# Marks a field whose default is None (unset) for its parent section, which must not give it a
+# default of its own; the parent removes the mark.
+UNSET_BY_DEFAULT = "x-kuberl-unset-by-default"
 
 
 def structural(node: Schema, defs: dict[str, Schema]) -> Schema:
@@ -62,6 +68,7 @@ def structural(node: Schema, defs: dict[str, Schema]) -> Schema:
             out["properties"] = {k: structural(v, defs) for k, v in value.items()}
         elif key == "items":
             out["items"] = structural(value, defs)
+            out["items"].pop(UNSET_BY_DEFAULT, None)
         else:
             out[key] = value
     extra = node.get("additionalProperties")
@@ -81,10 +88,12 @@ def _default_nested_objects(obj: Schema) -> None:
     sections included), not as `{}`: the API server checks a default against the section's
     own CEL rules *as written*, without defaulting inside it first, so `{}` fails any rule
     that reads a defaulted field. Children are translated before their parent, so their
-    defaults are already in place here."""
+    defaults are already in place here. A section whose pydantic default is None (an optional
+    one: `X | None = None`) gets none."""
     required = set(obj.get("required", []))
     for name, prop in obj["properties"].items():
-        if name in required or "default" in prop:
+        unset = prop.pop(UNSET_BY_DEFAULT, False)  # an optional section stays absent
+        if name in required or "default" in prop or unset:
             continue
         if prop.get("type") == "array":
             prop["default"] = []

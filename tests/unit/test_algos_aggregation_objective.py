@@ -148,3 +148,24 @@ def test_ppo_targets_are_whitened_gae_and_raw_returns() -> None:
     torch.testing.assert_close(adv[mask.bool()], (raw - raw.mean()) / raw.std())
     with pytest.raises(ValueError, match="ppo_targets"):
         estimators.token_advantages(algo, torch.zeros(2), 1, mask)
+
+
+def test_objective_masked_importance_drops_the_policy_loss_of_tokens_outside_the_band() -> None:
+    # two response tokens, advantages 1, logp = old (ratio 1, pg = -1 each); the engines'
+    # log-probs put token 2's ratio old/rollout at e^1 > 2: its policy loss leaves, and the
+    # token-mean still divides by both tokens (-1 + 0) / 2; with tisCap 1.5 the kept token's
+    # weight e^0 = 1 stays 1
+    from kuberl_api.spec import ImportanceMaskSpec
+
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    logp = torch.tensor([[0.0, -1.0, -2.0]])
+    rollout = torch.tensor([[0.0, -1.0, -3.0]])
+    for tis in (None, 1.5):
+        obj = Objective(importance_mask=ImportanceMaskSpec(), tis_cap=tis)
+        partial, m = obj.partial_loss(logp, logp, mask.clone(), mask,
+                                      entropy=torch.zeros_like(mask), rollout_logp=rollout)
+        assert float(partial) / obj.units(mask) == pytest.approx(-0.5)
+        assert m["mis_masked_fraction"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="importanceMask needs"):
+        Objective(importance_mask=ImportanceMaskSpec()).partial_loss(
+            mask, mask, mask, mask, entropy=mask)

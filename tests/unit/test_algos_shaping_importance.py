@@ -75,3 +75,34 @@ def test_truncated_weights_are_one_when_engines_agree() -> None:
 def test_truncated_weights_refuse_bad_cap() -> None:
     with pytest.raises(ValueError, match="cap"):
         importance.truncated_weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), 0)
+
+
+def test_masked_weights_by_token_by_hand() -> None:
+    # ratios old/rollout: e^0 = 1 (kept), e^1 = 2.72 (above 2: dropped), e^-0.5 = 0.61 (kept),
+    # e^-1 = 0.37 (below 0.5: dropped); the first column is the prompt (off the mask)
+    old = torch.tensor([[0.0, -1.0, 0.0], [0.0, -1.5, -2.0]])
+    rollout = torch.tensor([[5.0, -1.0, -1.0], [0.0, -1.0, -1.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 1.0]])
+    w, m = importance.masked_weights(old, rollout, mask, level="token", low=0.5, high=2.0)
+    assert w.tolist() == [[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]]
+    assert float(m["mis_masked_fraction"]) == pytest.approx(2 / 4)
+
+
+def test_masked_weights_by_sequence_keep_or_drop_a_response_whole() -> None:
+    # row 0: log-ratios 1.0 and -0.8, mean 0.1 -> e^0.1 inside [0.5, 2]: both kept although
+    # the first token alone would leave the band; row 1: -0.5 and -1.0, mean -0.75 ->
+    # e^-0.75 = 0.47 < 0.5: both dropped
+    old = torch.tensor([[0.0, 0.0, -0.8], [0.0, -1.5, -2.0]])
+    rollout = torch.tensor([[0.0, -1.0, 0.0], [0.0, -1.0, -1.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 1.0]])
+    w, m = importance.masked_weights(old, rollout, mask, level="sequence", low=0.5, high=2.0)
+    assert w.tolist() == [[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    assert float(m["mis_masked_fraction"]) == pytest.approx(0.5)
+    assert math.exp(-0.75) < 0.5 < math.exp(0.1) < 2.0  # (the hand values above)
+
+
+def test_masked_weights_refuse_a_band_without_one() -> None:
+    x = torch.zeros(1, 2)
+    for low, high in ((1.2, 2.0), (0.5, 0.9), (0.0, 2.0)):
+        with pytest.raises(ValueError, match="band must hold 1"):
+            importance.masked_weights(x, x, x, level="token", low=low, high=high)

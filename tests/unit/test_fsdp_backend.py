@@ -157,6 +157,8 @@ OBJECTIVES = {
     "gspo": {"policyLoss": "gspo", "lossAggregation": "seq-mean-token-mean", "epsClip": 3e-4,
              "epsClipHigh": 4e-4},
     "tis-kl-entropy": {"tisCap": 2.0, "klCoef": 0.1, "entropyCoef": 0.01},
+    "masked-is-by-sequence": {"importanceMask": {"level": "sequence", "low": 0.9,
+                                                 "high": 1.1}},
 }
 
 

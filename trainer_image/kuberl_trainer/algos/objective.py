@@ -1,15 +1,17 @@
 """The training objective of one micro-batch, from per-token pieces to the number a backend
-backpropagates: policy loss (PPO clip or GSPO), optionally reweighted by truncated importance
-sampling, plus the KL and entropy terms, aggregated by the job's loss-aggregation mode.
+backpropagates: policy loss (PPO clip or GSPO), optionally reweighted by truncated or masked
+importance sampling, plus the KL and entropy terms, aggregated by the job's loss-aggregation
+mode.
 
 Backends compute log-probs and entropies (model forwards); everything about how they combine
 lives here, so every backend trains on the same objective::
 
     loss = agg( w * pg + klCoef * kl - entropyCoef * H )
 
-with ``pg`` the per-token policy loss, ``w`` the TIS weights (1 without ``tisCap``), ``kl`` a
-per-token estimate of KL(policy || reference) (only when ``klPenalty: loss``; with ``reward``
-the penalty is in the advantages instead), ``H`` the per-token entropy.
+with ``pg`` the per-token policy loss, ``w`` the TIS weights (1 without ``tisCap``) times the
+masked-IS weights (0 or 1; 1 without ``importanceMask``), ``kl`` a per-token estimate of
+KL(policy || reference) (only when ``klPenalty: loss``; with ``reward`` the penalty is in the
+advantages instead), ``H`` the per-token entropy.
 
 A batch cut into micro-batches and data-parallel ranks trains exactly as the whole: each
 micro-batch returns the aggregation's *partial sum*; the backend divides by the units of the
@@ -25,7 +27,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from kuberl_api.spec import KlType, LossAggregation, RLJobSpec
+from kuberl_api.spec import ImportanceMaskSpec, KlType, LossAggregation, RLJobSpec
 from kuberl_trainer.algos import aggregation, importance, kl as kl_estimators, policy_loss
 
 
@@ -39,6 +41,7 @@ class Objective:
     kl_type: KlType = "low_var_kl"
     entropy_coef: float = 0.0
     tis_cap: float | None = None
+    importance_mask: ImportanceMaskSpec | None = None
     aggregation: LossAggregation = "token-mean"
     horizon: int | None = None    # the generation budget, for seq-mean-token-sum-norm
 
@@ -49,6 +52,7 @@ class Objective:
                    clip_c=a.eps_clip_c,
                    kl_coef=a.kl_coef if a.kl_penalty == "loss" else 0.0,
                    kl_type=a.kl_loss_type, entropy_coef=a.entropy_coef, tis_cap=a.tis_cap,
+                   importance_mask=a.importance_mask,
                    aggregation=a.loss_aggregation, horizon=spec.data.max_response_len)
 
     @property
@@ -70,7 +74,8 @@ class Objective:
             old_logp: the sampling policy's, as the trainer computes them (no gradient).
             adv: per-token advantages.
             entropy: per-token entropy of the policy (with gradient if entropyCoef > 0).
-            rollout_logp: the engines' log-probs, for TIS (needed when tisCap is set).
+            rollout_logp: the engines' log-probs, for TIS and masked IS (needed when tisCap
+                or importanceMask is set).
             ref_logp: the reference's log-probs (needed when the KL term is on).
 
         Returns:
@@ -96,6 +101,14 @@ class Objective:
                                                                 self.tis_cap)
             pg = pg * weights
             metrics.update(tis_metrics)
+        if self.importance_mask is not None:
+            if rollout_logp is None:
+                raise ValueError("importanceMask needs the engines' log-probs (rollout_logp)")
+            m = self.importance_mask
+            kept, mis_metrics = importance.masked_weights(old_logp, rollout_logp, mask,
+                                                          level=m.level, low=m.low, high=m.high)
+            pg = pg * kept  # (dropped tokens stay in the aggregation's denominator)
+            metrics.update(mis_metrics)
         total = pg - self.entropy_coef * entropy if self.entropy_coef > 0 else pg
         kl_ref = None
         if ref_logp is not None:
