@@ -290,8 +290,11 @@ def test_engine_that_cannot_start_fails_the_run_at_once(tiny: Path, tmp_path: Pa
     assert time.monotonic() - started < 120
 
 
-def test_engine_death_fails_the_run_with_its_error(tiny: Path, tmp_path: Path) -> None:
-    job = manifest(tiny, tmp_path, "dies", placement="disaggregated",
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_engine_death_fails_the_run_with_its_error(tiny: Path, tmp_path: Path,
+                                                   mode: str) -> None:
+    """(async: the engine dies while it generates beside a training step)"""
+    job = manifest(tiny, tmp_path, "dies", placement="disaggregated", mode=mode,
                    rollout={"gpus": 0, "engines": 2}, schedule={"numRollouts": 200})
     out = tmp_path / "out"
     proc = subprocess.Popen([*KUBERL, "run", str(job), "--output-dir", str(out)],
