@@ -994,41 +994,25 @@ _HAS_GPU_PODS = (f"(self.training.gpusPerNode > 0 || !{_ROLLOUT_ON_CPU} || "
                  "(self.algorithm.advantageEstimator == 'ppo' && self.critic.placement == "
                  "'dedicated' && self.critic.gpusPerNode > 0))")
 
-STALENESS_ONE_STEP_OFF = ("async.maxStaleness above 1 (fully asynchronous training) is not "
-                          "supported yet: 1 (one-step-off) is")
-PARTIAL_ROLLOUT_NOT_YET = ("async.partialRollout is not supported yet: one-step-off finishes "
-                           "each rollout before the weight update that follows it")
-
-
 class AsyncSpec(ApiModel):
-    """mode: async. Only one-step-off runs today: step k+1's rollout is generated, under the
-    weights step k started from, while step k trains; the weights go to the engines between
-    rollouts."""
-
-    model_config = {
-        "json_schema_extra": cel_rules(
-            cel("self.maxStaleness <= 1", STALENESS_ONE_STEP_OFF, ".maxStaleness"),
-            cel("!self.partialRollout", PARTIAL_ROLLOUT_NOT_YET, ".partialRollout")),
-    }
+    """mode: async (trainer_image/kuberl_trainer/async_loop.py): the engines generate
+    continuously, at most maxStaleness policy versions ahead of the trainers."""
 
     max_staleness: int = Field(
         1, ge=1, le=1024, description="How many policy versions the oldest token of a training "
-        "sample may lag the policy being trained: 1 is one-step-off (the only value supported "
-        "yet).")
+        "sample may lag the policy that trains on it: a rollout starts only once the engines' "
+        "weights are recent enough. 1: one-step-off (the next step's rollout is generated "
+        "while this one trains).")
     partial_rollout: bool = Field(
-        False, description="Generations in flight at a weight update continue under the new "
-        "weights (not supported yet).")
-
-    @model_validator(mode="after")
-    def _supported(self) -> AsyncSpec:
-        check(self.max_staleness <= 1, "maxStaleness", self.max_staleness,
-              STALENESS_ONE_STEP_OFF)
-        check(not self.partial_rollout, "partialRollout", True, PARTIAL_ROLLOUT_NOT_YET)
-        return self
+        False, description="A weight update pauses generation only for the transfer and the "
+        "requests in flight finish under the new weights; false: the update waits for the "
+        "rollout in flight.")
 
 
 ASYNC_DISAGGREGATED = ("mode: async needs placement: disaggregated (colocated engines and "
                        "trainers take turns with the same GPUs: there is nothing to overlap)")
+ASYNC_SETTINGS_ASYNC_ONLY = ("async settings apply to mode: async only: leave them at their "
+                             "defaults")
 SGLANG_NEEDS_GPUS = "engine sglang needs GPUs (rollout on CPU): use engine: reference"
 ENGINES_ON_CPU_ONLY = ("rollout.engines applies only when rollout runs on CPU (no rollout "
                        "GPUs); with GPUs the engine count is rollout GPUs / gpusPerEngine")
@@ -1061,6 +1045,8 @@ class RLJobSpec(ApiModel):
         "json_schema_extra": cel_rules(
             cel("self.mode == 'sync' || self.placement == 'disaggregated'",
                 ASYNC_DISAGGREGATED, ".mode"),
+            cel(f"self.mode == 'async' || {_at_defaults('self.async', AsyncSpec)}",
+                ASYNC_SETTINGS_ASYNC_ONLY, ".async"),
             cel(f"!{_ROLLOUT_ON_CPU} || self.rollout.engine == 'reference'", SGLANG_NEEDS_GPUS,
                 ".rollout.engine"),
             cel(f"!has(self.rollout.engines) || !{_ROLLOUT_ON_GPU}", ENGINES_ON_CPU_ONLY,
@@ -1190,8 +1176,8 @@ class RLJobSpec(ApiModel):
     placement: Placement = "colocate"
     mode: Literal["sync", "async"] = Field(
         "sync", description="sync: generate, then train, then push weights, each step; async: "
-        "the next step's rollout is generated while this step trains (disaggregated only; "
-        "see async).")
+        "engines generate while the trainers train, within async.maxStaleness (disaggregated "
+        "only).")
     async_: AsyncSpec = Field(default_factory=AsyncSpec, alias="async")
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
@@ -1262,6 +1248,8 @@ class RLJobSpec(ApiModel):
     def _cross_section(self) -> RLJobSpec:
         check(self.mode == "sync" or self.placement == "disaggregated", "mode", self.mode,
               ASYNC_DISAGGREGATED)
+        check(self.mode == "async" or self.async_ == AsyncSpec(), "async",
+              _shown(self.async_), ASYNC_SETTINGS_ASYNC_ONLY)
         if self.placement == "disaggregated":
             check(self.rollout.gpus is not None, "rollout.gpus", None,
                   "rollout.gpus is required when placement is disaggregated")

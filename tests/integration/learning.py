@@ -277,6 +277,12 @@ ALGORITHMS: dict[str, Scenario] = {
 # only placement async runs in), each step trained on samples one version old.
 ASYNC_ONE_STEP_OFF = _algorithm({}, placement="disaggregated", rollout={"gpus": 0},
                                 mode="async", schedule={"saveInterval": 3})
+# Fully asynchronous: the engines run up to 4 versions ahead, the updates waiting for the
+# rollout in flight or (partialRollout) pausing it.
+ASYNC_STALENESS_4 = {
+    partial: _algorithm({}, placement="disaggregated", rollout={"gpus": 0}, mode="async",
+                        **{"async": {"maxStaleness": 4, "partialRollout": partial}})
+    for partial in (False, True)}
 
 # On-policy distillation from a GRPO teacher (test_algorithms.py). Over 8 seeds the student's
 # first-token KL to the teacher fell to 0.0022 of its start on average (sd 0.0026, worst
@@ -294,4 +300,6 @@ MIXED_SFT = Scenario(demonstrations_nll, {"algorithm": {"sftCoef": 1.0}},
                      thresholds={"demo_nll_ratio": 0.05}, prepare=sevens)
 
 SCENARIOS: dict[str, Scenario] = {**ALGORITHMS, "on_policy_distillation": DISTILLATION,
-                                  "mixed-sft": MIXED_SFT, "async-one-step-off": ASYNC_ONE_STEP_OFF}
+                                  "mixed-sft": MIXED_SFT, "async-one-step-off": ASYNC_ONE_STEP_OFF,
+                                  "async-staleness-4": ASYNC_STALENESS_4[False],
+                                  "async-staleness-4-partial": ASYNC_STALENESS_4[True]}

@@ -71,6 +71,24 @@ def test_async_one_step_off_learns_on_samples_one_version_old(tiny: Path,
     assert not failures, failures
 
 
+@pytest.mark.parametrize("partial", [False, True], ids=["whole-rollouts", "partial-rollouts"])
+def test_fully_async_learns_within_the_staleness_bound(tiny: Path, tmp_path: Path,
+                                                        partial: bool) -> None:
+    """maxStaleness 4: the engines run ahead of the trainers (here generating is quicker than
+    training), never so far that a sample's oldest token lags the policy training on it by
+    more than 4 versions; the job learns."""
+    scenario = learning.ASYNC_STALENESS_4[partial]
+    outcome = scenario.run(tiny, tmp_path)
+    rows = outcome.rows
+    assert [r["step"] for r in rows] == list(range(8))
+    assert all(0 <= r["staleness_max"] <= 4 for r in rows), [r["staleness_max"] for r in rows]
+    assert max(r["staleness_max"] for r in rows) > 1  # it did run ahead
+    assert all(r["dropped_stale_samples"] == 0 for r in rows)
+    assert all(0 <= r["partial_rollout_fraction"] <= (1 if partial else 0) for r in rows)
+    failures = scenario.failures(outcome)
+    assert not failures, failures
+
+
 def test_async_resume_draws_the_prompts_of_the_rollout_it_did_not_train(
         tiny: Path, tmp_path: Path) -> None:
     """A checkpoint written after step 3 of an async run, when step 4's rollout (drawn from

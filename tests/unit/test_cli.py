@@ -35,8 +35,6 @@ def test_validate_names_file_and_field(tmp_path: Path, capsys: Any) -> None:
 
 
 @pytest.mark.parametrize(("section", "field"), [
-    ("mode: async\n  placement: disaggregated\n  rollout: {gpus: 8}\n"
-     "  async: {maxStaleness: 2}", "spec.async.maxStaleness"),
     ("training: {backend: megatron, parallelism: {ep: 2}}", "spec.training.parallelism.ep"),
 ])
 def test_validate_refuses_what_is_not_supported_yet(tmp_path: Path, capsys: Any, section: str,

@@ -128,17 +128,19 @@ class RolloutManager:
     def position_before(self, step: int) -> DataPosition | None:
         """Where the prompt sources stood when step `step`'s rollout began drawing, if it
         has begun: a checkpoint after step-1 steps records this, not where they stand now
-        (mode async has drawn the next step's prompts already), so a resumed run draws them
-        again."""
+        (mode async may have drawn the prompts of the next steps already), so a resumed run
+        draws them again."""
+        for done in [s for s in self._positions if s < step]:  # trained: never needed again
+            del self._positions[done]
         return self._positions.get(step)
 
     async def generate(self, step: int) -> Rollout:
         d, algo = self.spec.data, self.spec.algorithm
         n = d.n_samples_per_prompt
         started = time.perf_counter()
-        self._positions = {step: DataPosition(
+        self._positions[step] = DataPosition(
             self.source.state_dict(),
-            self.sft_source.state_dict() if self.sft_source is not None else {})}
+            self.sft_source.state_dict() if self.sft_source is not None else {})
         samples = self.source.next_batch(d.rollout_batch_size)
         responses = await self._graded(step, samples, n)
         metrics: dict[str, Any] = {}

@@ -18,12 +18,12 @@ import ray
 from transformers import AutoTokenizer
 
 from kuberl_api import RLJob
-from kuberl_trainer import checkpoint as ckpt
+from kuberl_trainer import async_loop, checkpoint as ckpt
 from kuberl_trainer.actors import EngineGroup, TrainGroup
 from kuberl_trainer.critic import CriticGroup
 from kuberl_trainer.data import PromptSource
 from kuberl_trainer.engine_client import EngineClient, EngineError
-from kuberl_trainer.loop import Parts, train, train_one_step_off
+from kuberl_trainer.loop import Parts, train
 from kuberl_trainer.memory_handoff import MemoryHandoff, Ranks
 from kuberl_trainer.metrics_log import MetricsLog
 from kuberl_trainer.placement import layout, local_resources
@@ -152,9 +152,13 @@ class Session:
             memory=memory)
         progress.bar.n = self.step
         try:
-            loop = train_one_step_off if self.spec.mode == "async" else train
-            self.weight_version = loop(parts, self.step, self.spec.schedule.num_rollouts,
-                                       self.weight_version)
+            total, a = self.spec.schedule.num_rollouts, self.spec.async_
+            self.weight_version = (
+                async_loop.train(parts, self.step, total, self.weight_version,
+                                 max_staleness=a.max_staleness,
+                                 partial_rollout=a.partial_rollout)
+                if self.spec.mode == "async" else
+                train(parts, self.step, total, self.weight_version))
             self.step = self.spec.schedule.num_rollouts
             self.save_now()
         finally:
