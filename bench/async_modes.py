@@ -1,0 +1,132 @@
+"""sync vs one-step-off vs fully asynchronous training, side by side on one job.
+
+Runs `kuberl run` on the same disaggregated job (same prompts, samples and steps) once per
+mode and prints steps per hour with each mode's ratio to sync, the overlap, the staleness, and
+the reward curve. Two setups:
+
+    python bench/async_modes.py --out out/async-cpu                 # the tiny job, CPU only
+    python bench/async_modes.py --out out/async-gpu --shape qwen2.5-0.5b --steps 6 \\
+        --prompts 32 --samples 8 --response-len 256      # 2 GPUs: trainer | engine
+
+On CPU the engines and the trainer share the machine's cores, so overlapping them buys little:
+the CPU run shows the mechanism (staleness, the reward curve), the GPU run the speed. The GPU
+model has random weights (reward ~0: speed only). Never part of `make test`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES: dict[str, dict[str, Any]] = {
+    "sync": {"mode": "sync"},
+    "one-step-off": {"mode": "async", "async": {"maxStaleness": 1}},
+    "async-4": {"mode": "async", "async": {"maxStaleness": 4}},
+    "async-4-partial": {"mode": "async", "async": {"maxStaleness": 4, "partialRollout": True}},
+}
+
+
+def tiny_spec(out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from kuberl_trainer.tiny.build import BuildConfig, build
+
+    tiny = out / "tiny"
+    build(tiny, BuildConfig(sft_steps=300))
+    return {"model": {"path": str(tiny / "model")},
+            "data": {"prompts": str(tiny / "data" / "train.jsonl"), "rolloutBatchSize": 16,
+                     "nSamplesPerPrompt": 8, "maxPromptLen": 8, "maxResponseLen": 4},
+            "reward": {"type": "exact"}, "algorithm": {"lr": 2e-4, "temperature": 1.0},
+            "training": {"backend": "fsdp", "gpusPerNode": 0, "microBatchSize": 128},
+            "rollout": {"engine": "reference", "gpus": 0}, "placement": "disaggregated",
+            "schedule": {"numRollouts": args.steps}}
+
+
+def gpu_spec(out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_common import build_model
+    from gpu_loop import manifest
+
+    build_model(out, args.shape)
+    loop = argparse.Namespace(prompts=args.prompts, samples=args.samples,
+                              response_len=args.response_len, micro_batch=args.micro_batch,
+                              backend="fsdp", placement="disaggregated", steps=args.steps,
+                              engine_tp=1, engine_nodes=1)
+    spec: dict[str, Any] = manifest(out, loop)["spec"]
+    return spec
+
+
+def run(out: Path, name: str, spec: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    job = out / f"{name}.yaml"
+    job.write_text(yaml.safe_dump({"apiVersion": "kuberl.dev/v1alpha1", "kind": "RLJob",
+                                   "metadata": {"name": name}, "spec": spec}))
+    run_dir = out / f"run-{name}"
+    started = time.perf_counter()
+    res = subprocess.run([sys.executable, "-m", "kuberl_cli.main", "run", str(job),
+                          "--output-dir", str(run_dir)], capture_output=True, text=True,
+                         timeout=timeout, cwd=ROOT)
+    if res.returncode != 0:
+        print(f"{name}: failed\n{res.stderr[-2000:]}", file=sys.stderr)
+        return []
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    print(f"{name}: {len(rows)} steps in {time.perf_counter() - started:.0f} s", flush=True)
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, default=Path("out/async-modes"))
+    p.add_argument("--shape", default=None, help="a GPU model shape (bench/gpu_common.py); "
+                   "default: the tiny job on CPU")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--response-len", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=32)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--timeout", type=float, default=900)
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    base = gpu_spec(args.out, args) if args.shape else tiny_spec(args.out, args)
+    results = {}
+    for name in args.modes:
+        results[name] = run(args.out, name, base | MODES[name], args.timeout)
+    # steps 2 onward: the first step of every mode pays start-up costs (and, async, the first
+    # rollout with nothing beside it)
+    table = []
+    for name, rows in results.items():
+        steady = rows[1:]
+        if not steady:
+            continue
+        step = statistics.fmean(r["time_step_s"] for r in steady)
+        table.append((name, step, rows))
+    sync_step = next((s for n, s, _ in table if n == "sync"), None)
+    print("\n| mode | steps/hour | vs sync | step s | generate s | train s | sync s | "
+          "overlap efficiency | staleness max | reward per step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, step, rows in table:
+        steady = rows[1:]
+
+        def mean(key: str, steady: list[dict[str, Any]] = steady) -> float:
+            return statistics.fmean(r.get(key, float("nan")) for r in steady)
+        ratio = f"{sync_step / step:.2f}x" if sync_step else ""
+        eff = f"{mean('overlap_efficiency'):.2f}" if "overlap_efficiency" in steady[0] else ""
+        stale = max((r.get("staleness_max", 0) for r in rows), default=0)
+        rewards = " ".join(f"{r['reward_mean']:.2f}" for r in rows)
+        print(f"| {name} | {3600 / step:.0f} | {ratio} | {step:.2f} | "
+              f"{mean('time_generate_s'):.2f} | {mean('time_train_s'):.2f} | "
+              f"{mean('time_sync_s'):.2f} | {eff} | {stale:.0f} | {rewards} |")
+    (args.out / "async_modes.json").write_text(json.dumps(
+        {n: rows for n, _, rows in table}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
