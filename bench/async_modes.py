@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -68,6 +69,7 @@ def run(out: Path, name: str, spec: dict[str, Any], timeout: float) -> list[dict
     job.write_text(yaml.safe_dump({"apiVersion": "kuberl.dev/v1alpha1", "kind": "RLJob",
                                    "metadata": {"name": name}, "spec": spec}))
     run_dir = out / f"run-{name}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # (a run dir with checkpoints would resume)
     started = time.perf_counter()
     res = subprocess.run([sys.executable, "-m", "kuberl_cli.main", "run", str(job),
                           "--output-dir", str(run_dir)], capture_output=True, text=True,

@@ -139,6 +139,19 @@ def test_cpu_actors_split_the_cores_among_their_role() -> None:
     assert cpu_threads(cores=2, actors_sharing=3) == 1  # never zero threads
 
 
+def test_async_local_actors_split_the_cores_between_both_roles() -> None:
+    """Engines generate while trainers train: on one machine they split its cores between
+    them (in sync mode each role gets them all in turn); a cluster's pods have their own."""
+    from kuberl_trainer.placement import cpu_sharing
+
+    cpu = {"training": {"gpusPerNode": 0, "backend": "fsdp"}, "placement": "disaggregated",
+           "rollout": CPU_ROLLOUT | {"engines": 2}}
+    sync, async_ = job(**cpu).spec, job(**cpu, mode="async").spec
+    assert cpu_sharing(sync, layout(sync), 2, one_machine=True) == 2  # the role's own
+    assert cpu_sharing(async_, layout(async_), 2, one_machine=True) == 1 + 2  # trainer + 2
+    assert cpu_sharing(async_, layout(async_), 2, one_machine=False) == 1
+
+
 def test_colocated_engines_take_their_slice_of_each_node() -> None:
     from kuberl_trainer.placement import colocated_engine_devices
 

@@ -30,6 +30,7 @@ from kuberl_trainer.placement import (
     ActorShape,
     Layout,
     colocated_engine_devices,
+    cpu_sharing,
     cpu_threads,
     weight_sync_port,
 )
@@ -389,7 +390,7 @@ class TrainGroup(RankGroup):
         self.pg = reserve([layout.train_bundle() for _ in range(n)], "training")
         self.workers = start_workers(TrainWorker, spec, [
             in_bundle(layout.train_actor, self.pg, rank) for rank in range(n)],
-            sharing=n if one_machine else 1, log_dir=log_dir)
+            sharing=cpu_sharing(spec, layout, n, one_machine), log_dir=log_dir)
         coords: list[tuple[int, int, bool]] = ray.get(
             [w.data_parallel_coords.remote() for w in self.workers])
         # Megatron packs micro-batches, so its ranks finish together when their token counts
@@ -481,7 +482,7 @@ class EngineGroup:
         # Bundle e * nodes + r holds node r of engine e: PACK puts an engine's nodes side by
         # side, and a bundle as large as a node takes a node of its own.
         opts = placed(layout.engine_actor, layout.engines * nodes, "engine")
-        sharing = layout.engines * nodes if one_machine else 1
+        sharing = cpu_sharing(spec, layout, layout.engines * nodes, one_machine)
         self.logs: list[list[Path | None]] = [
             [None if log_dir is None else log_dir / _engine_log_name(e, r) for r in range(nodes)]
             for e in range(layout.engines)]

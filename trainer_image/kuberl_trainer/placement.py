@@ -121,6 +121,19 @@ def cpu_threads(cores: int, actors_sharing: int) -> int:
     return max(1, cores // max(1, actors_sharing))
 
 
+def cpu_sharing(spec: RLJobSpec, lay: Layout, own: int, one_machine: bool) -> int:
+    """The CPU actors that split a machine's cores with one of a role's `own` actors (see
+    cpu_threads). In mode sync the roles take turns, so a role's actors split the cores
+    among themselves; in mode async engines generate while trainers train, so they split
+    them between both roles (each role taking every core made both 3-5x slower on a 2-core
+    box: bench/RESULTS.md). In a cluster every actor has its pod's cores: 1."""
+    if not one_machine:
+        return 1
+    if spec.mode == "async":
+        return lay.train_workers + lay.engines * lay.engine_nodes
+    return own
+
+
 def local_resources(spec: RLJobSpec) -> dict[str, float]:
     """Custom resources a local Ray advertises so the cluster's actor requests fit one
     machine: exactly the units the job's actors ask for."""
