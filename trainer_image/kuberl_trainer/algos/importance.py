@@ -35,11 +35,7 @@ def truncated_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
     """
     if cap <= 0:
         raise ValueError(f"the TIS cap must be positive, got {cap}")
-    if not old_logp.shape == rollout_logp.shape == mask.shape:
-        raise ValueError(f"old_logp {tuple(old_logp.shape)}, rollout_logp "
-                         f"{tuple(rollout_logp.shape)} and mask {tuple(mask.shape)} must match")
-    on = mask.bool()
-    diff = torch.where(on, (old_logp - rollout_logp).detach(), torch.zeros_like(old_logp))
+    on, diff = _log_ratios(old_logp, rollout_logp, mask)
     raw = torch.exp(diff)
     weights = torch.where(on, raw.clamp(max=cap), torch.zeros_like(raw))
     n = on.sum().clamp(min=1).to(weights.dtype)
@@ -67,11 +63,7 @@ def masked_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *,
     """
     if not 0 < low <= 1 <= high:
         raise ValueError(f"the band must hold 1: 0 < low <= 1 <= high, got [{low}, {high}]")
-    if not old_logp.shape == rollout_logp.shape == mask.shape:
-        raise ValueError(f"old_logp {tuple(old_logp.shape)}, rollout_logp "
-                         f"{tuple(rollout_logp.shape)} and mask {tuple(mask.shape)} must match")
-    on = mask.bool()
-    diff = torch.where(on, (old_logp - rollout_logp).detach(), torch.zeros_like(old_logp))
+    on, diff = _log_ratios(old_logp, rollout_logp, mask)
     if level == "token":
         log_ratio = diff
     else:
@@ -81,3 +73,13 @@ def masked_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *,
     weights = (on & inside).to(old_logp.dtype)
     n = on.sum().clamp(min=1).to(weights.dtype)
     return weights, {"mis_masked_fraction": (on & ~inside).sum() / n}
+
+
+def _log_ratios(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(the response tokens as booleans, ``old_logp - rollout_logp`` there and 0 elsewhere,
+    detached)."""
+    if not old_logp.shape == rollout_logp.shape == mask.shape:
+        raise ValueError(f"old_logp {tuple(old_logp.shape)}, rollout_logp "
+                         f"{tuple(rollout_logp.shape)} and mask {tuple(mask.shape)} must match")
+    on = mask.bool()
+    return on, torch.where(on, (old_logp - rollout_logp).detach(), torch.zeros_like(old_logp))
