@@ -95,7 +95,7 @@ async def _run(parts: Parts, start: int, total: int, weight_version: int, max_st
             report_step(parts, step, ckpt, record)
     finally:
         producer.cancel()
-        with contextlib.suppress(BaseException):
+        with contextlib.suppress(asyncio.CancelledError, Exception):  # (its error: raised)
             await producer
         pool.shutdown(wait=True)
     return weight_version

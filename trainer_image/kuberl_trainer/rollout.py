@@ -130,7 +130,8 @@ class RolloutManager:
         has begun: a checkpoint after step-1 steps records this, not where they stand now
         (mode async may have drawn the prompts of the next steps already), so a resumed run
         draws them again."""
-        for done in [s for s in self._positions if s < step]:  # trained: never needed again
+        # (list(): mode async saves from its training thread while generate() adds entries)
+        for done in [s for s in list(self._positions) if s < step]:  # trained: not needed
             del self._positions[done]
         return self._positions.get(step)
 
