@@ -11,12 +11,13 @@ from kuberl_trainer.actors import EngineGroup, TrainGroup
 from kuberl_trainer.backends.base import TrainBatch
 from kuberl_trainer.memory_handoff import MemoryHandoff
 from kuberl_trainer.metrics_log import MetricsLog
-from kuberl_trainer.rollout import Rollout, RolloutManager
+from kuberl_trainer.rollout import DataPosition, Rollout, RolloutManager
 
 
 class Checkpointer(Protocol):
     def due(self, step: int) -> bool: ...
-    def save(self, step: int, weight_version: int) -> str: ...
+    def save(self, step: int, weight_version: int,
+             position: DataPosition | None = None) -> str: ...
 
 
 class Critic(Protocol):
@@ -79,13 +80,14 @@ def train_on(parts: Parts, rollout: Rollout) -> dict[str, float]:
     return stats
 
 
-def save_if_due(parts: Parts, step: int, weight_version: int
-                ) -> tuple[tuple[int, str] | None, float]:
-    """(the checkpoint written after step `step`, if one was due; the seconds it took)."""
+def save_if_due(parts: Parts, step: int, weight_version: int,
+                position: DataPosition | None = None) -> tuple[tuple[int, str] | None, float]:
+    """(the checkpoint written after step `step`, if one was due; the seconds it took).
+    `position`: the prompts' position to record, when the caller took it (mode async)."""
     saving = time.perf_counter()
     if not parts.checkpointer.due(step + 1):
         return None, 0.0
-    ckpt = (step + 1, parts.checkpointer.save(step + 1, weight_version))
+    ckpt = (step + 1, parts.checkpointer.save(step + 1, weight_version, position))
     return ckpt, time.perf_counter() - saving
 
 

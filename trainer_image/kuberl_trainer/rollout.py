@@ -130,18 +130,19 @@ class RolloutManager:
         has begun: a checkpoint after step-1 steps records this, not where they stand now
         (mode async may have drawn the prompts of the next steps already), so a resumed run
         draws them again."""
-        # (list(): mode async saves from its training thread while generate() adds entries)
-        for done in [s for s in list(self._positions) if s < step]:  # trained: not needed
+        for done in [s for s in self._positions if s < step]:  # trained: never needed again
             del self._positions[done]
         return self._positions.get(step)
+
+    def position_now(self) -> DataPosition:
+        return DataPosition(self.source.state_dict(),
+                            self.sft_source.state_dict() if self.sft_source is not None else {})
 
     async def generate(self, step: int) -> Rollout:
         d, algo = self.spec.data, self.spec.algorithm
         n = d.n_samples_per_prompt
         started = time.perf_counter()
-        self._positions[step] = DataPosition(
-            self.source.state_dict(),
-            self.sft_source.state_dict() if self.sft_source is not None else {})
+        self._positions[step] = self.position_now()
         samples = self.source.next_batch(d.rollout_batch_size)
         responses = await self._graded(step, samples, n)
         metrics: dict[str, Any] = {}

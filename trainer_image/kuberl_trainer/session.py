@@ -30,7 +30,7 @@ from kuberl_trainer.placement import layout, local_resources
 from kuberl_trainer.preflight import Checked
 from kuberl_trainer.progress import Progress
 from kuberl_trainer.reporter import StatusReporter
-from kuberl_trainer.rollout import RolloutManager
+from kuberl_trainer.rollout import DataPosition, RolloutManager
 
 if TYPE_CHECKING:
     from kuberl_trainer.run import Options
@@ -177,12 +177,14 @@ class Session:
         every = self.spec.schedule.save_interval
         return every is not None and step % every == 0
 
-    def save(self, step: int, weight_version: int) -> str:
+    def save(self, step: int, weight_version: int, position: DataPosition | None = None
+             ) -> str:
         assert self.trainers is not None
         self.weight_version = weight_version
         # Where the prompts stood before step `step`'s rollout: mode async has drawn them
         # already, and a checkpoint holds no rollout (a resumed run generates it again).
-        drawn = self.rollout.position_before(step) if self.rollout is not None else None
+        drawn = position or (self.rollout.position_before(step) if self.rollout is not None
+                             else None)
         state = ckpt.TrainerState(
             step=step, weight_version=weight_version,
             data=drawn.data if drawn else self.source.state_dict(),
