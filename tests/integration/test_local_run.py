@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -82,7 +83,10 @@ def test_fully_async_learns_within_the_staleness_bound(tiny: Path, tmp_path: Pat
     rows = outcome.rows
     assert [r["step"] for r in rows] == list(range(8))
     assert all(0 <= r["staleness_max"] <= 4 for r in rows), [r["staleness_max"] for r in rows]
-    assert max(r["staleness_max"] for r in rows) > 1  # it did run ahead
+    # where generating is quicker than training (this job on CPU), the engines run ahead
+    if (statistics.fmean(r["time_generate_s"] for r in rows[1:])
+            < statistics.fmean(r["time_train_s"] for r in rows[1:])):
+        assert max(r["staleness_max"] for r in rows) > 1
     assert all(r["dropped_stale_samples"] == 0 for r in rows)
     assert all(0 <= r["partial_rollout_fraction"] <= (1 if partial else 0) for r in rows)
     failures = scenario.failures(outcome)

@@ -71,8 +71,7 @@ async def _run(parts: Parts, start: int, total: int, weight_version: int, max_st
             weight_version += 1
             # Where the prompts stand before the first rollout not trained yet, read here:
             # the producer draws prompts on this thread, never while this code runs.
-            position = (parts.rollout.position_before(step + 1)
-                        or parts.rollout.position_now())
+            position = parts.rollout.position_at(step + 1)
             ckpt, saved_s = await loop.run_in_executor(pool, save_if_due, parts, step,
                                                        weight_version, position)
             t2 = time.perf_counter()

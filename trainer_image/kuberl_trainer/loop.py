@@ -92,7 +92,8 @@ def save_if_due(parts: Parts, step: int, weight_version: int,
 
 
 def evaluation_due(parts: Parts, step: int) -> bool:
-    return bool(parts.eval_interval) and (step + 1) % (parts.eval_interval or 1) == 0
+    every = parts.eval_interval
+    return every is not None and (step + 1) % every == 0
 
 
 def report_step(parts: Parts, step: int, ckpt: tuple[int, str] | None,

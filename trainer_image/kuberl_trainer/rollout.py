@@ -90,7 +90,7 @@ class RolloutManager:
         if (spec.data.sft is not None) != (sft_source is not None):
             raise ValueError("data.sft and the SFT prompt source come together")
         self.sft_source = sft_source
-        self._positions: dict[int, DataPosition] = {}  # see position_before
+        self._positions: dict[int, DataPosition] = {}  # see position_at
         self.eval_sets = [
             (e.name, PromptSource(e.path, spec.data.input_key, spec.data.label_key,
                                   seed=seed).samples(), e.n_samples_per_prompt)
@@ -125,16 +125,16 @@ class RolloutManager:
                          weight_version=o.weight_version)
                 for i, o in enumerate(outs)]
 
-    def position_before(self, step: int) -> DataPosition | None:
-        """Where the prompt sources stood when step `step`'s rollout began drawing, if it
-        has begun: a checkpoint after step-1 steps records this, not where they stand now
-        (mode async may have drawn the prompts of the next steps already), so a resumed run
-        draws them again."""
+    def position_at(self, step: int) -> DataPosition:
+        """Where the prompt sources stood when step `step`'s rollout began drawing, or stand
+        now if it has not begun: what a checkpoint after `step` steps records (mode async may
+        have drawn the prompts of the next steps already), so a resumed run draws them
+        again."""
         for done in [s for s in self._positions if s < step]:  # trained: never needed again
             del self._positions[done]
-        return self._positions.get(step)
+        return self._positions.get(step) or self._position_now()
 
-    def position_now(self) -> DataPosition:
+    def _position_now(self) -> DataPosition:
         return DataPosition(self.source.state_dict(),
                             self.sft_source.state_dict() if self.sft_source is not None else {})
 
@@ -142,7 +142,7 @@ class RolloutManager:
         d, algo = self.spec.data, self.spec.algorithm
         n = d.n_samples_per_prompt
         started = time.perf_counter()
-        self._positions[step] = self.position_now()
+        self._positions[step] = self._position_now()
         samples = self.source.next_batch(d.rollout_batch_size)
         responses = await self._graded(step, samples, n)
         metrics: dict[str, Any] = {}

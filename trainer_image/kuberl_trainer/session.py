@@ -183,8 +183,8 @@ class Session:
         self.weight_version = weight_version
         # Where the prompts stood before step `step`'s rollout: mode async has drawn them
         # already, and a checkpoint holds no rollout (a resumed run generates it again).
-        drawn = position or (self.rollout.position_before(step) if self.rollout is not None
-                             else None)
+        drawn = position or (self.rollout.position_at(step) if self.rollout is not None
+                             else None)  # (None: no step has begun; the sources as loaded)
         state = ckpt.TrainerState(
             step=step, weight_version=weight_version,
             data=drawn.data if drawn else self.source.state_dict(),
