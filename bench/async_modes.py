@@ -61,6 +61,12 @@ def gpu_spec(out: Path, args: argparse.Namespace) -> dict[str, Any]:
                               backend="fsdp", placement="disaggregated", steps=args.steps,
                               engine_tp=1, engine_nodes=1)
     spec: dict[str, Any] = manifest(out, loop)["spec"]
+    # The reference engine decodes with HF eager, one forward per token: far slower per token
+    # than SGLang, so a GPU shape is balanced by a wide batch (its --max-batch-size, SGLang's
+    # --max-running-requests) and bf16, the dtype SGLang serves in (the engine casts the
+    # trainer's fp32 weights at each update).
+    spec["rollout"]["engineArgs"] = {"dtype": args.engine_dtype,
+                                     "max-batch-size": str(args.engine_batch)}
     return spec
 
 
@@ -92,10 +98,17 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--response-len", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=32)
+    p.add_argument("--engine-dtype", default="float32",
+                   choices=["float32", "bfloat16"], help="(GPU) the reference engine's dtype")
+    p.add_argument("--engine-batch", type=int, default=256,
+                   help="(GPU) the most requests the reference engine decodes at once")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--timeout", type=float, default=900)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.shape:
+        import torch
+        print(f"device: {torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}")
     base = gpu_spec(args.out, args) if args.shape else tiny_spec(args.out, args)
     results = {}
     for name in args.modes:
