@@ -5,8 +5,10 @@ mode and prints steps per hour with each mode's ratio to sync, the overlap, the 
 the reward curve. Two setups:
 
     python bench/async_modes.py --out out/async-cpu                 # the tiny job, CPU only
-    python bench/async_modes.py --out out/async-gpu --shape qwen2.5-0.5b --steps 6 \\
-        --prompts 32 --samples 8 --response-len 256      # 2 GPUs: trainer | engine
+    python bench/async_modes.py --out out/async-gpu --shape qwen2.5-1.5b --steps 10 \\
+        --prompts 64 --samples 8 --response-len 64 --engine-dtype bfloat16 \\
+        --engine-batch 512                    # 2 GPUs: trainer | engine (a balanced shape)
+    python bench/async_modes.py --report out/async-gpu/async_modes.json   # its table again
 
 On CPU the engines and the trainer share the machine's cores, so overlapping them buys little:
 the CPU run shows the mechanism (staleness, the reward curve), the GPU run the speed. The GPU
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -64,9 +68,14 @@ def gpu_spec(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     # The reference engine decodes with HF eager, one forward per token: far slower per token
     # than SGLang, so a GPU shape is balanced by a wide batch (its --max-batch-size, SGLang's
     # --max-running-requests) and bf16, the dtype SGLang serves in (the engine casts the
-    # trainer's fp32 weights at each update).
+    # trainer's fp32 weights at each update). Its batches run to completion, and a batch
+    # takes only the requests that arrive within --batch-wait-ms of the first: a rollout's
+    # requests, sent over ~0.1 s, would be split into batches run one after the other (SGLang
+    # takes every request in at its next decode step), so the window is wide; a full batch
+    # starts at once.
     spec["rollout"]["engineArgs"] = {"dtype": args.engine_dtype,
-                                     "max-batch-size": str(args.engine_batch)}
+                                     "max-batch-size": str(args.engine_batch),
+                                     "batch-wait-ms": "1000"}
     return spec
 
 
@@ -77,15 +86,71 @@ def run(out: Path, name: str, spec: dict[str, Any], timeout: float) -> list[dict
     run_dir = out / f"run-{name}"
     shutil.rmtree(run_dir, ignore_errors=True)  # (a run dir with checkpoints would resume)
     started = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "kuberl_cli.main", "run", str(job),
-                          "--output-dir", str(run_dir)], capture_output=True, text=True,
-                         timeout=timeout, cwd=ROOT)
-    if res.returncode != 0:
-        print(f"{name}: failed\n{res.stderr[-2000:]}", file=sys.stderr)
-        return []
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    print(f"{name}: {len(rows)} steps in {time.perf_counter() - started:.0f} s", flush=True)
+    log = out / f"run-{name}.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "kuberl_cli.main", "run", str(job),
+                                 "--output-dir", str(run_dir)], stdout=sink,
+                                stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                start_new_session=True)
+        try:
+            code: int | str = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # keep the steps it finished: they are measured
+            code = "timed out"
+            os.killpg(proc.pid, signal.SIGTERM)  # the CLI's own shutdown stops its Ray
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    metrics = run_dir / "metrics.jsonl"
+    rows = ([json.loads(line) for line in metrics.read_text().splitlines()]
+            if metrics.exists() else [])
+    print(f"{name}: {len(rows)} steps in {time.perf_counter() - started:.0f} s"
+          f"{'' if code == 0 else f' ({code}; log: {log})'}", flush=True)
+    if code != 0:
+        print(log.read_text()[-3000:], file=sys.stderr)
     return rows
+
+
+def steady_steps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steps a long run is made of. Not the first: it pays start-up costs, and in async
+    mode it also waits for the next rollout before it can send its weights. Not the last in
+    async mode: its rollout was generated during the step before, and nothing generates
+    beside it (the pipeline drains), so it takes only train + sync."""
+    return rows[1:-1] if len(rows) > 3 else rows[1:]
+
+
+def report(results: dict[str, list[dict[str, Any]]]) -> None:
+    """The table: steady steps' means per mode, each mode's speed as a ratio to sync's."""
+    table = []
+    for name, rows in results.items():
+        steady = steady_steps(rows)
+        if not steady:
+            continue
+        step = statistics.fmean(r["time_step_s"] for r in steady)
+        table.append((name, step, rows))
+    sync_step = next((s for n, s, _ in table if n == "sync"), None)
+    if sync_step:  # what overlapping could give at best: the sum over the longer side
+        sync = steady_steps(results["sync"])
+        gen = statistics.fmean(r["time_generate_s"] for r in sync)
+        rest = statistics.fmean(r["time_train_s"] + r["time_sync_s"] for r in sync)
+        print(f"\nsync: generate {gen:.2f} s, train + sync {rest:.2f} s: overlap can give at "
+              f"most {(gen + rest) / max(gen, rest):.2f}x")
+    print("\n| mode | steps/hour | vs sync | step s | generate s | train s | sync s | "
+          "overlap efficiency | staleness max | reward per step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, step, rows in table:
+        steady = steady_steps(rows)
+
+        def mean(key: str, steady: list[dict[str, Any]] = steady) -> float:
+            return statistics.fmean(r.get(key, float("nan")) for r in steady)
+        ratio = f"{sync_step / step:.2f}x" if sync_step else ""
+        eff = f"{mean('overlap_efficiency'):.2f}" if "overlap_efficiency" in steady[0] else ""
+        stale = max((r.get("staleness_max", 0) for r in rows), default=0)
+        rewards = " ".join(f"{r['reward_mean']:.2f}" for r in rows)
+        print(f"| {name} | {3600 / step:.0f} | {ratio} | {step:.2f} | "
+              f"{mean('time_generate_s'):.2f} | {mean('time_train_s'):.2f} | "
+              f"{mean('time_sync_s'):.2f} | {eff} | {stale:.0f} | {rewards} |")
 
 
 def main() -> int:
@@ -104,7 +169,12 @@ def main() -> int:
                    help="(GPU) the most requests the reference engine decodes at once")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--report", type=Path, default=None,
+                   help="print the table of a saved async_modes.json and stop")
     args = p.parse_args()
+    if args.report:
+        report(json.loads(args.report.read_text()))
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     if args.shape:
         import torch
@@ -113,33 +183,9 @@ def main() -> int:
     results = {}
     for name in args.modes:
         results[name] = run(args.out, name, base | MODES[name], args.timeout)
-    # steps 2 onward: the first step of every mode pays start-up costs (and, async, the first
-    # rollout with nothing beside it)
-    table = []
-    for name, rows in results.items():
-        steady = rows[1:]
-        if not steady:
-            continue
-        step = statistics.fmean(r["time_step_s"] for r in steady)
-        table.append((name, step, rows))
-    sync_step = next((s for n, s, _ in table if n == "sync"), None)
-    print("\n| mode | steps/hour | vs sync | step s | generate s | train s | sync s | "
-          "overlap efficiency | staleness max | reward per step |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, step, rows in table:
-        steady = rows[1:]
-
-        def mean(key: str, steady: list[dict[str, Any]] = steady) -> float:
-            return statistics.fmean(r.get(key, float("nan")) for r in steady)
-        ratio = f"{sync_step / step:.2f}x" if sync_step else ""
-        eff = f"{mean('overlap_efficiency'):.2f}" if "overlap_efficiency" in steady[0] else ""
-        stale = max((r.get("staleness_max", 0) for r in rows), default=0)
-        rewards = " ".join(f"{r['reward_mean']:.2f}" for r in rows)
-        print(f"| {name} | {3600 / step:.0f} | {ratio} | {step:.2f} | "
-              f"{mean('time_generate_s'):.2f} | {mean('time_train_s'):.2f} | "
-              f"{mean('time_sync_s'):.2f} | {eff} | {stale:.0f} | {rewards} |")
+    report(results)
     (args.out / "async_modes.json").write_text(json.dumps(
-        {n: rows for n, _, rows in table}, indent=1))
+        {n: rows for n, rows in results.items() if rows}, indent=1))
     return 0
 
 
