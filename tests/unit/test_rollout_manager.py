@@ -282,3 +282,25 @@ def test_demonstrations_come_with_each_rollout(tmp_path: Path) -> None:
     assert again is not None and not torch.equal(again.input_ids, sft.input_ids)  # moves on
     plain, _ = setup(tmp_path)
     assert asyncio.run(plain.generate(step=0)).sft is None
+
+
+def test_a_checkpoint_records_where_the_untrained_rollouts_began_drawing(tmp_path: Path
+                                                                         ) -> None:
+    """Mode async draws the prompts of later steps before the current one trains. The position
+    a checkpoint after step k records is where step k+1's rollout began drawing (prompts and
+    demonstrations), so a run resumed from it draws the same prompts for step k+1 on."""
+    mgr, engine = setup(tmp_path, sft=True, sftCoef=0.5)
+    for step in range(3):  # steps 1 and 2 generated ahead of training
+        asyncio.run(mgr.generate(step))
+    drawn = engine.prompts_sent[8:]  # steps 1 and 2 (8 requests a step)
+    position = mgr.position_at(1)
+    assert position != mgr.position_at(3)  # (3: not begun, so where the sources are now)
+    resumed, engine2 = setup(tmp_path, sft=True, sftCoef=0.5)
+    resumed.source.load_state_dict(position.data)
+    assert resumed.sft_source is not None
+    resumed.sft_source.load_state_dict(position.sft_data)
+    for step in (1, 2):
+        asyncio.run(resumed.generate(step))
+    assert engine2.prompts_sent == drawn
+    assert mgr.position_at(2) != position  # positions of trained steps are forgotten...
+    assert mgr.position_at(1) == mgr.position_at(3)  # ...and read as the current one
