@@ -43,6 +43,8 @@ MAX_ROLLOUT_BATCH = 65536
 MAX_SAMPLES_PER_PROMPT = 1024
 MAX_ROLLOUT_GPUS = 65536
 MAX_GPUS_PER_ENGINE = 64
+MAX_ENGINE_RESTARTS = 1000
+DEFAULT_ENGINE_RESTARTS = 3  # engine deaths a disaggregated run survives by default
 
 # A CEL rule that multiplies, divides or takes a modulus first passes when one of its operands
 # lies outside its schema range: the API server still runs the CEL rules after such a schema
@@ -736,6 +738,14 @@ class RolloutSpec(ApiModel):
     engines: int | None = Field(
         None, ge=1, le=4096, description="Engine count when rollout runs on CPU (no rollout "
         "GPUs) only; default 1. With GPUs the count is rollout GPUs / gpusPerEngine.")
+    max_engine_restarts: int | None = Field(
+        None, ge=0, le=MAX_ENGINE_RESTARTS,
+        description="How many times in a run an engine that dies is replaced (placement: "
+        "disaggregated): its requests are retried on the other engines, and the replacement "
+        "starts in the dead one's place and gets the current weights before the next step. "
+        "One more death fails the run with the engine's last log lines. Default "
+        + str(DEFAULT_ENGINE_RESTARTS) + " (disaggregated), 0 (colocated: engines share the "
+        "training GPUs and are not replaced).")
     node_pool: NodePool = Field(default_factory=NodePool)
     resources: Resources = Field(default_factory=Resources,
                                  description="CPU and memory per rollout pod (placement: "
@@ -1009,6 +1019,9 @@ class AsyncSpec(ApiModel):
         "rollout in flight.")
 
 
+ENGINE_RESTARTS_DISAGGREGATED = ("rollout.maxEngineRestarts above 0 needs placement: "
+                                 "disaggregated (colocated engines share the training GPUs and "
+                                 "are not replaced)")
 ASYNC_DISAGGREGATED = ("mode: async needs placement: disaggregated (colocated engines and "
                        "trainers take turns with the same GPUs: there is nothing to overlap)")
 ASYNC_SETTINGS_ASYNC_ONLY = ("async settings apply to mode: async only: leave them at their "
@@ -1047,6 +1060,9 @@ class RLJobSpec(ApiModel):
                 ASYNC_DISAGGREGATED, ".mode"),
             cel(f"self.mode == 'async' || {_at_defaults('self.async', AsyncSpec)}",
                 ASYNC_SETTINGS_ASYNC_ONLY, ".async"),
+            cel("self.placement == 'disaggregated' || !has(self.rollout.maxEngineRestarts) || "
+                "self.rollout.maxEngineRestarts == 0", ENGINE_RESTARTS_DISAGGREGATED,
+                ".rollout.maxEngineRestarts"),
             cel(f"!{_ROLLOUT_ON_CPU} || self.rollout.engine == 'reference'", SGLANG_NEEDS_GPUS,
                 ".rollout.engine"),
             cel(f"!has(self.rollout.engines) || !{_ROLLOUT_ON_GPU}", ENGINES_ON_CPU_ONLY,
@@ -1250,6 +1266,9 @@ class RLJobSpec(ApiModel):
               ASYNC_DISAGGREGATED)
         check(self.mode == "async" or self.async_ == AsyncSpec(), "async",
               _shown(self.async_), ASYNC_SETTINGS_ASYNC_ONLY)
+        restarts = self.rollout.max_engine_restarts
+        check(self.placement == "disaggregated" or not restarts, "rollout.maxEngineRestarts",
+              restarts, ENGINE_RESTARTS_DISAGGREGATED)
         if self.placement == "disaggregated":
             check(self.rollout.gpus is not None, "rollout.gpus", None,
                   "rollout.gpus is required when placement is disaggregated")
@@ -1264,6 +1283,14 @@ class RLJobSpec(ApiModel):
         self._check_eval()
         self._check_network()
         return self
+
+    @property
+    def engine_restart_budget(self) -> int:
+        """rollout.maxEngineRestarts, by default DEFAULT_ENGINE_RESTARTS when disaggregated
+        and 0 colocated."""
+        if self.rollout.max_engine_restarts is not None:
+            return self.rollout.max_engine_restarts
+        return DEFAULT_ENGINE_RESTARTS if self.placement == "disaggregated" else 0
 
     @property
     def engine_memory_fraction(self) -> float | None:
