@@ -197,6 +197,74 @@ def test_every_engine_process_holds_the_trainers_weights_after_every_step(
         session.close()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_dead_engine_is_replaced_and_the_run_goes_on(tiny: Path, tmp_path: Path,
+                                                       tp: int) -> None:
+    """An engine SIGKILLed between steps: the next rollout's requests it would have served go
+    to the other engine, it is replaced before the weights go out, and the replacement holds
+    the trainer's weights after that sync and every later one. Every step trains on the very
+    samples an undisturbed run draws (same prompts, same rewards): none lost, none twice."""
+    import json
+    import urllib.request
+
+    from kuberl_api import load
+    from kuberl_trainer.preflight import check
+    from kuberl_trainer.progress import Progress
+    from kuberl_trainer.run import Options
+    from kuberl_trainer.session import Session
+
+    def job(name: str) -> Path:
+        return manifest(tiny, tmp_path, name, placement="disaggregated",
+                        rollout={"gpus": 0, "engines": 2, "gpusPerEngine": tp},
+                        schedule={"numRollouts": 4})
+
+    undisturbed = tmp_path / "undisturbed"
+    assert kuberl_run(job("undisturbed"), undisturbed, timeout=600).returncode == 0
+    spec = load(job("replaced"))
+    opts = Options(address=None, in_cluster=False, output_dir=tmp_path / "out",
+                   checkpoint_dir=tmp_path / "ckpt", prometheus_port=0, tensorboard=None,
+                   seed=0)
+    session = Session(spec, opts, check(spec.spec))
+    synced: list[tuple[int, list[str]]] = []
+    try:
+        session.start()
+        assert session.engines is not None and session.trainers is not None
+        trainers, first = session.trainers, list(session.engines.urls)
+        push = trainers.push_weights
+
+        def push_and_check(engine_urls: list[str], version: int, bucket_bytes: int) -> float:
+            seconds = push(engine_urls, version, bucket_bytes)
+            want = trainers.checksums()
+            for url in engine_urls:
+                with urllib.request.urlopen(f"{url}/get_weights_checksum?all_ranks=true",
+                                            timeout=60) as answer:
+                    ranks = json.loads(answer.read())["tp_ranks"]
+                assert len(ranks) == tp
+                assert all({k: sums[k] for k in want} == want for sums in ranks), (url, version)
+            synced.append((version, list(engine_urls)))
+            if version == 1:  # the engine dies between steps 0 and 1
+                port = first[0].rsplit(":", 1)[1]
+                pids = subprocess.run(["pgrep", "-f", f"kuberl_rollout.reference .*--port {port}"],
+                                      capture_output=True, text=True).stdout.split()
+                assert len(pids) == 1, pids
+                os.kill(int(pids[0]), signal.SIGKILL)
+            return seconds
+
+        trainers.push_weights = push_and_check  # type: ignore[method-assign]
+        session.train(Progress(4))
+    finally:
+        session.close()
+    assert [v for v, _ in synced] == [1, 2, 3, 4]
+    assert synced[0][1] == first
+    replaced = synced[1][1]
+    assert replaced[0] != first[0] and replaced[1] == first[1]
+    assert all(urls == replaced for _, urls in synced[1:])
+    rows, calm = metrics(tmp_path / "out"), metrics(undisturbed)
+    assert [r["engine_restarts_total"] for r in rows] == [0, 1, 1, 1]
+    for key in ("prompts_sha", "reward_mean", "response_length_mean"):
+        assert [r[key] for r in rows] == [r[key] for r in calm], key
+
+
 def handoff_sequence(events: list[dict[str, Any]]) -> list[str]:
     """An engine's generation, memory and weight-update operations, in order, a run of the same
     one written once ("update": a sync's buckets, either path)."""
@@ -320,11 +388,12 @@ def test_engine_that_cannot_start_fails_the_run_at_once(tiny: Path, tmp_path: Pa
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_engine_death_fails_the_run_with_its_error(tiny: Path, tmp_path: Path,
-                                                   mode: str) -> None:
+def test_engine_death_past_the_restart_budget_fails_the_run_with_its_error(
+        tiny: Path, tmp_path: Path, mode: str) -> None:
     """(async: the engine dies while it generates beside a training step)"""
     job = manifest(tiny, tmp_path, "dies", placement="disaggregated", mode=mode,
-                   rollout={"gpus": 0, "engines": 2}, schedule={"numRollouts": 200})
+                   rollout={"gpus": 0, "engines": 2, "maxEngineRestarts": 0},
+                   schedule={"numRollouts": 200})
     out = tmp_path / "out"
     proc = subprocess.Popen([*KUBERL, "run", str(job), "--output-dir", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
@@ -345,6 +414,7 @@ def test_engine_death_fails_the_run_with_its_error(tiny: Path, tmp_path: Path,
             proc.kill()
     assert proc.returncode == 1
     assert "engine" in err and "error:" in err
+    assert "rollout.maxEngineRestarts is 0" in err, err[-3000:]
     # The error names the dead engine's log file and quotes its end (the log itself stays off
     # the terminal until then).
     assert f"{out / 'logs'}/engine-" in err and "weight_version" in err, err[-3000:]

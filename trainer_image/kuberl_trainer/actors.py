@@ -217,6 +217,9 @@ class TrainWorker:
         from kuberl_trainer.engine_client import EngineClient
         from kuberl_trainer.weight_sync.sender import DistributedWeightSender
 
+        if self._sender is not None and self._sender.client.urls != [
+                u.rstrip("/") for u in engine_urls]:
+            self._drop_weight_sender()  # an engine was replaced: a group without it
         if self._sender is None:
             self._aio = asyncio.new_event_loop()
             client = EngineClient(engine_urls, request_timeout_s=SYNC_TIMEOUT_S + 30)
@@ -228,6 +231,18 @@ class TrainWorker:
             self._aio.run_until_complete(self._sender.connect())
         assert self._aio is not None
         return self._aio
+
+    def _drop_weight_sender(self) -> None:
+        """Forget the group of an engine that is gone. Its members that are still there leave
+        it when they join the next one (an engine's init replaces the group of that name);
+        this end is torn down aside, since a collective teardown may wait for the dead one."""
+        sender, self._sender = self._sender, None
+        assert sender is not None and self._aio is not None
+        group, sender.group = sender.group, None
+        if group is not None:
+            threading.Thread(target=group.destroy, daemon=True,
+                             name="old-weight-sync-group").start()
+        self._aio.run_until_complete(sender.client.close())
 
     def checksums(self) -> dict[str, str]:
         """sha256 of every weight as the engines receive it (for sync checks); collective."""
@@ -476,19 +491,18 @@ class EngineGroup:
 
     def __init__(self, spec: RLJobSpec, layout: Layout, seed: int, *,
                  one_machine: bool = False, log_dir: Path | None = None) -> None:
-        cls: Any = ray.remote(EngineServer)
-        spec_json = spec.model_dump_json(by_alias=True)
+        self._spec_json = spec.model_dump_json(by_alias=True)
+        self._model_path, self._seed, self._nodes = spec.model.path, seed, layout.engine_nodes
         nodes = layout.engine_nodes
         # Bundle e * nodes + r holds node r of engine e: PACK puts an engine's nodes side by
         # side, and a bundle as large as a node takes a node of its own.
-        opts = placed(layout.engine_actor, layout.engines * nodes, "engine")
-        sharing = cpu_sharing(spec, layout, layout.engines * nodes, one_machine)
+        self._opts = placed(layout.engine_actor, layout.engines * nodes, "engine")
+        self._sharing = cpu_sharing(spec, layout, layout.engines * nodes, one_machine)
         self.logs: list[list[Path | None]] = [
             [None if log_dir is None else log_dir / _engine_log_name(e, r) for r in range(nodes)]
             for e in range(layout.engines)]
-        self.parts: list[list[Any]] = [[cls.options(**opts[e * nodes + r]).remote(
-            spec_json, e, seed + e, sharing, None if log is None else str(log.resolve()), r)
-            for r, log in enumerate(logs)] for e, logs in enumerate(self.logs)]
+        self.parts: list[list[Any]] = [[self._actor(e, r) for r in range(nodes)]
+                                       for e in range(layout.engines)]
         secrets_ = [secrets.token_hex(16) if nodes > 1 else "" for _ in self.parts]
         heads: list[tuple[str, str]] = ray.get([
             parts[0].start.remote(spec.model.path, "", key)
@@ -500,9 +514,35 @@ class EngineGroup:
         self.urls: list[str] = [url for url, _ in heads]
         self._failed_part: dict[str, int] = {}  # engine URL -> the node first seen dead
 
+    def _actor(self, e: int, r: int) -> Any:
+        """The actor of node `r` of engine `e`, in its own placement bundle."""
+        log = self.logs[e][r]
+        return ray.remote(EngineServer).options(**self._opts[e * self._nodes + r]).remote(
+            self._spec_json, e, self._seed + e, self._sharing,
+            None if log is None else str(log.resolve()), r)
+
+    def restart(self, url: str) -> str:
+        """Start the engine serving `url` again in its place (the same actors, or new ones in
+        the same placement bundles where an actor died with its pod); returns its new URL.
+        It serves the base model until the next weight sync."""
+        e = self.urls.index(url)
+        for r, part in enumerate(self.parts[e]):
+            try:
+                ray.get(part.stop.remote(), timeout=60)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                ray.kill(part)  # (its bundle is free again once it is gone)
+                self.parts[e][r] = self._actor(e, r)
+        key = secrets.token_hex(16) if self._nodes > 1 else ""
+        head = self.parts[e][0]
+        new, addr = ray.get(head.start.remote(self._model_path, "", key))
+        ray.get([part.start.remote(self._model_path, addr, key) for part in self.parts[e][1:]])
+        self.urls[e] = new
+        self._failed_part.pop(url, None)
+        return str(new)
+
     def dead(self) -> dict[str, int]:
         """Engines a server process of which exited (any node's), with the exit code."""
-        codes: list[Any] = ray.get([p.poll.remote() for parts in self.parts for p in parts])
+        codes: list[Any] = [_exit_code(p) for parts in self.parts for p in parts]
         nodes = len(self.parts[0])
         out: dict[str, int] = {}
         for e, url in enumerate(self.urls):
@@ -529,6 +569,16 @@ class EngineGroup:
 
     def stop(self) -> None:
         ray.get([p.stop.remote() for parts in self.parts for p in parts])
+
+
+def _exit_code(part: Any) -> int | None:
+    """The exit code of the server of an engine actor; -1 when the actor itself is gone (its
+    pod was lost, say)."""
+    try:
+        code: int | None = ray.get(part.poll.remote(), timeout=30)
+        return code
+    except ray.exceptions.RayActorError:
+        return -1
 
 
 def _engine_log_name(index: int, node_rank: int) -> str:

@@ -77,6 +77,7 @@ async def _run(parts: Parts, start: int, total: int, weight_version: int, max_st
             t2 = time.perf_counter()
             async with _between_rollouts(engines, partial):
                 t_sync = time.perf_counter()
+                await parts.fleet.heal()  # dead engines replaced (they get these weights)
                 await loop.run_in_executor(pool, parts.train.push_weights, parts.engines.urls,
                                            weight_version, parts.bucket_bytes)
                 await engines.hold(weight_version)
@@ -85,7 +86,7 @@ async def _run(parts: Parts, start: int, total: int, weight_version: int, max_st
             record = {
                 "step": step, **rollout.metrics, **stats, "weight_version": weight_version,
                 **staleness_metrics(trained_from, rollout.versions, submitted),
-                "time_generate_s": rollout.seconds,
+                "time_generate_s": rollout.seconds, "engine_restarts_total": parts.fleet.restarts,
                 **overlap_times(train_s=t2 - t1 - saved_s, sync_s=t3 - t_sync,
                                 step_s=step_s, trainers_idle_s=(t1 - t0) + (t_sync - t2),
                                 engines_idle_s=min(engines.idle_s, step_s),

@@ -11,6 +11,11 @@ request bodies use SGLang's field names (tests/unit/test_engine_contract.py chec
 - Failure: every call has a total timeout; a refused connection, a dropped connection (engine
   died mid-request), a timeout or a 4xx/5xx answer raises `EngineError` carrying the engine URL
   and its error text. `generate` cancels its other requests on the first failure.
+- Lost engines: `generate_spread` sends a chunk whose engine never answered (dead, or silent
+  past the timeout) to another engine and takes the lost one out of rotation (`lost`) until
+  `replace` puts its replacement in its place (`fleet.Fleet`). Every sample carries its own
+  seed, so the retried chunk's samples are the ones the lost engine would have made: none is
+  lost or made twice.
 """
 
 from __future__ import annotations
@@ -189,6 +194,7 @@ class EngineClient:
         self.outstanding = dict.fromkeys(self.urls, 0)
         self._rotation = itertools.cycle(range(len(self.urls)))
         self._session: aiohttp.ClientSession | None = None
+        self.lost: set[str] = set()  # out of rotation until replaced (see lose)
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -208,11 +214,30 @@ class EngineClient:
                 connector=aiohttp.TCPConnector(limit=self._max_connections))
         return self._session
 
+    def live(self) -> list[str]:
+        return [u for u in self.urls if u not in self.lost]
+
     def pick(self) -> str:
-        """Least outstanding requests; the rotating start spreads ties."""
+        """Least outstanding requests among the engines in rotation; the rotating start spreads
+        ties."""
         start = next(self._rotation)
-        order = self.urls[start:] + self.urls[:start]
+        order = [u for u in self.urls[start:] + self.urls[:start] if u not in self.lost]
+        if not order:
+            raise EngineError(self.urls[0], "every engine is lost")
         return min(order, key=lambda u: self.outstanding[u])
+
+    def lose(self, url: str) -> bool:
+        """Take `url` out of rotation; whether another engine is left to take its work."""
+        self.lost.add(url)
+        return bool(self.live())
+
+    def replace(self, old: str, new: str) -> None:
+        """The engine at `new` takes the place (and the index) of the one at `old`."""
+        new = new.rstrip("/")
+        self.urls[self.urls.index(old)] = new
+        self.lost.discard(old)
+        self.outstanding.pop(old, None)
+        self.outstanding[new] = 0
 
     async def request(self, url: str, method: str, path: str, body: Any = None, *,
                       timeout_s: float | None = None) -> Any:
@@ -299,15 +324,28 @@ class EngineClient:
         if group < 1 or len(prompts) % group:
             raise ValueError(f"{len(prompts)} prompts are not whole groups of {group}")
         groups = len(prompts) // group
-        chunks = max(1, min(len(self.urls), groups))
+        chunks = max(1, min(len(self.live()), groups))
         bounds = [round(i * groups / chunks) * group for i in range(chunks + 1)]
         # Tasks start in order and each takes its engine (pick) before its first await, so
         # the chunks land on different engines.
         parts = await first_error(
-            self.generate_batch(prompts[a:b], sampling_params[a:b],
-                                return_logprob=return_logprob)
+            self._generate_chunk(prompts[a:b], sampling_params[a:b],
+                                 return_logprob=return_logprob)
             for a, b in itertools.pairwise(bounds))
         return [result for part in parts for result in part]
+
+    async def _generate_chunk(self, prompts: Sequence[Sequence[int]],
+                              sampling_params: Sequence[Mapping[str, Any]], *,
+                              return_logprob: bool) -> list[GenerateResult]:
+        """generate_batch, sent again to another engine while its engine is lost (see the
+        module docstring); an engine's error answer is raised."""
+        while True:
+            try:
+                return await self.generate_batch(prompts, sampling_params,
+                                                 return_logprob=return_logprob)
+            except EngineError as exc:
+                if exc.answered or not self.lose(exc.url):
+                    raise
 
     async def post_all(self, path: str, body: Any | Sequence[Any], *,
                        timeout_s: float | None = None, per_engine: bool = False,
@@ -331,13 +369,14 @@ class EngineClient:
         return await settle(one(u, b) for u, b in zip(self.urls, bodies, strict=True))
 
     async def wait_healthy(self, timeout_s: float = 120.0, interval_s: float = 0.2,
-                           exited: Callable[[], Mapping[str, int]] | None = None) -> None:
-        """Until every engine answers GET /health with 200; EngineError naming the engines
-        still unhealthy (and why) after timeout_s. `exited` (engine URL -> exit code of its
-        server process) ends the wait at once when a server dies while starting (a bad flag,
-        a model it cannot load), instead of after the whole timeout."""
+                           exited: Callable[[], Mapping[str, int]] | None = None,
+                           urls: Sequence[str] | None = None) -> None:
+        """Until every engine (or those at `urls`) answers GET /health with 200; EngineError
+        naming the engines still unhealthy (and why) after timeout_s. `exited` (engine URL ->
+        exit code of its server process) ends the wait at once when a server dies while
+        starting (a bad flag, a model it cannot load), instead of after the whole timeout."""
         deadline = time.monotonic() + timeout_s
-        waiting = set(self.urls)
+        waiting = set(self.urls if urls is None else urls)
         last: dict[str, str] = {}
         while waiting:
             gone = exited() if exited is not None else {}

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from kuberl_trainer.actors import EngineGroup, TrainGroup
 from kuberl_trainer.backends.base import TrainBatch
+from kuberl_trainer.fleet import Fleet
 from kuberl_trainer.memory_handoff import MemoryHandoff
 from kuberl_trainer.metrics_log import MetricsLog
 from kuberl_trainer.rollout import DataPosition, Rollout, RolloutManager
@@ -40,6 +41,7 @@ class Parts:
     reporter: Reporter
     bucket_bytes: int
     memory: MemoryHandoff  # colocated engines and trainers take turns with the GPUs
+    fleet: Fleet  # replaces engines that die
     eval_interval: int | None = None
     critic: Critic | None = None  # PPO's value model
 
@@ -58,6 +60,7 @@ def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
         ckpt, saved_s = save_if_due(parts, step, weight_version)
         parts.memory.trained()  # colocated: the optimizer's state to host memory
         t2 = time.perf_counter()
+        parts.aio.run_until_complete(parts.fleet.heal())  # dead engines replaced
         parts.memory.before_sync()  # colocated: the engines' weights come back first
         parts.train.push_weights(parts.engines.urls, weight_version, parts.bucket_bytes)
         parts.memory.to_engines()  # colocated: the GPUs pass back to the engines
@@ -66,6 +69,7 @@ def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
         record = {"step": step, **rollout.metrics, **stats, "weight_version": weight_version,
                   "time_generate_s": t1 - t0, "time_train_s": t2 - t1 - saved_s,
                   "time_sync_s": t3 - t2, "time_step_s": t3 - t0 - saved_s, **handoff,
+                  "engine_restarts_total": parts.fleet.restarts,
                   **({"time_save_s": saved_s} if ckpt else {})}
         if evaluation_due(parts, step):  # under the weights just sent
             record.update(parts.aio.run_until_complete(parts.rollout.evaluate(step)))

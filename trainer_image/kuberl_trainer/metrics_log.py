@@ -22,6 +22,7 @@ class MetricsLog:
         self.path = out_dir / "metrics.jsonl"
         self._file = self.path.open("a")
         self._gauges: dict[str, Any] = {}
+        self._counters: dict[str, tuple[Any, float]] = {}
         self._registry = None
         if prometheus_port:
             from prometheus_client import CollectorRegistry, start_http_server
@@ -56,7 +57,9 @@ class MetricsLog:
         self._file.flush()
         step = int(record["step"])
         for key, value in record.items():
-            if isinstance(value, int | float) and key != "step":
+            if isinstance(value, int | float) and key.endswith("_total"):
+                self._count(key, value)
+            elif isinstance(value, int | float) and key != "step":
                 self._gauge(key).set(value)
                 if self._tb is not None:
                     self._tb.add_scalar(key, value, step)
@@ -75,6 +78,23 @@ class MetricsLog:
             self._gauges[key] = Gauge(f"kuberl_train_{key}", key.replace("_", " "),
                                       registry=self._registry)
         return self._gauges[key]
+
+    def _count(self, key: str, total: float) -> None:
+        """A running total (`<name>_total` in the record) as the Prometheus counter
+        kuberl_<name>_total: raised by what it grew since the last record (a resumed run's
+        count starts again at 0, as a restarted process's counters do)."""
+        if self._registry is None:
+            return
+        if key not in self._counters:
+            from prometheus_client import Counter
+
+            name = key.removesuffix("_total")
+            self._counters[key] = (Counter(f"kuberl_{name}", name.replace("_", " "),
+                                           registry=self._registry), 0.0)
+        counter, seen = self._counters[key]
+        if total > seen:
+            counter.inc(total - seen)
+        self._counters[key] = (counter, max(seen, total))
 
     def close(self) -> None:
         self._file.close()

@@ -23,6 +23,7 @@ from kuberl_trainer.actors import EngineGroup, TrainGroup
 from kuberl_trainer.critic import CriticGroup
 from kuberl_trainer.data import PromptSource
 from kuberl_trainer.engine_client import EngineClient, EngineError
+from kuberl_trainer.fleet import Fleet
 from kuberl_trainer.loop import Parts, train
 from kuberl_trainer.memory_handoff import MemoryHandoff, Ranks
 from kuberl_trainer.metrics_log import MetricsLog
@@ -149,7 +150,9 @@ class Session:
                            wandb_project=self.opts.wandb_project, run_name=self.job.name),
             checkpointer=self, reporter=_Watchers(progress, self),
             bucket_bytes=1 << 26, eval_interval=self.spec.schedule.eval_interval,
-            memory=memory)
+            memory=memory,
+            fleet=Fleet(self.engines, self.client, budget=self.spec.engine_restart_budget,
+                        start_timeout_s=ENGINE_START_TIMEOUT_S))
         progress.bar.n = self.step
         try:
             total, a = self.spec.schedule.num_rollouts, self.spec.async_
