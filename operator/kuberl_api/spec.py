@@ -491,6 +491,17 @@ class NodePool(ApiModel):
     tolerations: list[Toleration] = Field(default_factory=list, max_length=MAX_ITEMS)
 
 
+class HealthProbe(ApiModel):
+    """How the training loop watches each engine while it generates and takes weights: GET
+    /health every periodSeconds; an engine that has not answered failureThreshold probes in a
+    row within timeoutSeconds each is lost (its requests go to the other engines) and is
+    replaced like a dead one (rollout.maxEngineRestarts)."""
+
+    period_seconds: int = Field(5, ge=1, le=300)
+    timeout_seconds: int = Field(10, ge=1, le=600)
+    failure_threshold: int = Field(3, ge=1, le=100)
+
+
 class Resources(ApiModel):
     """CPU and memory per pod, besides GPUs (requests = limits, so pods are Guaranteed)."""
 
@@ -746,6 +757,7 @@ class RolloutSpec(ApiModel):
         "One more death fails the run with the engine's last log lines. Default "
         + str(DEFAULT_ENGINE_RESTARTS) + " (disaggregated), 0 (colocated: engines share the "
         "training GPUs and are not replaced).")
+    health_probe: HealthProbe = Field(default_factory=HealthProbe)
     node_pool: NodePool = Field(default_factory=NodePool)
     resources: Resources = Field(default_factory=Resources,
                                  description="CPU and memory per rollout pod (placement: "

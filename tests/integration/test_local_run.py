@@ -197,13 +197,15 @@ def test_every_engine_process_holds_the_trainers_weights_after_every_step(
         session.close()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_a_dead_engine_is_replaced_and_the_run_goes_on(tiny: Path, tmp_path: Path,
-                                                       tp: int) -> None:
-    """An engine SIGKILLed between steps: the next rollout's requests it would have served go
-    to the other engine, it is replaced before the weights go out, and the replacement holds
-    the trainer's weights after that sync and every later one. Every step trains on the very
-    samples an undisturbed run draws (same prompts, same rewards): none lost, none twice."""
+@pytest.mark.parametrize(("fault", "tp"), [("dies", 1), ("dies", 2), ("hangs", 1)])
+def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(tiny: Path, tmp_path: Path,
+                                                               fault: str, tp: int) -> None:
+    """An engine SIGKILLed (dies) or SIGSTOPped (hangs: alive, silent) between steps: the next
+    rollout's requests it holds go to the other engine (once the health probe has found it
+    silent, for a hung one), it is replaced before the weights go out, and the replacement
+    holds the trainer's weights after that sync and every later one. Every step trains on the
+    very samples an undisturbed run draws (same prompts, same rewards): none lost, none
+    twice."""
     import json
     import urllib.request
 
@@ -214,8 +216,10 @@ def test_a_dead_engine_is_replaced_and_the_run_goes_on(tiny: Path, tmp_path: Pat
     from kuberl_trainer.session import Session
 
     def job(name: str) -> Path:
+        probe = {"periodSeconds": 1, "timeoutSeconds": 2, "failureThreshold": 2}
         return manifest(tiny, tmp_path, name, placement="disaggregated",
-                        rollout={"gpus": 0, "engines": 2, "gpusPerEngine": tp},
+                        rollout={"gpus": 0, "engines": 2, "gpusPerEngine": tp,
+                                 "healthProbe": probe},
                         schedule={"numRollouts": 4})
 
     undisturbed = tmp_path / "undisturbed"
@@ -247,7 +251,7 @@ def test_a_dead_engine_is_replaced_and_the_run_goes_on(tiny: Path, tmp_path: Pat
                 pids = subprocess.run(["pgrep", "-f", f"kuberl_rollout.reference .*--port {port}"],
                                       capture_output=True, text=True).stdout.split()
                 assert len(pids) == 1, pids
-                os.kill(int(pids[0]), signal.SIGKILL)
+                os.kill(int(pids[0]), signal.SIGKILL if fault == "dies" else signal.SIGSTOP)
             return seconds
 
         trainers.push_weights = push_and_check  # type: ignore[method-assign]

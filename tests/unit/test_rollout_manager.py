@@ -33,13 +33,10 @@ class TableEngine(EngineClient):
         self.prompts_sent: list[list[int]] = []
         self.urls_used: list[str] = []
 
-    async def generate_batch(self, prompts: Sequence[Sequence[int]],
-                             params: Sequence[Mapping[str, Any]], *,
-                             return_logprob: bool = True) -> list[GenerateResult]:
-        url = self.pick()
-        self.outstanding[url] += len(prompts)
+    async def _generate_on(self, url: str, prompts: Sequence[Sequence[int]],
+                           params: Sequence[Mapping[str, Any]],
+                           return_logprob: bool) -> list[GenerateResult]:
         await asyncio.sleep(0)  # the next chunk is dispatched while this one is in flight
-        self.outstanding[url] -= len(prompts)
         self.calls.append(list(params))
         self.prompts_sent += [list(ids) for ids in prompts]
         self.urls_used.append(url)

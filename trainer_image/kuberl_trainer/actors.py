@@ -331,13 +331,16 @@ class EngineServer:
         """The child's exit code, or None while it runs."""
         return None if self.proc is None else self.proc.poll()
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after grace_s (at once with 0: a hung server would not
+        handle the SIGTERM anyway)."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+            self.proc.terminate() if grace_s > 0 else self.proc.kill()
             try:
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=grace_s or 10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait(timeout=10)
 
 
 PLACEMENT_TIMEOUT_S = 600.0
@@ -527,8 +530,8 @@ class EngineGroup:
         It serves the base model until the next weight sync."""
         e = self.urls.index(url)
         for r, part in enumerate(self.parts[e]):
-            try:
-                ray.get(part.stop.remote(), timeout=60)
+            try:  # dead or hung: nothing to shut down gracefully
+                ray.get(part.stop.remote(0), timeout=60)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 ray.kill(part)  # (its bundle is free again once it is gone)
                 self.parts[e][r] = self._actor(e, r)

@@ -21,6 +21,7 @@ request bodies use SGLang's field names (tests/unit/test_engine_contract.py chec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import time
@@ -195,6 +196,7 @@ class EngineClient:
         self._rotation = itertools.cycle(range(len(self.urls)))
         self._session: aiohttp.ClientSession | None = None
         self.lost: set[str] = set()  # out of rotation until replaced (see lose)
+        self._lost_events: dict[str, asyncio.Event] = {}
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -227,8 +229,10 @@ class EngineClient:
         return min(order, key=lambda u: self.outstanding[u])
 
     def lose(self, url: str) -> bool:
-        """Take `url` out of rotation; whether another engine is left to take its work."""
+        """Take `url` out of rotation, giving up the requests it holds in generate_spread;
+        whether another engine is left to take its work."""
         self.lost.add(url)
+        self._lost_event(url).set()
         return bool(self.live())
 
     def replace(self, old: str, new: str) -> None:
@@ -302,14 +306,19 @@ class EngineClient:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
         url = self.pick()
+        self.outstanding[url] += len(prompts)
+        try:
+            return await self._generate_on(url, prompts, sampling_params, return_logprob)
+        finally:
+            self.outstanding[url] -= len(prompts)
+
+    async def _generate_on(self, url: str, prompts: Sequence[Sequence[int]],
+                           sampling_params: Sequence[Mapping[str, Any]],
+                           return_logprob: bool) -> list[GenerateResult]:
         body = {"input_ids": [[int(t) for t in p] for p in prompts],
                 "sampling_params": [dict(sp) for sp in sampling_params],
                 "return_logprob": return_logprob}
-        self.outstanding[url] += len(prompts)
-        try:
-            answer = await self.request(url, "POST", "/generate", body)
-        finally:
-            self.outstanding[url] -= len(prompts)
+        answer = await self.request(url, "POST", "/generate", body)
         if not isinstance(answer, list) or len(answer) != len(prompts):
             raise EngineError(url, f"/generate: expected {len(prompts)} answers, got "
                               f"{answer!r:.200}")
@@ -337,15 +346,39 @@ class EngineClient:
     async def _generate_chunk(self, prompts: Sequence[Sequence[int]],
                               sampling_params: Sequence[Mapping[str, Any]], *,
                               return_logprob: bool) -> list[GenerateResult]:
-        """generate_batch, sent again to another engine while its engine is lost (see the
-        module docstring); an engine's error answer is raised."""
+        """generate_batch, sent again to another engine when its engine is lost: its
+        connection failed, or `lose` was called on it meanwhile (a health probe found it
+        silent: the request is given up at once). An engine's error answer is raised."""
         while True:
+            url = self.pick()
+            # Counted before the first await: the next chunk's pick sees this one's load.
+            self.outstanding[url] += len(prompts)
+            request = asyncio.ensure_future(self._generate_on(url, prompts, sampling_params,
+                                                              return_logprob))
+            lost = asyncio.ensure_future(self._lost_event(url).wait())
             try:
-                return await self.generate_batch(prompts, sampling_params,
-                                                 return_logprob=return_logprob)
-            except EngineError as exc:
-                if exc.answered or not self.lose(exc.url):
-                    raise
+                await asyncio.wait({request, lost}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                lost.cancel()
+                if not request.done():  # lost meanwhile, or this chunk was cancelled
+                    request.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, EngineError):
+                        await request
+                if url in self.outstanding:  # (not if replaced meanwhile)
+                    self.outstanding[url] -= len(prompts)
+            if not request.cancelled():
+                try:
+                    return request.result()
+                except EngineError as exc:
+                    if exc.answered or not self.lose(exc.url):
+                        raise
+            elif not self.live():
+                raise EngineError(url, "stopped answering, and no other engine is left")
+
+    def _lost_event(self, url: str) -> asyncio.Event:
+        if url not in self._lost_events:
+            self._lost_events[url] = asyncio.Event()
+        return self._lost_events[url]
 
     async def post_all(self, path: str, body: Any | Sequence[Any], *,
                        timeout_s: float | None = None, per_engine: bool = False,

@@ -9,6 +9,13 @@ the weight sync that follows builds its group again with the replacement and sen
 current weights, as to every engine. `rollout.maxEngineRestarts` bounds the replacements in
 a run: the next death fails the run with the engine's last log lines (Session.explain).
 
+An engine that stops answering without dying (hung, or its node gone silent) is found by the
+health probe (`rollout.healthProbe`): a thread that asks every engine in rotation for GET
+/health, on its own clock, so that a loop busy training (sync mode) neither delays a probe nor
+mistakes its own pause for the engine's. After failureThreshold silent probes in a row the
+engine is lost: its requests in flight are given up and sent to the others, and heal replaces
+it (stopping it first).
+
 Colocated engines are not replaced (their budget is 0): they share the training GPUs, whose
 memory handoff a fresh engine would have to join mid-step.
 """
@@ -17,8 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import urllib.request
 from collections.abc import Callable
 
+from kuberl_api.spec import HealthProbe
 from kuberl_trainer.actors import EngineGroup
 from kuberl_trainer.engine_client import EngineClient, EngineError
 
@@ -48,13 +58,63 @@ class Fleet:
                 raise EngineError(url, f"{why}; rollout.maxEngineRestarts is {self.budget}"
                                   f"{' and used up' if self.budget else ''}")
             new = await loop.run_in_executor(None, self.engines.restart, url)
-            self.client.replace(url, new)
             self.restarts += 1
             await self.client.wait_healthy(timeout_s=self.start_timeout_s, urls=[new],
                                            exited=self.engines.dead)
+            self.client.replace(url, new)  # (into rotation, and probed, once it answers)
             LOG.warning("engine at %s %s: replaced by %s (restart %d of %d)", url, why, new,
                         self.restarts, self.budget)
             if self.on_replaced is not None:
                 self.on_replaced(url, new, why)
             replaced.append(new)
         return replaced
+
+    # ---- the health probe ------------------------------------------------------------------
+    def watch(self, probe: HealthProbe, loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
+        """Start probing every engine in rotation; returns what stops it. An engine found
+        silent is lost on `loop` (the client's: where its requests wait)."""
+        stop = threading.Event()
+        thread = threading.Thread(target=self._probe_until, args=(probe, loop, stop),
+                                  daemon=True, name="engine-health-probe")
+        thread.start()
+
+        def stop_watching() -> None:
+            stop.set()
+            thread.join(timeout=probe.timeout_seconds + 5)
+        return stop_watching
+
+    def _probe_until(self, probe: HealthProbe, loop: asyncio.AbstractEventLoop,
+                     stop: threading.Event) -> None:
+        silent: dict[str, int] = {}
+        while not stop.wait(probe.period_seconds):
+            urls = self.client.live()
+            answered = _probe_all(urls, probe.timeout_seconds)
+            for url in urls:
+                silent[url] = 0 if answered[url] else silent.get(url, 0) + 1
+                if silent[url] == probe.failure_threshold and not stop.is_set():
+                    LOG.warning("engine at %s did not answer %d health probes in a row "
+                                "(%d s each): taken out of rotation, to be replaced", url,
+                                probe.failure_threshold, probe.timeout_seconds)
+                    loop.call_soon_threadsafe(self._lose, url)
+
+    def _lose(self, url: str) -> None:
+        if url in self.client.urls:  # (not if replaced meanwhile)
+            self.client.lose(url)
+
+
+def _probe_all(urls: list[str], timeout_s: float) -> dict[str, bool]:
+    """Whether each engine answered GET /health with 200 within timeout_s (concurrently)."""
+    answered = dict.fromkeys(urls, False)
+
+    def probe(url: str) -> None:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as answer:
+                answered[url] = answer.status == 200
+        except OSError:  # refused, reset, timed out, HTTP error
+            pass
+    threads = [threading.Thread(target=probe, args=(u,), daemon=True) for u in urls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 1)
+    return answered

@@ -80,6 +80,8 @@ class Session:
         self.engines = EngineGroup(self.spec, lay, seed=self.opts.seed, one_machine=local,
                                    log_dir=logs)
         self.client = EngineClient(self.engines.urls)
+        self.fleet = Fleet(self.engines, self.client, budget=self.spec.engine_restart_budget,
+                           start_timeout_s=ENGINE_START_TIMEOUT_S)
         self.memory = MemoryHandoff(self.client, self.aio, [], self.spec.trainer_offload)
         if self.memory.on:  # colocated: the engines start alone, then make room (see there)
             self._wait_for_engines()
@@ -151,9 +153,9 @@ class Session:
             checkpointer=self, reporter=_Watchers(progress, self),
             bucket_bytes=1 << 26, eval_interval=self.spec.schedule.eval_interval,
             memory=memory,
-            fleet=Fleet(self.engines, self.client, budget=self.spec.engine_restart_budget,
-                        start_timeout_s=ENGINE_START_TIMEOUT_S))
+            fleet=self.fleet)
         progress.bar.n = self.step
+        stop_watching = self.fleet.watch(self.spec.rollout.health_probe, self.aio)
         try:
             total, a = self.spec.schedule.num_rollouts, self.spec.async_
             self.weight_version = (
@@ -165,6 +167,7 @@ class Session:
             self.step = self.spec.schedule.num_rollouts
             self.save_now()
         finally:
+            stop_watching()
             parts.log.close()
             progress.close()
 
