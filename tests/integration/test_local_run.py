@@ -197,15 +197,16 @@ def test_every_engine_process_holds_the_trainers_weights_after_every_step(
         session.close()
 
 
-@pytest.mark.parametrize(("fault", "tp"), [("dies", 1), ("dies", 2), ("hangs", 1)])
-def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(tiny: Path, tmp_path: Path,
-                                                               fault: str, tp: int) -> None:
+@pytest.mark.parametrize(("fault", "tp", "mode"), [("dies", 1, "sync"), ("dies", 2, "sync"),
+                                                 ("hangs", 1, "sync"), ("dies", 1, "async")])
+def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
+        tiny: Path, tmp_path: Path, fault: str, tp: int, mode: str) -> None:
     """An engine SIGKILLed (dies) or SIGSTOPped (hangs: alive, silent) between steps: the next
     rollout's requests it holds go to the other engine (once the health probe has found it
     silent, for a hung one), it is replaced before the weights go out, and the replacement
     holds the trainer's weights after that sync and every later one. Every step trains on the
     very samples an undisturbed run draws (same prompts, same rewards): none lost, none
-    twice."""
+    twice. (async: one-step-off, the engine killed as the rollout it would share begins.)"""
     import json
     import urllib.request
 
@@ -217,7 +218,7 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(tiny: Path, tmp_p
 
     def job(name: str) -> Path:
         probe = {"periodSeconds": 1, "timeoutSeconds": 2, "failureThreshold": 2}
-        return manifest(tiny, tmp_path, name, placement="disaggregated",
+        return manifest(tiny, tmp_path, name, placement="disaggregated", mode=mode,
                         rollout={"gpus": 0, "engines": 2, "gpusPerEngine": tp,
                                  "healthProbe": probe},
                         schedule={"numRollouts": 4})
