@@ -301,3 +301,23 @@ def test_a_checkpoint_records_where_the_untrained_rollouts_began_drawing(tmp_pat
     assert engine2.prompts_sent == drawn
     assert mgr.position_at(2) != position  # positions of trained steps are forgotten...
     assert mgr.position_at(1) == mgr.position_at(3)  # ...and read as the current one
+
+
+def test_engine_throughput_per_engine_and_spread() -> None:
+    """Tokens per second of each engine over its own requests (hand-computed)."""
+    from kuberl_trainer.rollout import engine_throughput
+
+    sample = Sample(prompt="p", label="l", index=0, epoch=0)
+
+    def resp(engine: str, tokens: int, seconds: float, request: int) -> Response:
+        return Response(sample=sample, prompt_ids=[1], output_ids=[5] * tokens, logprobs=[],
+                        text="", truncated=False, engine=engine, seconds=seconds,
+                        request=request)
+    # A: one request of 2 s for 3 + 3 tokens: 3 tok/s. B: a request of 1 s (4 tokens) and
+    # one of 3 s (8 + 4 tokens): 16 tokens in 4 s, 4 tok/s.
+    out = engine_throughput([resp("A", 3, 2.0, 1), resp("A", 3, 2.0, 1),
+                             resp("B", 4, 1.0, 2), resp("B", 8, 3.0, 3),
+                             resp("B", 4, 3.0, 3)])
+    assert out == {"engine_tokens_per_s_min": 3.0, "engine_tokens_per_s_max": 4.0,
+                   "engine_tokens_per_s_mean": 3.5, "engine_throughput_spread": 4.0 / 3.0}
+    assert engine_throughput([resp("", 3, 0.0, 0)]) == {}  # (untimed: none reported)

@@ -91,6 +91,8 @@ class GenerateResult:
     weight_version: str | None
     engine_url: str
     meta_info: dict[str, Any] = field(repr=False, default_factory=dict)
+    seconds: float = 0.0  # the /generate request it came in, from send to answer
+    request: int = 0  # which request that was (this client's count)
 
 
 def generate_request(input_ids: Sequence[int], sampling_params: Mapping[str, Any], *,
@@ -197,6 +199,7 @@ class EngineClient:
         self._session: aiohttp.ClientSession | None = None
         self.lost: set[str] = set()  # out of rotation until replaced (see lose)
         self._lost_events: dict[str, asyncio.Event] = {}
+        self._requests = itertools.count(1)
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -318,11 +321,18 @@ class EngineClient:
         body = {"input_ids": [[int(t) for t in p] for p in prompts],
                 "sampling_params": [dict(sp) for sp in sampling_params],
                 "return_logprob": return_logprob}
+        sent = time.perf_counter()
         answer = await self.request(url, "POST", "/generate", body)
+        seconds = time.perf_counter() - sent
         if not isinstance(answer, list) or len(answer) != len(prompts):
             raise EngineError(url, f"/generate: expected {len(prompts)} answers, got "
                               f"{answer!r:.200}")
-        return [parse_generate_response(url, a, return_logprob=return_logprob) for a in answer]
+        results = [parse_generate_response(url, a, return_logprob=return_logprob)
+                   for a in answer]
+        request = next(self._requests)
+        for result in results:
+            result.seconds, result.request = seconds, request
+        return results
 
     async def generate_spread(self, prompts: Sequence[Sequence[int]],
                               sampling_params: Sequence[Mapping[str, Any]], *, group: int = 1,

@@ -41,6 +41,9 @@ class Response:
     text: str
     truncated: bool
     weight_version: str | None = None  # the engine's, as it reported it (the behaviour policy)
+    engine: str = ""  # the URL of the engine that generated it
+    seconds: float = 0.0  # its engine's request for it, from send to answer
+    request: int = 0  # which request that was
     reward: float = 0.0  # the verifier's
     score: float = 0.0   # what advantages are computed from: reward + shaping
 
@@ -122,7 +125,8 @@ class RolloutManager:
         return [Response(sample=samples[i // n], prompt_ids=prompt_ids[i // n],
                          output_ids=list(o.output_ids), logprobs=list(o.logprobs or []),
                          text=o.text, truncated=o.finish_reason == "length",
-                         weight_version=o.weight_version)
+                         weight_version=o.weight_version, engine=o.engine_url,
+                         seconds=o.seconds, request=o.request)
                 for i, o in enumerate(outs)]
 
     def position_at(self, step: int) -> DataPosition:
@@ -186,6 +190,7 @@ class RolloutManager:
             batch.advantages = estimators.token_advantages(algo, scores, n, batch.loss_mask,
                                                            kl=kl)
         metrics.update(self._metrics(responses, rewards, scores, batch))
+        metrics.update(engine_throughput(responses))
         return Rollout(batch=batch, metrics=metrics, sft=self._demonstrations(),
                        versions=[r.weight_version for r in responses],
                        seconds=time.perf_counter() - started)
@@ -274,6 +279,24 @@ class RolloutManager:
             "response_length_max": float(max(lengths)),
             "truncated_fraction": sum(r.truncated for r in responses) / len(responses),
         }
+
+
+def engine_throughput(responses: list[Response]) -> dict[str, float]:
+    """Generated tokens per second of each engine over its requests in this rollout: the
+    slowest, the mean and the fastest engine, and the spread (fastest / slowest; 1 when they
+    keep pace; a lagging engine holds every synchronous step back)."""
+    tokens: dict[str, int] = {}
+    seconds: dict[str, dict[int, float]] = {}  # engine -> request -> its time
+    for r in responses:
+        if r.engine and r.seconds > 0:
+            tokens[r.engine] = tokens.get(r.engine, 0) + len(r.output_ids)
+            seconds.setdefault(r.engine, {})[r.request] = r.seconds
+    rates = [tokens[e] / sum(seconds[e].values()) for e in tokens]
+    if not rates:
+        return {}
+    return {"engine_tokens_per_s_min": min(rates), "engine_tokens_per_s_max": max(rates),
+            "engine_tokens_per_s_mean": statistics.fmean(rates),
+            "engine_throughput_spread": max(rates) / min(rates) if min(rates) > 0 else 0.0}
 
 
 def _groups(responses: list[Response], n: int) -> tuple[list[list[Response]], list[bool]]:
