@@ -614,3 +614,43 @@ async def test_server_info_and_loads(pair: list[str]) -> None:
         loads = await client.request(url, "GET", "/v1/loads")
         assert [load["dp_rank"] for load in loads["loads"]] == [0]
         assert loads["loads"][0]["num_running_reqs"] == 0
+
+
+def scrape(url: str) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    return {name: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("sglang:") and not (name := line.split("{")[0]).endswith(
+                "_created")}  # (prometheus_client's creation times, in SGLang's too)
+
+
+async def test_metrics_have_sglangs_names_and_count_what_was_generated(
+        model_dir: Path, tmp_path: Path, pair: list[str]) -> None:
+    """--enable-metrics (as SGLang's flag): GET /metrics with SGLang's metric names; without
+    the flag there is no /metrics, as in SGLang."""
+    import urllib.error
+    import urllib.request
+
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(f"{pair[0]}/metrics", timeout=10)
+    assert err.value.code == 404
+    engine = Engine(model_dir, tmp_path / "engine.log", "--enable-metrics")
+    try:
+        engine.wait_ready()
+        before = scrape(engine.url)
+        assert before == {"sglang:num_running_reqs": 0, "sglang:num_queue_reqs": 0,
+                          "sglang:prompt_tokens_total": 0, "sglang:generation_tokens_total": 0,
+                          "sglang:num_requests_total": 0}
+        prompts = [[5, 6, 7], [8, 9], [10]]
+        await generate_raw(engine.url, {
+            "input_ids": prompts,
+            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "temperature": 1.0}})
+        after = scrape(engine.url)
+        assert after["sglang:prompt_tokens_total"] == 6
+        assert after["sglang:generation_tokens_total"] == 12
+        assert after["sglang:num_requests_total"] == 3
+        assert after["sglang:num_running_reqs"] == 0 and after["sglang:num_queue_reqs"] == 0
+    finally:
+        engine.stop()

@@ -19,12 +19,14 @@ What kuberl passes to SGLang (`python -m sglang.launch_server`) and why:
   --mem-fraction-static F          spec.engine_memory_fraction: rollout.memoryFraction, by
                                    default 0.7 for colocated engines on GPUs (the reference
                                    engine reserves its pool the same way); unset otherwise
+  --enable-metrics                 GET /metrics (Prometheus), for dashboards and the chart's
+                                   PodMonitor; engineArgs {enable-metrics: "false"} turns it off
   colocate with rollout GPUs:      --enable-memory-saver (what SGLang needs to release and
                                    resume its memory, handing it to training between phases)
   then rollout.engineArgs and      see engine_arg_flags
   engineListArgs
 The reference engine (`python -m kuberl_rollout.reference`) gets the same model, host, port,
---tp-size and multi-node flags, plus --seed, --device and (on CPU) --torch-threads.
+--tp-size, multi-node and metrics flags, plus --seed, --device and (on CPU) --torch-threads.
 """
 
 from __future__ import annotations
@@ -67,9 +69,10 @@ def colocated_sglang(spec: RLJobSpec) -> bool:
 
 def default_engine_args(spec: RLJobSpec) -> dict[str, EngineArgValue]:
     """The engineArgs kuberl adds itself unless the spec's engineArgs set them."""
+    defaults: dict[str, EngineArgValue] = {"enable-metrics": "true"}
     if colocated_sglang(spec):
-        return {"enable-memory-saver": "true"}
-    return {}
+        defaults["enable-memory-saver"] = "true"
+    return defaults
 
 
 def engine_command(spec: RLJobSpec, *, model_path: str, port: int, nccl_port: int, seed: int,

@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the weights' values in host memory while released (SGLang's "
                         "flag); without it a release discards them, as SGLang's does, and "
                         "only a weight update after the resume restores the model")
+    p.add_argument("--enable-metrics", action="store_true",
+                   help="serve GET /metrics (Prometheus) with SGLang's names, as SGLang's flag")
     p.add_argument("--max-batch-size", type=int, default=256)
     p.add_argument("--batch-wait-ms", type=float, default=5.0,
                    help="how long the first request of a batch waits for others to join")
@@ -118,7 +120,9 @@ def main(argv: list[str] | None = None) -> None:
                                  "random_seed": args.seed, "nnodes": args.nnodes,
                                  "node_rank": args.node_rank,
                                  "dist_init_addr": args.dist_init_addr,
-                                 "mem_fraction_static": args.mem_fraction_static})
+                                 "mem_fraction_static": args.mem_fraction_static,
+                                 "enable_metrics": args.enable_metrics},
+                    enable_metrics=args.enable_metrics)
     peers.wait_ready()
     logging.getLogger("kuberl.reference").info(
         "serving %s on http://%s:%d (%s, %s)", args.model_path, args.host, args.port,

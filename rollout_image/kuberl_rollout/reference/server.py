@@ -33,6 +33,7 @@ from aiohttp import web
 from kuberl_rollout.reference import weights
 from kuberl_rollout.reference.batcher import Batcher
 from kuberl_rollout.reference.engine import EngineBusy, GenRequest, ReferenceEngine
+from kuberl_rollout.reference.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, EngineMetrics
 from kuberl_rollout.reference.sampling import parse_sampling
 from kuberl_rollout.reference.tp import Peers
 
@@ -122,7 +123,8 @@ class Server:
     def __init__(self, engine: ReferenceEngine, *, max_batch_size: int = 256,
                  batch_wait_s: float = 0.005, weight_sync_timeout_s: float = 300.0,
                  peers: Peers | None = None,
-                 server_args: Mapping[str, Any] | None = None) -> None:
+                 server_args: Mapping[str, Any] | None = None,
+                 enable_metrics: bool = False) -> None:
         self.engine = engine
         self.max_batch_size = max_batch_size
         # What /server_info reports as the launch arguments (the CLI's, when given).
@@ -142,6 +144,10 @@ class Server:
         # What the engine was asked to do, in order (GET /get_event_log, a kuberl extension):
         # tests check a run's sequence of generation, memory and weight operations against it.
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENT_LOG_SIZE)
+        self.metrics = EngineMetrics(
+            engine.model_path, running=lambda: len(self.batcher.running),
+            queued=lambda: self.batcher.num_waiting() + self.batcher.num_held(),
+        ) if enable_metrics else None
 
     def record(self, op: str, **detail: Any) -> None:
         self.events.append({"op": op, **detail})
@@ -173,6 +179,8 @@ class Server:
         r.add_post("/destroy_weights_update_group", self.destroy_group)
         r.add_get("/get_weights_checksum", self.checksums)
         r.add_get("/get_event_log", self.event_log)
+        if self.metrics is not None:  # (SGLang serves /metrics only with --enable-metrics)
+            r.add_get("/metrics", self.prometheus)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -246,7 +254,14 @@ class Server:
         finally:
             self.live.difference_update(rids)
             self.engine.aborted_rids.difference_update(rids)
+        if self.metrics is not None:
+            self.metrics.finished(results)
         return web.json_response(results[0] if single else results)
+
+    async def prometheus(self, _: web.Request) -> web.Response:
+        assert self.metrics is not None
+        return web.Response(body=self.metrics.exposition(),
+                            headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await _body(request)
