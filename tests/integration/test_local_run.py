@@ -294,10 +294,11 @@ def expected_handoff(placement: str, steps: int, evals: int = 0, saves: int = 0)
     after the step's sync; at the end, unless the last step saved (every `saves` steps, right
     after training), release everything for the last save; never a generation while
     released (it would be refused: generate_refused). Disaggregated engines keep their
-    GPUs."""
+    GPUs; their start-up sync is one bucket (the group's check)."""
     sync = (["update"] if placement != "colocate" else
             ["resume_memory:weights", "update", "resume_memory:kv_cache,cuda_graph"])
-    ops = [] if placement != "colocate" else ["release_memory:all", *sync]
+    # (disaggregated, the start-up sync checks the group with one bucket)
+    ops = ["update"] if placement != "colocate" else ["release_memory:all", *sync]
     for step in range(1, steps + 1):
         ops += ["generate", *([] if placement != "colocate" else ["release_memory:all"]), *sync]
         ops += ["generate"] if evals and step % evals == 0 else []

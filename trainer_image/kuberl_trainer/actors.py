@@ -8,6 +8,7 @@ training workers through Ray and to engines only over HTTP.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import secrets
 import socket
@@ -178,15 +179,18 @@ class TrainWorker:
         return self.backend.data_parallel_coords()
 
     def push_weights(self, engine_urls: list[str], weight_version: int,
-                     bucket_bytes: int, sync_port: int = 0) -> float:
+                     bucket_bytes: int, sync_port: int = 0,
+                     max_buckets: int | None = None) -> float:
         """Rank 0 broadcasts its weights to every engine (the group's rendezvous on
         `sync_port`, or a free port when 0); returns seconds spent. Every rank
         must iterate the buckets: with sharded weights (FSDP2) each full tensor is gathered
-        collectively, so the other ranks take part and drop what they gathered."""
+        collectively, so the other ranks take part and drop what they gathered.
+        `max_buckets`: only the first ones (every rank stops at the same bucket)."""
         started = time.perf_counter()
         if self._weights_off:
             self.onload(WEIGHTS)
-        buckets = self.backend.named_tensor_buckets(bucket_bytes)
+        buckets = itertools.islice(self.backend.named_tensor_buckets(bucket_bytes),
+                                   max_buckets)
         if self.spec.placement == "colocate" and self.device == "cuda":
             # Trainer and engine share GPUs, and NCCL refuses two ranks on one device: pass
             # CUDA IPC handles through /update_weights_from_tensor instead, as SGLang takes
@@ -445,9 +449,11 @@ class TrainGroup(RankGroup):
             raise RuntimeError("the training backend has no reference model (klCoef is 0)")
         return self.layout.gather(present, rows, batch.input_ids.shape)
 
-    def push_weights(self, engine_urls: list[str], version: int, bucket_bytes: int) -> float:
+    def push_weights(self, engine_urls: list[str], version: int, bucket_bytes: int,
+                     max_buckets: int | None = None) -> float:
         seconds = ray.get([w.push_weights.remote(engine_urls, version, bucket_bytes,
-                                                 self.sync_port) for w in self.workers])
+                                                 self.sync_port, max_buckets)
+                           for w in self.workers])
         return float(seconds[0])
 
     def checksums(self) -> dict[str, str]:

@@ -107,9 +107,17 @@ class Session:
 
     def _first_sync(self, resumed: bool) -> None:
         """The engines start from the base model and, colocated, released even that: they
-        get the trainers' weights (a resumed job's, or the base model's), then their cache."""
+        get the trainers' weights (a resumed job's, or the base model's), then their cache.
+        A new disaggregated job's engines hold the trainers' weights already: they get the
+        first bucket only, which checks the weight-update group on the real network before
+        the first rollout, rather than after it (an unreachable engine, a wrong interface:
+        the run fails here, naming the engine)."""
         assert self.trainers is not None and self.engines is not None
         if not (self.memory.on or resumed):
+            seconds = self.trainers.push_weights(self.engines.urls, self.weight_version,
+                                                 1 << 26, max_buckets=1)
+            LOG.info("weight sync checked: one bucket to %d engines in %.2f s",
+                     len(self.engines.urls), seconds)
             return
         self.memory.trained()  # (megatron's fp32 master weights exist from the start)
         self.memory.before_sync()
