@@ -128,3 +128,13 @@ async def test_a_replacement_takes_the_lost_engines_place(live: str) -> None:
         assert {r.engine_url for r in out} == {new, live}  # both in rotation again
         with pytest.raises(ValueError):
             client.replace(dead, live)  # gone already
+
+
+def test_an_engine_error_survives_pickling_with_its_fields() -> None:
+    """(as it crosses from a Ray actor to the driver)"""
+    import pickle
+
+    err = pickle.loads(pickle.dumps(EngineError("http://e:1", "no answer within 30s")))
+    assert (err.url, err.message, err.status, str(err)) == (
+        "http://e:1", "no answer within 30s", None, "engine http://e:1: no answer within 30s")
+    assert pickle.loads(pickle.dumps(EngineError("http://e:1", "bad", 400))).answered

@@ -44,6 +44,11 @@ class EngineError(RuntimeError):
         where = f"engine {url}" + (f" (HTTP {status})" if status is not None else "")
         super().__init__(f"{where}: {message}")
 
+    def __reduce__(self) -> tuple[type[EngineError], tuple[str, str, int | None]]:
+        # Raised in a Ray actor (a trainer's weight push), it reaches the driver pickled: with
+        # its own fields, so the driver can still name the engine.
+        return (type(self), (self.url, self.message, self.status))
+
     @property
     def answered(self) -> bool:
         """The engine is alive and answered (with an error): unlike a dead connection or a
