@@ -44,6 +44,9 @@ class Progress(ApiModel):
     reward_mean: float | None = None
     last_heartbeat_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
     last_checkpoint: CheckpointRef | None = None
+    engine_restarts: int | None = Field(
+        None, ge=0, description="Engines replaced in this attempt (rollout.maxEngineRestarts "
+        "bounds them).")
 
 
 class RLJobStatus(ApiModel):

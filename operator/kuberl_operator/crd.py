@@ -136,6 +136,8 @@ PRINTER_COLUMNS = [
     {"name": "Reward", "type": "number", "jsonPath": ".status.progress.rewardMean"},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "priority": 1},
     {"name": "RayJob", "type": "string", "jsonPath": ".status.rayJobName", "priority": 1},
+    {"name": "Engine-Restarts", "type": "integer", "jsonPath": ".status.progress.engineRestarts",
+     "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -29,7 +29,8 @@ def test_report_patches_only_progress() -> None:
     server = HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.handle_request, daemon=True).start()
     reporter = StatusReporter(f"http://127.0.0.1:{server.server_port}", "tok", "team-a", "job")
-    reporter.report(step=7, total_steps=100, reward_mean=0.625, checkpoint=(5, "/ckpt/step_5"))
+    reporter.report(step=7, total_steps=100, reward_mean=0.625, checkpoint=(5, "/ckpt/step_5"),
+                    engine_restarts=2)
     server.server_close()
 
     (req,) = seen
@@ -38,5 +39,6 @@ def test_report_patches_only_progress() -> None:
     assert list(req["body"]) == ["status"] and list(req["body"]["status"]) == ["progress"]
     progress = Progress.model_validate(req["body"]["status"]["progress"])  # the API's shape
     assert (progress.step, progress.total_steps, progress.reward_mean) == (7, 100, 0.625)
+    assert progress.engine_restarts == 2
     assert progress.last_checkpoint is not None and progress.last_checkpoint.step == 5
     assert progress.last_heartbeat_time and progress.last_heartbeat_time.endswith("Z")

@@ -2,7 +2,8 @@
 
 The head pod's ServiceAccount may patch only its own RLJob's `status` (the operator renders that
 Role). The reporter merge-patches `status.progress` — step, reward, heartbeat time, last
-checkpoint — which the operator reads (and never writes) to derive Training/Stalled.
+checkpoint, engines replaced — which the operator reads (and never writes) to derive
+Training/Stalled.
 Locally (`kuberl run` without --in-cluster) the reporter is off.
 """
 
@@ -39,10 +40,11 @@ class StatusReporter:
                    ca_file=str(SA_DIR / "ca.crt"))
 
     def report(self, *, step: int, total_steps: int, reward_mean: float | None,
-               checkpoint: tuple[int, str] | None = None) -> None:
+               checkpoint: tuple[int, str] | None = None, engine_restarts: int = 0) -> None:
         progress: dict[str, Any] = {
             "step": step, "totalSteps": total_steps,
             "lastHeartbeatTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "engineRestarts": engine_restarts,
         }
         if reward_mean is not None:
             progress["rewardMean"] = round(float(reward_mean), 6)

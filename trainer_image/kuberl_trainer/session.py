@@ -336,6 +336,7 @@ class _Watchers:
             return
         try:
             reporter.report(step=step + 1, total_steps=self.session.spec.schedule.num_rollouts,
-                            reward_mean=metrics.get("reward_mean"), checkpoint=checkpoint)
+                            reward_mean=metrics.get("reward_mean"), checkpoint=checkpoint,
+                            engine_restarts=int(metrics.get("engine_restarts_total", 0)))
         except OSError as exc:
             LOG.warning("could not report progress to the RLJob status: %s", exc)
