@@ -157,12 +157,14 @@ def test_trains_stalls_restarts_from_checkpoint_and_succeeds(
 
             reporter.report(step=40, total_steps=100, reward_mean=0.5,
                             checkpoint=(40, "/checkpoints/step-40"))
-            reporter.report(step=41, total_steps=100, reward_mean=0.53125)
+            # (an engine replaced on the way: the trainer goes on, and says so)
+            reporter.report(step=41, total_steps=100, reward_mean=0.53125, engine_restarts=1)
             row = table_row(c.kubectl("get", "rljob", job, "-n", ns).stdout.splitlines())
             assert (row["PHASE"], row["STEP"], row["REWARD"]) == ("Running", "41", "0.53125"), row
             wide = table_row(c.kubectl("get", "rljob", job, "-n", ns, "-o", "wide"
                                        ).stdout.splitlines())
-            assert (wide["RESTARTS"], wide["RAYJOB"]) == ("0", r0), wide
+            assert (wide["RESTARTS"], wide["RAYJOB"], wide["ENGINE-RESTARTS"]) == (
+                "0", r0, "1"), wide
             wait_for("Training's message at step 41", lambda: "at step 41" in condition(
                 w.get(), "Training").get("message", ""), timeout=10, detail=w.detail)
 

@@ -495,7 +495,9 @@ class HealthProbe(ApiModel):
     """How the training loop watches each engine while it generates and takes weights: GET
     /health every periodSeconds; an engine that has not answered failureThreshold probes in a
     row within timeoutSeconds each is lost (its requests go to the other engines) and is
-    replaced like a dead one (rollout.maxEngineRestarts)."""
+    replaced like a dead one (rollout.maxEngineRestarts). Not while weights are being sent
+    (SGLang's /health generates a token, which waits for the update), and not without a
+    restart budget (colocated engines)."""
 
     period_seconds: int = Field(5, ge=1, le=300)
     timeout_seconds: int = Field(10, ge=1, le=600)

@@ -78,8 +78,10 @@ async def _run(parts: Parts, start: int, total: int, weight_version: int, max_st
             async with _between_rollouts(engines, partial):
                 t_sync = time.perf_counter()
                 await parts.fleet.heal()  # dead engines replaced (they get these weights)
-                await loop.run_in_executor(pool, parts.train.push_weights, parts.engines.urls,
-                                           weight_version, parts.bucket_bytes)
+                with parts.fleet.quiet():
+                    await loop.run_in_executor(pool, parts.train.push_weights,
+                                               parts.engines.urls, weight_version,
+                                               parts.bucket_bytes)
                 await engines.hold(weight_version)
             t3 = time.perf_counter()
             step_s = t3 - t0 - saved_s

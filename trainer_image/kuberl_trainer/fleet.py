@@ -23,10 +23,11 @@ memory handoff a fresh engine would have to join mid-step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from kuberl_api.spec import HealthProbe
 from kuberl_trainer.actors import EngineGroup
@@ -43,6 +44,7 @@ class Fleet:
         self.budget, self.start_timeout_s = budget, start_timeout_s
         self.restarts = 0
         self.on_replaced = on_replaced  # (old URL, new URL, why): a log line, an Event
+        self._quiet = threading.Event()  # see quiet
 
     async def heal(self) -> list[str]:
         """Replace every engine that died or was lost since the last call; their new URLs.
@@ -70,9 +72,24 @@ class Fleet:
         return replaced
 
     # ---- the health probe ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """While weights go to the engines: SGLang's /health generates a token, which waits
+        for the update (a large one takes longer than a probe's timeout); silence then says
+        nothing about an engine's health."""
+        self._quiet.set()
+        try:
+            yield
+        finally:
+            self._quiet.clear()
+
     def watch(self, probe: HealthProbe, loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
         """Start probing every engine in rotation; returns what stops it. An engine found
-        silent is lost on `loop` (the client's: where its requests wait)."""
+        silent is lost on `loop` (the client's: where its requests wait). Nothing is probed
+        without a restart budget (colocated engines: SGLang's /health fails while they have
+        released their memory, and there is nothing to replace them with)."""
+        if self.budget == 0:
+            return lambda: None
         stop = threading.Event()
         thread = threading.Thread(target=self._probe_until, args=(probe, loop, stop),
                                   daemon=True, name="engine-health-probe")
@@ -89,6 +106,9 @@ class Fleet:
         while not stop.wait(probe.period_seconds):
             urls = self.client.live()
             answered = _probe_all(urls, probe.timeout_seconds)
+            if self._quiet.is_set():  # (probed during a weight update: no verdict)
+                silent.clear()
+                continue
             for url in urls:
                 silent[url] = 0 if answered[url] else silent.get(url, 0) + 1
                 if silent[url] == probe.failure_threshold and not stop.is_set():

@@ -62,7 +62,8 @@ def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
         t2 = time.perf_counter()
         parts.aio.run_until_complete(parts.fleet.heal())  # dead engines replaced
         parts.memory.before_sync()  # colocated: the engines' weights come back first
-        parts.train.push_weights(parts.engines.urls, weight_version, parts.bucket_bytes)
+        with parts.fleet.quiet():
+            parts.train.push_weights(parts.engines.urls, weight_version, parts.bucket_bytes)
         parts.memory.to_engines()  # colocated: the GPUs pass back to the engines
         t3 = time.perf_counter()
         handoff = parts.memory.step_metrics()  # seconds within the phases' times
