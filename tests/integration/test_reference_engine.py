@@ -370,7 +370,10 @@ async def test_release_and_resume_memory(pair: list[str],
         with pytest.raises(EngineError, match="resume_memory_occupation") as err:
             await client.generate_one(PROMPTS[0], GREEDY)
         assert err.value.status == 503
-        await client.wait_healthy(timeout_s=5)  # /health stays up while released
+        # /health generates a token, as SGLang 0.5.6's: unhealthy while released
+        with pytest.raises(EngineError) as unhealthy:
+            await client.request(url, "GET", "/health")
+        assert unhealthy.value.status == 503
         await client.request(url, "POST", "/resume_memory_occupation", {"tags": ["weights"]})
         with pytest.raises(EngineError):  # kv_cache is still released
             await client.generate_one(PROMPTS[0], GREEDY)
@@ -654,3 +657,18 @@ async def test_metrics_have_sglangs_names_and_count_what_was_generated(
         assert after["sglang:num_running_reqs"] == 0 and after["sglang:num_queue_reqs"] == 0
     finally:
         engine.stop()
+
+
+async def test_a_busy_engine_is_healthy_at_once(pair: list[str]) -> None:
+    """/health (SGLang's handler) answers as soon as the engine produces anything: a long
+    running batch's tokens count, so a probe never waits for the batch to end."""
+    url = pair[0]
+    async with EngineClient([url], request_timeout_s=60) as client:
+        long = asyncio.ensure_future(client.generate_one(
+            PROMPTS[0], {"max_new_tokens": 200, "ignore_eos": True, "temperature": 1.0}))
+        await wait_running(client, url, 1)
+        started = time.monotonic()
+        await client.request(url, "GET", "/health", timeout_s=10)
+        assert time.monotonic() - started < 2
+        assert not long.done()  # (the batch was still running)
+        await long

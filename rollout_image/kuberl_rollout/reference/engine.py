@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -122,6 +123,7 @@ class ReferenceEngine:
             self.pad_id = min(self.eos_ids) if self.eos_ids else 0
         self.weight_version = weight_version
         self.released: set[str] = set()
+        self.last_output = 0.0  # time.monotonic() of the last token generated (/health)
         self._target_cache: dict[str, torch.Tensor] | None = None
         # SGLang's static memory on a GPU (see static_pool_bytes). A stand-in pool of the
         # same size makes the same demands of a colocated trainer (release kv_cache before
@@ -247,6 +249,7 @@ class ReferenceEngine:
             tokens, logprobs = choose_tokens(logits, params, draws,
                                              original_logprob=self.original_logprob)
             token_list, lp_list = tokens.tolist(), logprobs.tolist()
+            self.last_output = time.monotonic()
             for i, row in enumerate(rows):
                 if row.finish is None:
                     self._append(row, token_list[i], lp_list[i])

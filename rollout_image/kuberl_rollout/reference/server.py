@@ -160,7 +160,7 @@ class Server:
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_put("/generate", self.generate)
-        r.add_get("/health", self.health)
+        r.add_get("/health", self.health_generate)  # SGLang 0.5.6: the same handler
         r.add_get("/health_generate", self.health_generate)
         r.add_get("/get_model_info", self.model_info)
         r.add_get("/get_weight_version", self.weight_version)
@@ -313,12 +313,14 @@ class Server:
 
     # ---- health and info --------------------------------------------------------------------
 
-    async def health(self, _: web.Request) -> web.Response:
-        return web.Response(status=200)
-
     async def health_generate(self, _: web.Request) -> web.Response:
+        """SGLang's /health and /health_generate: healthy once the engine has produced any
+        output since the check arrived (a running batch's next token, or the one token of a
+        request the check sends), unhealthy (503) if nothing comes within its timeout: while
+        paused, while released, or stuck (in a long weight update, say)."""
         if self.engine.released:
             return web.Response(status=503, text="memory released")
+        arrived = time.monotonic()
         try:  # a paused SGLang engine gets no answer within its health-check timeout
             await asyncio.wait_for(self.unpaused.wait(), HEALTH_CHECK_TIMEOUT_S)
         except TimeoutError:
@@ -328,8 +330,17 @@ class Server:
                                                             "temperature": 0.0}),
                                        rid=f"HEALTH_CHECK_{time.time()}", seq=self.seq,
                                        return_logprob=False)
-        await self.batcher.submit(req)
-        return web.Response(status=200)
+        check = asyncio.ensure_future(self.batcher.submit(req))
+        deadline = arrived + HEALTH_CHECK_TIMEOUT_S
+        try:
+            while time.monotonic() < deadline:
+                if check.done() or self.engine.last_output > arrived:
+                    return web.Response(status=200)
+                await asyncio.sleep(0.05)
+        finally:
+            if not check.done():  # (a running batch answered for it: dropped, as SGLang's)
+                check.cancel()
+        return web.Response(status=503, text="no output within the health-check timeout")
 
     async def model_info(self, _: web.Request) -> web.Response:
         e = self.engine
