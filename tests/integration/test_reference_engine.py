@@ -531,17 +531,21 @@ async def test_pause_abort_aborts_running_and_holds_new_requests(pair: list[str]
         running = asyncio.ensure_future(client.generate([[4]] * 16, LONG))
         await wait_running(client, url, 16)
         paused = await client.request(url, "POST", "/pause_generation", {})  # default: abort
-        assert paused["status"] == "ok"
-        # pause(abort) answers once nothing is in flight: every request ended as aborted.
-        assert running.done()
-        results = running.result()
-        assert {r.finish_reason for r in results} == {"abort"}
-        assert all(r.completion_tokens < 240 for r in results)
-        later = asyncio.ensure_future(client.generate_one(PROMPTS[0], GREEDY))
-        await asyncio.sleep(0.3)
-        assert not later.done(), "a new request must wait while generation is paused"
-        await client.request(url, "POST", "/flush_cache")  # idle while paused: succeeds
-        await client.request(url, "POST", "/continue_generation", {})
+        try:
+            assert paused["status"] == "ok"
+            # pause(abort) answers once nothing is in flight (the engine's own count: the
+            # answers themselves may still be on their way): every request ended as aborted.
+            load = (await client.request(url, "GET", "/v1/loads"))["loads"][0]
+            assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (0, 0), load
+            results = await asyncio.wait_for(running, 10)
+            assert {r.finish_reason for r in results} == {"abort"}
+            assert all(r.completion_tokens < 240 for r in results)
+            later = asyncio.ensure_future(client.generate_one(PROMPTS[0], GREEDY))
+            await asyncio.sleep(0.3)
+            assert not later.done(), "a new request must wait while generation is paused"
+            await client.request(url, "POST", "/flush_cache")  # idle while paused: succeeds
+        finally:  # (never leave the shared engine paused for the next test)
+            await client.request(url, "POST", "/continue_generation", {})
         assert (await asyncio.wait_for(later, 30)).finish_reason == "length"
 
 
