@@ -1036,6 +1036,9 @@ class AsyncSpec(ApiModel):
 ENGINE_RESTARTS_DISAGGREGATED = ("rollout.maxEngineRestarts above 0 needs placement: "
                                  "disaggregated (colocated engines share the training GPUs and "
                                  "are not replaced)")
+HEALTH_PROBE_NEEDS_RESTARTS = ("rollout.healthProbe applies only where engines are replaced "
+                               "(placement: disaggregated, rollout.maxEngineRestarts above 0): "
+                               "leave it at its defaults")
 ASYNC_DISAGGREGATED = ("mode: async needs placement: disaggregated (colocated engines and "
                        "trainers take turns with the same GPUs: there is nothing to overlap)")
 ASYNC_SETTINGS_ASYNC_ONLY = ("async settings apply to mode: async only: leave them at their "
@@ -1077,6 +1080,10 @@ class RLJobSpec(ApiModel):
             cel("self.placement == 'disaggregated' || !has(self.rollout.maxEngineRestarts) || "
                 "self.rollout.maxEngineRestarts == 0", ENGINE_RESTARTS_DISAGGREGATED,
                 ".rollout.maxEngineRestarts"),
+            cel("(self.placement == 'disaggregated' && (!has(self.rollout.maxEngineRestarts) "
+                "|| self.rollout.maxEngineRestarts > 0)) || "
+                f"{_at_defaults('self.rollout.healthProbe', HealthProbe)}",
+                HEALTH_PROBE_NEEDS_RESTARTS, ".rollout.healthProbe"),
             cel(f"!{_ROLLOUT_ON_CPU} || self.rollout.engine == 'reference'", SGLANG_NEEDS_GPUS,
                 ".rollout.engine"),
             cel(f"!has(self.rollout.engines) || !{_ROLLOUT_ON_GPU}", ENGINES_ON_CPU_ONLY,
@@ -1283,6 +1290,9 @@ class RLJobSpec(ApiModel):
         restarts = self.rollout.max_engine_restarts
         check(self.placement == "disaggregated" or not restarts, "rollout.maxEngineRestarts",
               restarts, ENGINE_RESTARTS_DISAGGREGATED)
+        check(self.engine_restart_budget > 0 or self.rollout.health_probe == HealthProbe(),
+              "rollout.healthProbe", _shown(self.rollout.health_probe),
+              HEALTH_PROBE_NEEDS_RESTARTS)
         if self.placement == "disaggregated":
             check(self.rollout.gpus is not None, "rollout.gpus", None,
                   "rollout.gpus is required when placement is disaggregated")

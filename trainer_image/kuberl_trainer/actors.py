@@ -339,7 +339,10 @@ class EngineServer:
         """SIGTERM, then SIGKILL after grace_s (at once with 0: a hung server would not
         handle the SIGTERM anyway)."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate() if grace_s > 0 else self.proc.kill()
+            if grace_s > 0:
+                self.proc.terminate()
+            else:
+                self.proc.kill()
             try:
                 self.proc.wait(timeout=grace_s or 10)
             except subprocess.TimeoutExpired:
@@ -551,7 +554,8 @@ class EngineGroup:
 
     def dead(self) -> dict[str, int]:
         """Engines a server process of which exited (any node's), with the exit code."""
-        codes: list[Any] = [_exit_code(p) for parts in self.parts for p in parts]
+        polls = [p.poll.remote() for parts in self.parts for p in parts]  # all at once
+        codes: list[Any] = [_exit_code(ref) for ref in polls]
         nodes = len(self.parts[0])
         out: dict[str, int] = {}
         for e, url in enumerate(self.urls):
@@ -580,11 +584,11 @@ class EngineGroup:
         ray.get([p.stop.remote() for parts in self.parts for p in parts])
 
 
-def _exit_code(part: Any) -> int | None:
-    """The exit code of the server of an engine actor; -1 when the actor itself is gone (its
-    pod was lost, say)."""
+def _exit_code(poll: Any) -> int | None:
+    """The exit code an engine actor's `poll` returned for its server; -1 when the actor
+    itself is gone (its pod was lost, say)."""
     try:
-        code: int | None = ray.get(part.poll.remote(), timeout=30)
+        code: int | None = ray.get(poll, timeout=30)
         return code
     except ray.exceptions.RayActorError:
         return -1

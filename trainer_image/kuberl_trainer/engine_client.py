@@ -304,22 +304,6 @@ class EngineClient:
             self.generate_one(p, sp, return_logprob=return_logprob)
             for p, sp in zip(prompts, per_prompt, strict=True))
 
-    async def generate_batch(self, prompts: Sequence[Sequence[int]],
-                             sampling_params: Sequence[Mapping[str, Any]], *,
-                             return_logprob: bool = True) -> list[GenerateResult]:
-        """Several prompts in ONE /generate request (SGLang's batched form: lists of
-        input_ids and sampling_params) to one engine (the least loaded): one round trip, and
-        the engine gets them all at once instead of gathering n requests again.
-        `generate_spread` sends a step's prompts as one such request per engine."""
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
-        url = self.pick()
-        self.outstanding[url] += len(prompts)
-        try:
-            return await self._generate_on(url, prompts, sampling_params, return_logprob)
-        finally:
-            self.outstanding[url] -= len(prompts)
-
     async def _generate_on(self, url: str, prompts: Sequence[Sequence[int]],
                            sampling_params: Sequence[Mapping[str, Any]],
                            return_logprob: bool) -> list[GenerateResult]:
@@ -353,17 +337,23 @@ class EngineClient:
         # Tasks start in order and each takes its engine (pick) before its first await, so
         # the chunks land on different engines.
         parts = await first_error(
-            self._generate_chunk(prompts[a:b], sampling_params[a:b],
-                                 return_logprob=return_logprob)
+            self.generate_batch(prompts[a:b], sampling_params[a:b],
+                                return_logprob=return_logprob)
             for a, b in itertools.pairwise(bounds))
         return [result for part in parts for result in part]
 
-    async def _generate_chunk(self, prompts: Sequence[Sequence[int]],
-                              sampling_params: Sequence[Mapping[str, Any]], *,
-                              return_logprob: bool) -> list[GenerateResult]:
-        """generate_batch, sent again to another engine when its engine is lost: its
-        connection failed, or `lose` was called on it meanwhile (a health probe found it
-        silent: the request is given up at once). An engine's error answer is raised."""
+    async def generate_batch(self, prompts: Sequence[Sequence[int]],
+                             sampling_params: Sequence[Mapping[str, Any]], *,
+                             return_logprob: bool = True) -> list[GenerateResult]:
+        """Several prompts in ONE /generate request (SGLang's batched form: lists of
+        input_ids and sampling_params) to one engine (the least loaded): one round trip, and
+        the engine gets them all at once instead of gathering n requests again.
+        `generate_spread` sends a step's prompts as one such request per engine. Sent again
+        to another engine when its engine is lost: its connection failed, or `lose` was
+        called on it meanwhile (a health probe found it silent: the request is given up at
+        once). An engine's error answer is raised."""
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
         while True:
             url = self.pick()
             # Counted before the first await: the next chunk's pick sees this one's load.
@@ -391,9 +381,7 @@ class EngineClient:
                 raise EngineError(url, "stopped answering, and no other engine is left")
 
     def _lost_event(self, url: str) -> asyncio.Event:
-        if url not in self._lost_events:
-            self._lost_events[url] = asyncio.Event()
-        return self._lost_events[url]
+        return self._lost_events.setdefault(url, asyncio.Event())
 
     async def post_all(self, path: str, body: Any | Sequence[Any], *,
                        timeout_s: float | None = None, per_engine: bool = False,

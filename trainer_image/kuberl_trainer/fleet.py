@@ -38,21 +38,18 @@ LOG = logging.getLogger("kuberl.run")
 
 class Fleet:
     def __init__(self, engines: EngineGroup, client: EngineClient, *, budget: int,
-                 start_timeout_s: float,
-                 on_replaced: Callable[[str, str, str], None] | None = None) -> None:
+                 start_timeout_s: float) -> None:
         self.engines, self.client = engines, client
         self.budget, self.start_timeout_s = budget, start_timeout_s
         self.restarts = 0
-        self.on_replaced = on_replaced  # (old URL, new URL, why): a log line, an Event
         self._quiet = threading.Event()  # see quiet
 
-    async def heal(self) -> list[str]:
-        """Replace every engine that died or was lost since the last call; their new URLs.
-        Raises EngineError for the first engine past the restart budget."""
+    async def heal(self) -> None:
+        """Replace every engine that died or was lost since the last call. Raises EngineError
+        for the first engine past the restart budget."""
         loop = asyncio.get_running_loop()
         dead = await loop.run_in_executor(None, self.engines.dead)
         gone = sorted(set(dead) | self.client.lost, key=self.engines.urls.index)
-        replaced = []
         for url in gone:
             why = (f"exited with code {dead[url]}" if url in dead
                    else "stopped answering")
@@ -66,10 +63,6 @@ class Fleet:
             self.client.replace(url, new)  # (into rotation, and probed, once it answers)
             LOG.warning("engine at %s %s: replaced by %s (restart %d of %d)", url, why, new,
                         self.restarts, self.budget)
-            if self.on_replaced is not None:
-                self.on_replaced(url, new, why)
-            replaced.append(new)
-        return replaced
 
     # ---- the health probe ------------------------------------------------------------------
     @contextlib.contextmanager
