@@ -198,7 +198,8 @@ def test_every_engine_process_holds_the_trainers_weights_after_every_step(
 
 
 @pytest.mark.parametrize(("fault", "tp", "mode"), [("dies", 1, "sync"), ("dies", 2, "sync"),
-                                                 ("hangs", 1, "sync"), ("dies", 1, "async")])
+                                                 ("hangs", 1, "sync"), ("dies", 1, "async"),
+                                                 ("dies-in-sync", 1, "sync")])
 def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
         tiny: Path, tmp_path: Path, fault: str, tp: int, mode: str) -> None:
     """An engine SIGKILLed (dies) or SIGSTOPped (hangs: alive, silent) between steps: the next
@@ -206,7 +207,9 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
     silent, for a hung one), it is replaced before the weights go out, and the replacement
     holds the trainer's weights after that sync and every later one. Every step trains on the
     very samples an undisturbed run draws (same prompts, same rewards): none lost, none
-    twice. (async: one-step-off, the engine killed as the rollout it would share begins.)"""
+    twice. (async: one-step-off, the engine killed as the rollout it would share begins.
+    dies-in-sync: killed as the weights of step 1 go out; the sync is made again, to the
+    replacement and the engine that got them the first time.)"""
     import json
     import urllib.request
 
@@ -237,7 +240,16 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
         trainers, first = session.trainers, list(session.engines.urls)
         push = trainers.push_weights
 
+        def kill(url: str, sig: int) -> None:
+            port = url.rsplit(":", 1)[1]
+            pids = subprocess.run(["pgrep", "-f", f"kuberl_rollout.reference .*--port {port}"],
+                                  capture_output=True, text=True).stdout.split()
+            assert len(pids) == 1, pids
+            os.kill(int(pids[0]), sig)
+
         def push_and_check(engine_urls: list[str], version: int, bucket_bytes: int) -> float:
+            if fault == "dies-in-sync" and version == 2 and engine_urls == first:
+                kill(first[0], signal.SIGKILL)
             seconds = push(engine_urls, version, bucket_bytes)
             want = trainers.checksums()
             for url in engine_urls:
@@ -247,12 +259,8 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
                 assert len(ranks) == tp
                 assert all({k: sums[k] for k in want} == want for sums in ranks), (url, version)
             synced.append((version, list(engine_urls)))
-            if version == 1:  # the engine dies between steps 0 and 1
-                port = first[0].rsplit(":", 1)[1]
-                pids = subprocess.run(["pgrep", "-f", f"kuberl_rollout.reference .*--port {port}"],
-                                      capture_output=True, text=True).stdout.split()
-                assert len(pids) == 1, pids
-                os.kill(int(pids[0]), signal.SIGKILL if fault == "dies" else signal.SIGSTOP)
+            if version == 1 and fault != "dies-in-sync":  # dies between steps 0 and 1
+                kill(first[0], signal.SIGKILL if fault == "dies" else signal.SIGSTOP)
             return seconds
 
         trainers.push_weights = push_and_check  # type: ignore[method-assign]

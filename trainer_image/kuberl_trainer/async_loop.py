@@ -77,11 +77,9 @@ async def _run(parts: Parts, start: int, total: int, weight_version: int, max_st
             t2 = time.perf_counter()
             async with _between_rollouts(engines, partial):
                 t_sync = time.perf_counter()
-                await parts.fleet.heal()  # dead engines replaced (they get these weights)
-                with parts.fleet.quiet():
-                    await loop.run_in_executor(pool, parts.train.push_weights,
-                                               parts.engines.urls, weight_version,
-                                               parts.bucket_bytes)
+                # (dead engines replaced first, and during the sync: they get these weights)
+                await parts.fleet.sync(parts.train.push_weights, weight_version,
+                                       parts.bucket_bytes, executor=pool)
                 await engines.hold(weight_version)
             t3 = time.perf_counter()
             step_s = t3 - t0 - saved_s

@@ -6,8 +6,11 @@ others (engine_client: every sample has its own seed, so none is lost or made tw
 next step boundary, before the weights go out, `heal` starts each lost engine again in its
 place (its actors, or new ones in the same placement bundles) and waits until it answers;
 the weight sync that follows builds its group again with the replacement and sends it the
-current weights, as to every engine. `rollout.maxEngineRestarts` bounds the replacements in
-a run: the next death fails the run with the engine's last log lines (Session.explain).
+current weights, as to every engine. An engine that dies during the weight sync itself is
+replaced the same way and the sync made again, to every engine (`sync`): the others may hold
+half an update, and stay paused until a whole one has arrived. `rollout.maxEngineRestarts`
+bounds the replacements in a run: the next death fails the run with the engine's last log
+lines (Session.explain).
 
 An engine that stops answering without dying (hung, or its node gone silent) is found by the
 health probe (`rollout.healthProbe`): a thread that asks every engine in rotation for GET
@@ -26,14 +29,19 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
 
 from kuberl_api.spec import HealthProbe
 from kuberl_trainer.actors import EngineGroup
 from kuberl_trainer.engine_client import EngineClient, EngineError
 
 LOG = logging.getLogger("kuberl.run")
+# A dying engine drops its connections a moment before its process is seen to exit: after an
+# error without an answer, look a few times before concluding that no engine died.
+DEATH_LOOKS, DEATH_LOOK_INTERVAL_S = 6, 0.5
 
 
 class Fleet:
@@ -63,6 +71,28 @@ class Fleet:
             self.client.replace(url, new)  # (into rotation, and probed, once it answers)
             LOG.warning("engine at %s %s: replaced by %s (restart %d of %d)", url, why, new,
                         self.restarts, self.budget)
+
+    async def sync(self, push: Callable[..., object], *args: object,
+                   executor: Executor | None = None) -> None:
+        """Replace the engines lost so far, then `push(urls, *args)` the weights to every
+        engine (a blocking call, run on `executor`). A push that fails because an engine died
+        or was lost meanwhile is made again once that engine is replaced, within the restart
+        budget; any other failure is raised."""
+        loop = asyncio.get_running_loop()
+        # Quiet throughout: after a failed push the engines left stay paused (answering 503 to
+        # a probe) until the push made again has given them whole weights.
+        with self.quiet():
+            while True:
+                await self.heal()
+                try:
+                    await loop.run_in_executor(executor, push, list(self.engines.urls), *args)
+                    return
+                except Exception as exc:
+                    gone = await loop.run_in_executor(None, dead_after, self.engines, exc)
+                    if not gone and not self.client.lost:
+                        raise
+                    LOG.warning("an engine failed during the weight sync (%s): replacing it "
+                                "and sending the weights again", ", ".join(sorted(gone)) or exc)
 
     # ---- the health probe ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -113,6 +143,18 @@ class Fleet:
     def _lose(self, url: str) -> None:
         if url in self.client.urls:  # (not if replaced meanwhile)
             self.client.lose(url)
+
+
+def dead_after(engines: EngineGroup, exc: BaseException) -> dict[str, int]:
+    """The engines whose server exited (url: exit code), as seen after `exc`: looked at a few
+    times when `exc` is an engine's error without an answer (see DEATH_LOOKS)."""
+    looks = DEATH_LOOKS if isinstance(exc, EngineError) and not exc.answered else 1
+    for look in range(looks):
+        dead = engines.dead()
+        if dead or look == looks - 1:
+            return dead
+        time.sleep(DEATH_LOOK_INTERVAL_S)
+    return {}
 
 
 def _probe_all(urls: list[str], timeout_s: float) -> dict[str, bool]:

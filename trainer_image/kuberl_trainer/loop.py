@@ -60,10 +60,10 @@ def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
         ckpt, saved_s = save_if_due(parts, step, weight_version)
         parts.memory.trained()  # colocated: the optimizer's state to host memory
         t2 = time.perf_counter()
-        parts.aio.run_until_complete(parts.fleet.heal())  # dead engines replaced
         parts.memory.before_sync()  # colocated: the engines' weights come back first
-        with parts.fleet.quiet():
-            parts.train.push_weights(parts.engines.urls, weight_version, parts.bucket_bytes)
+        # (dead engines replaced first, and during the sync: they get these weights)
+        parts.aio.run_until_complete(parts.fleet.sync(
+            parts.train.push_weights, weight_version, parts.bucket_bytes))
         parts.memory.to_engines()  # colocated: the GPUs pass back to the engines
         t3 = time.perf_counter()
         handoff = parts.memory.step_metrics()  # seconds within the phases' times

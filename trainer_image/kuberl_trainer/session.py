@@ -9,7 +9,6 @@ import asyncio
 import logging
 import os
 import re
-import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +22,7 @@ from kuberl_trainer.actors import EngineGroup, TrainGroup
 from kuberl_trainer.critic import CriticGroup
 from kuberl_trainer.data import PromptSource
 from kuberl_trainer.engine_client import EngineClient, EngineError
-from kuberl_trainer.fleet import Fleet
+from kuberl_trainer.fleet import Fleet, dead_after
 from kuberl_trainer.loop import Parts, train
 from kuberl_trainer.memory_handoff import MemoryHandoff, Ranks
 from kuberl_trainer.metrics_log import MetricsLog
@@ -39,7 +38,6 @@ if TYPE_CHECKING:
 LOG = logging.getLogger("kuberl.run")
 ENGINE_START_TIMEOUT_S = 600.0
 LOG_TAIL_LINES = 20  # of a dead engine's log, with the error that names it
-DEATH_LOOKS, DEATH_LOOK_INTERVAL_S = 6, 0.5  # see Session._dead_engines
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its exceptions' headers
 
 
@@ -248,21 +246,13 @@ class Session:
             else "")
 
     def _dead_engines(self, exc: BaseException) -> dict[str, int]:
-        """Engines whose server exited, with the code. A dying engine drops its connections
-        a moment before its process is seen to exit: after an error without an answer, look
-        a few times."""
+        """Engines whose server exited, with the code (fleet.dead_after)."""
         if self.engines is None:
             return {}
-        looks = DEATH_LOOKS if isinstance(exc, EngineError) and not exc.answered else 1
-        for look in range(looks):
-            try:
-                dead = self.engines.dead()
-            except Exception:  # explaining an error must not raise another (a dead actor)
-                return {}
-            if dead or look == looks - 1:
-                return dead
-            time.sleep(DEATH_LOOK_INTERVAL_S)
-        return {}
+        try:
+            return dead_after(self.engines, exc)
+        except Exception:  # explaining an error must not raise another (a dead actor)
+            return {}
 
     def _engine_log(self, url: str) -> str:
         """The last lines of the log of the engine at `url`, naming the file (on a local run;

@@ -1,0 +1,102 @@
+"""The weight sync when an engine dies during it: replaced, and the weights sent again to all.
+
+A stand-in engine group (its processes: a dict of exit codes) and small aiohttp servers that
+answer GET /health stand in for the engines; the integration test
+(test_local_run::test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on, "dies-in-sync")
+kills a real engine as its weights go out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from kuberl_trainer.engine_client import EngineClient, EngineError
+from kuberl_trainer.fleet import Fleet
+
+
+async def healthy(_: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+class Engines:
+    """What Fleet uses of actors.EngineGroup: urls, dead(), restart(url)."""
+
+    def __init__(self, urls: list[str], spare: list[str]) -> None:
+        self.urls, self.spare = list(urls), list(spare)
+        self.exited: dict[str, int] = {}
+
+    def dead(self) -> dict[str, int]:
+        return dict(self.exited)
+
+    def restart(self, url: str) -> str:
+        new = self.spare.pop(0)
+        self.urls[self.urls.index(url)] = new
+        self.exited.pop(url)
+        return new
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[list[str]]:
+    app = web.Application()
+    app.router.add_get("/health", healthy)
+    started = [TestServer(app) for _ in range(3)]
+    for srv in started:
+        await srv.start_server()
+    yield [str(srv.make_url("")).rstrip("/") for srv in started]
+    for srv in started:
+        await srv.close()
+
+
+def fleet_of(urls: list[str], budget: int) -> tuple[Fleet, Engines]:
+    engines = Engines(urls[:2], urls[2:])
+    client = EngineClient(engines.urls[:])
+    return Fleet(engines, client, budget=budget, start_timeout_s=10), engines  # type: ignore[arg-type]
+
+
+def push_that_kills(engines: Engines, times: int) -> tuple[Callable[..., float], list[list[str]]]:
+    """A push that kills engine 0 while it sends, `times` times (as SIGKILL mid-update)."""
+    calls: list[list[str]] = []
+
+    def push(urls: list[str], version: int, bucket_bytes: int) -> float:
+        calls.append(urls)
+        assert (version, bucket_bytes) == (7, 1024)
+        if len(calls) <= times:
+            engines.exited[urls[0]] = -9
+            raise EngineError(urls[0], "/update_weights_from_distributed: connection reset")
+        return 0.1
+    return push, calls
+
+
+async def test_an_engine_dying_in_the_sync_is_replaced_and_every_engine_gets_the_weights(
+        servers: list[str]) -> None:
+    fleet, engines = fleet_of(servers, budget=1)
+    push, calls = push_that_kills(engines, times=1)
+    await fleet.sync(push, 7, 1024)
+    # Sent again to all: the engine that survived may hold half an update.
+    assert calls == [servers[:2], [servers[2], servers[1]]]
+    assert fleet.restarts == 1 and fleet.client.urls == [servers[2], servers[1]]
+
+
+async def test_past_the_budget_the_sync_fails_naming_it(servers: list[str]) -> None:
+    fleet, engines = fleet_of(servers, budget=0)
+    push, calls = push_that_kills(engines, times=1)
+    with pytest.raises(EngineError, match=r"exited with code -9; rollout\.maxEngineRestarts is 0"):
+        await fleet.sync(push, 7, 1024)
+    assert len(calls) == 1 and fleet.restarts == 0
+
+
+async def test_a_failure_with_every_engine_alive_is_raised_not_retried(
+        servers: list[str]) -> None:
+    fleet, _ = fleet_of(servers, budget=3)
+    calls: list[list[str]] = []
+
+    def push(urls: list[str], version: int, bucket_bytes: int) -> float:
+        calls.append(urls)
+        raise EngineError(urls[1], "/update_weights_from_distributed: shape mismatch", status=400)
+
+    with pytest.raises(EngineError, match="shape mismatch"):
+        await fleet.sync(push, 7, 1024)
+    assert len(calls) == 1 and fleet.restarts == 0
