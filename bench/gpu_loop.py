@@ -10,6 +10,10 @@ learning). After the run it compares every engine's weight checksums with the tr
     python bench/gpu_loop.py --backend megatron --steps 6             # megatron-core trainer
     python bench/gpu_loop.py --engine-tp 2 --engine-nodes 2 --steps 4 # 3 GPUs: an engine of
                                                                       # TP 2 over 2 "nodes"
+    python bench/gpu_loop.py --steps 4 --kill-engine-at-sync 2        # 2 GPUs: the engine is
+        # SIGKILLed as the weights of version 2 go out; it must be replaced on its GPU and the
+        # replacement must hold the trainer's weights. The base model on disk is perturbed
+        # after start-up, so a replacement that missed the sync fails the checksum check.
 
 Prints a table: generated tokens/s, trained tokens/s, seconds per step split into generate /
 train / sync, weight-sync GB/s. Never part of `make test`.
@@ -73,6 +77,8 @@ def main() -> int:
     p.add_argument("--engine-tp", type=int, default=1, help="one engine of this TP size")
     p.add_argument("--engine-nodes", type=int, default=1,
                    help="(disaggregated) the nodes that engine spans")
+    p.add_argument("--kill-engine-at-sync", type=int, default=None, metavar="VERSION",
+                   help="SIGKILL the engine as this weight version goes out (fleet check)")
     args = p.parse_args()
 
     from kuberl_api import parse
@@ -95,8 +101,11 @@ def main() -> int:
         t0 = time.perf_counter()
         session.start()
         print(f"startup {time.perf_counter() - t0:.1f}s", flush=True)
-        session.train(Progress(args.steps))
         assert session.engines is not None and session.trainers is not None
+        first_urls = list(session.engines.urls)
+        if args.kill_engine_at_sync is not None:
+            kill_engine_at_sync(session, args.kill_engine_at_sync, args.out / "model")
+        session.train(Progress(args.steps))
         trainer = session.trainers.checksums()
         urls = session.engines.urls
 
@@ -111,10 +120,42 @@ def main() -> int:
         ranks = asyncio.run(sums())  # every TP process of every engine
         synced = len(ranks) == len(urls) * args.engine_tp and all(
             {k: r[k] for k in trainer} == trainer for r in ranks)
+        if args.kill_engine_at_sync is not None:
+            replaced = urls != first_urls and session.fleet.restarts == 1
+            print(f"engine {first_urls} -> {urls}, restarts {session.fleet.restarts}: "
+                  f"{'replaced' if replaced else 'NOT REPLACED'}")
+            synced = synced and replaced
     finally:
         session.close()
     report(run_dir, args, synced)
     return 0 if synced else 1
+
+
+def kill_engine_at_sync(session: Any, version: int, model_dir: Path) -> None:
+    """SIGKILL engine 0's server as weight version `version` starts going out; first perturb
+    the base model on disk, which a replacement loads: only the sync can make it match."""
+    import os
+    import signal
+    import subprocess
+
+    from safetensors.torch import load_file, save_file
+
+    for f in model_dir.glob("*.safetensors"):
+        tensors = {k: v + 0.01 for k, v in load_file(f).items()}
+        save_file(tensors, f, metadata={"format": "pt"})
+    push, first = session.trainers.push_weights, list(session.engines.urls)
+
+    def push_killing(urls: list[str], weight_version: int, bucket_bytes: int) -> float:
+        if weight_version == version and urls == first:
+            port = first[0].rsplit(":", 1)[1]
+            pids = subprocess.run(["pgrep", "-f", f"kuberl_rollout.reference .*--port {port}"],
+                                  capture_output=True, text=True).stdout.split()
+            print(f"killing engine {first[0]} (pids {pids}) at version {version}", flush=True)
+            for pid in pids:
+                os.kill(int(pid), signal.SIGKILL)
+        return push(urls, weight_version, bucket_bytes)  # type: ignore[no-any-return]
+
+    session.trainers.push_weights = push_killing
 
 
 def report(run_dir: Path, args: argparse.Namespace, synced: bool) -> None:
