@@ -199,7 +199,9 @@ def test_every_engine_process_holds_the_trainers_weights_after_every_step(
 
 @pytest.mark.parametrize(("fault", "tp", "mode"), [("dies", 1, "sync"), ("dies", 2, "sync"),
                                                  ("hangs", 1, "sync"), ("dies", 1, "async"),
-                                                 ("dies-in-sync", 1, "sync")])
+                                                 ("dies-in-sync", 1, "sync"),
+                                                 ("dies-alone", 1, "sync"),
+                                                 ("dies-alone", 1, "async")])
 def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
         tiny: Path, tmp_path: Path, fault: str, tp: int, mode: str) -> None:
     """An engine SIGKILLed (dies) or SIGSTOPped (hangs: alive, silent) between steps: the next
@@ -209,7 +211,9 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
     very samples an undisturbed run draws (same prompts, same rewards): none lost, none
     twice. (async: one-step-off, the engine killed as the rollout it would share begins.
     dies-in-sync: killed as the weights of step 1 go out; the sync is made again, to the
-    replacement and the engine that got them the first time.)"""
+    replacement and the engine that got them the first time. dies-alone: the only engine,
+    killed between steps: the next rollout waits while it is replaced and given the weights
+    the trainers hold, then goes on on the replacement.)"""
     import json
     import urllib.request
 
@@ -222,7 +226,8 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
     def job(name: str) -> Path:
         probe = {"periodSeconds": 1, "timeoutSeconds": 2, "failureThreshold": 2}
         return manifest(tiny, tmp_path, name, placement="disaggregated", mode=mode,
-                        rollout={"gpus": 0, "engines": 2, "gpusPerEngine": tp,
+                        rollout={"gpus": 0, "engines": 1 if fault == "dies-alone" else 2,
+                                 "gpusPerEngine": tp,
                                  "healthProbe": probe},
                         schedule={"numRollouts": 4})
 
@@ -259,21 +264,33 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
                 assert len(ranks) == tp
                 assert all({k: sums[k] for k in want} == want for sums in ranks), (url, version)
             synced.append((version, list(engine_urls)))
-            if version == 1 and fault != "dies-in-sync":  # dies between steps 0 and 1
-                kill(first[0], signal.SIGKILL if fault == "dies" else signal.SIGSTOP)
+            if version == 1 and engine_urls == first and fault != "dies-in-sync":
+                kill(first[0], signal.SIGSTOP if fault == "hangs" else signal.SIGKILL)
             return seconds
 
         trainers.push_weights = push_and_check  # type: ignore[method-assign]
         session.train(Progress(4))
     finally:
         session.close()
+    rows, calm = metrics(tmp_path / "out"), metrics(undisturbed)
+    assert [r["engine_restarts_total"] for r in rows] == [0, 1, 1, 1]
+    if fault == "dies-alone":
+        # The replacement got the trainers' weights before it generated: those of the last
+        # sync (mode sync), or of the step the trainers had taken meanwhile (async).
+        assert synced[0] == (1, first) and synced[1][0] in (1, 2)
+        assert [v for v, _ in synced[1:]] == sorted(v for v, _ in synced[1:])
+        assert {v for v, _ in synced} == {1, 2, 3, 4} and len(synced) == 5
+        assert all(urls == synced[1][1] != first for _, urls in synced[1:])
+        same = ("prompts_sha", "reward_mean", "response_length_mean") if mode == "sync" else (
+            "prompts_sha",)  # (async: a rollout partly made under newer weights)
+        for key in same:
+            assert [r[key] for r in rows] == [r[key] for r in calm], key
+        return
     assert [v for v, _ in synced] == [1, 2, 3, 4]
     assert synced[0][1] == first
     replaced = synced[1][1]
     assert replaced[0] != first[0] and replaced[1] == first[1]
     assert all(urls == replaced for _, urls in synced[1:])
-    rows, calm = metrics(tmp_path / "out"), metrics(undisturbed)
-    assert [r["engine_restarts_total"] for r in rows] == [0, 1, 1, 1]
     for key in ("prompts_sha", "reward_mean", "response_length_mean"):
         assert [r[key] for r in rows] == [r[key] for r in calm], key
 

@@ -102,6 +102,29 @@ async def test_the_last_engine_lost_fails_the_rollout_naming_it(hung: str) -> No
         assert err.value.url == hung
 
 
+async def test_with_no_engine_left_the_rollout_waits_for_one_revival(live: str) -> None:
+    """Every engine dies mid-rollout (a fleet of one, or all at once): every chunk waits for
+    the one `revive` (the fleet replacing the engines and sending them the weights), then
+    goes to a replacement; the samples are those the lost engines would have made (their
+    seeds)."""
+    dead = [closed_port_url(), closed_port_url()]
+    new = [live, live.replace("127.0.0.1", "localhost")]  # (one server under two names)
+    revivals = 0
+    async with EngineClient(dead) as client:
+        async def revive() -> None:
+            nonlocal revivals
+            revivals += 1
+            await asyncio.sleep(0.2)
+            for old, url in zip(dead, new, strict=True):
+                client.replace(old, url)
+
+        client.revive = revive
+        out = await asyncio.wait_for(client.generate_spread(PROMPTS, PARAMS, group=2), 10)
+        assert revivals == 1 and client.urls == new and not client.lost
+        assert {r.engine_url for r in out} <= set(new)
+        assert [r.meta_info["seed"] for r in out] == list(range(8))
+
+
 async def test_an_engines_error_answer_is_raised_not_retried(live: str) -> None:
     async def refuse(request: web.Request) -> web.Response:
         await request.read()

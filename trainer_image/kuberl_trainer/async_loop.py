@@ -48,7 +48,8 @@ class _Engines:
 
 def train(parts: Parts, start: int, total: int, weight_version: int, *, max_staleness: int,
           partial_rollout: bool) -> int:
-    """Steps start..total-1; returns the weight version reached. Raises on engine death."""
+    """Steps start..total-1; returns the weight version reached. Raises on engine death
+    past the restart budget."""
     return parts.aio.run_until_complete(_run(parts, start, total, weight_version,
                                              max_staleness, partial_rollout))
 
@@ -60,6 +61,8 @@ async def _run(parts: Parts, start: int, total: int, weight_version: int, max_st
     producer = asyncio.ensure_future(_produce(parts, engines, ready, start, total,
                                               weight_version, max_staleness, partial))
     pool = ThreadPoolExecutor(1, thread_name_prefix="train")  # Ray calls block: off the loop
+    # (an engine replaced mid-rollout gets the weights the trainers hold once their step is done)
+    parts.fleet.arm(parts.train.push_weights, parts.bucket_bytes, weight_version, executor=pool)
     loop = asyncio.get_running_loop()
     try:
         for step in range(start, total):

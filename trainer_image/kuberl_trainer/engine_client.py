@@ -15,7 +15,9 @@ request bodies use SGLang's field names (tests/unit/test_engine_contract.py chec
   past the timeout) to another engine and takes the lost one out of rotation (`lost`) until
   `replace` puts its replacement in its place (`fleet.Fleet`). Every sample carries its own
   seed, so the retried chunk's samples are the ones the lost engine would have made: none is
-  lost or made twice.
+  lost or made twice. With no engine left (a fleet of one), a chunk waits for `revive`
+  (set by the fleet: the lost engines replaced and given the trainers' weights) and is sent
+  to the replacement; without it, the rollout fails.
 """
 
 from __future__ import annotations
@@ -205,6 +207,9 @@ class EngineClient:
         self.lost: set[str] = set()  # out of rotation until replaced (see lose)
         self._lost_events: dict[str, asyncio.Event] = {}
         self._requests = itertools.count(1)
+        # Called once when no engine is left mid-rollout, awaited by every chunk (fleet.revive)
+        self.revive: Callable[[], Awaitable[None]] | None = None
+        self._reviving: asyncio.Future[None] | None = None
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -375,10 +380,18 @@ class EngineClient:
                 try:
                     return request.result()
                 except EngineError as exc:
-                    if exc.answered or not self.lose(exc.url):
+                    if exc.answered or (not self.lose(exc.url) and self.revive is None):
                         raise
-            elif not self.live():
-                raise EngineError(url, "stopped answering, and no other engine is left")
+            if not self.live():
+                await self._revived(url)
+
+    async def _revived(self, url: str) -> None:
+        """Wait until the lost engines are replaced (one `revive` for every waiting chunk)."""
+        if self.revive is None:
+            raise EngineError(url, "stopped answering, and no other engine is left")
+        if self._reviving is None or self._reviving.done():
+            self._reviving = asyncio.ensure_future(self.revive())
+        await asyncio.shield(self._reviving)  # (a cancelled chunk leaves it running)
 
     def _lost_event(self, url: str) -> asyncio.Event:
         return self._lost_events.setdefault(url, asyncio.Event())

@@ -51,6 +51,38 @@ class Fleet:
         self.budget, self.start_timeout_s = budget, start_timeout_s
         self.restarts = 0
         self._quiet = threading.Event()  # see quiet
+        self._syncing: asyncio.Lock | None = None  # one sync at a time (see revive)
+        # What revive sends: armed by the training loop (see arm)
+        self._push: Callable[..., object] | None = None
+        self._push_args: tuple[object, ...] = ()
+        self._executor: Executor | None = None
+        self.held = 0  # the weight version the trainers hold
+
+    def arm(self, push: Callable[..., object], bucket_bytes: int, held: int,
+            executor: Executor | None = None) -> None:
+        """Let the engine client wait for `revive` when every engine is lost mid-rollout
+        (within a restart budget): `push(urls, version, bucket_bytes)` on `executor` (where
+        the trainers' calls queue, so it follows a training step in progress)."""
+        self._push, self._push_args, self._executor = push, (bucket_bytes,), executor
+        self.held = held
+        if self.budget > 0:
+            self.client.revive = self.revive
+
+    def trained(self) -> None:
+        """The trainers took a step: they hold the next weight version (called where their
+        calls queue, before any push that follows it)."""
+        self.held += 1
+
+    async def revive(self) -> None:
+        """Every engine is lost in the middle of a rollout (one engine, say): replace them
+        now and send them the weights the trainers hold, for the rollout to go on (the
+        engine client waits for this). The version they report is the trainers' own."""
+        push = self._push
+        assert push is not None
+        LOG.warning("no engine is left to generate: replacing the lost ones mid-rollout")
+        # (self.held read when the push runs: after the trainers' step in progress)
+        await self.sync(lambda urls: push(urls, self.held, *self._push_args),
+                        executor=self._executor)
 
     async def heal(self) -> None:
         """Replace every engine that died or was lost since the last call. Raises EngineError
@@ -79,8 +111,15 @@ class Fleet:
         or was lost meanwhile is made again once that engine is replaced, within the restart
         budget; any other failure is raised."""
         loop = asyncio.get_running_loop()
+        if self._syncing is None:
+            self._syncing = asyncio.Lock()
         # Quiet throughout: after a failed push the engines left stay paused (answering 503 to
         # a probe) until the push made again has given them whole weights.
+        async with self._syncing:
+            await self._sync(loop, push, args, executor)
+
+    async def _sync(self, loop: asyncio.AbstractEventLoop, push: Callable[..., object],
+                    args: tuple[object, ...], executor: Executor | None) -> None:
         with self.quiet():
             while True:
                 await self.heal()

@@ -47,7 +47,9 @@ class Parts:
 
 
 def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
-    """Steps start..total-1; returns the weight version reached. Raises on engine death."""
+    """Steps start..total-1; returns the weight version reached. Raises on engine death
+    past the restart budget."""
+    parts.fleet.arm(parts.train.push_weights, parts.bucket_bytes, weight_version)
     for step in range(start, total):
         t0 = time.perf_counter()
         # -> batch; colocated, once sampled, the GPUs pass from the engines to the trainers
@@ -80,6 +82,7 @@ def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
 
 def train_on(parts: Parts, rollout: Rollout) -> dict[str, float]:
     stats = parts.train.train(rollout.batch, rollout.sft)  # pi_old, pi_ref, step(s)
+    parts.fleet.trained()  # (the weights an engine replaced from now on gets)
     if parts.critic is not None:
         stats |= parts.critic.train(rollout.batch)  # towards GAE's returns
     return stats
