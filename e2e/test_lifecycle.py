@@ -159,6 +159,13 @@ def test_trains_stalls_restarts_from_checkpoint_and_succeeds(
                             checkpoint=(40, "/checkpoints/step-40"))
             # (an engine replaced on the way: the trainer goes on, and says so)
             reporter.report(step=41, total_steps=100, reward_mean=0.53125, engine_restarts=1)
+            reporter.event("EngineReplaced", "engine at http://10.0.0.7:30000 exited with code "
+                           "-9: replaced by http://10.0.0.7:30011 (restart 1 of 3)")
+            replaced = wait_for("an EngineReplaced Event", lambda: [
+                e for e in events_for(c.api(), ns, job) if e["reason"] == "EngineReplaced"])
+            assert replaced[0]["type"] == "Warning", replaced
+            described = c.kubectl("describe", "rljob", job, "-n", ns).stdout
+            assert "EngineReplaced" in described and "exited with code -9" in described
             row = table_row(c.kubectl("get", "rljob", job, "-n", ns).stdout.splitlines())
             assert (row["PHASE"], row["STEP"], row["REWARD"]) == ("Running", "41", "0.53125"), row
             wide = table_row(c.kubectl("get", "rljob", job, "-n", ns, "-o", "wide"

@@ -42,3 +42,48 @@ def test_report_patches_only_progress() -> None:
     assert progress.engine_restarts == 2
     assert progress.last_checkpoint is not None and progress.last_checkpoint.step == 5
     assert progress.last_heartbeat_time and progress.last_heartbeat_time.endswith("Z")
+
+
+def test_event_names_the_rljob_by_uid_and_posts_a_core_event() -> None:
+    """An engine replaced in a cluster: a Warning Event on the RLJob, which `kubectl describe
+    rljob` finds by the RLJob's uid (read once with the Role's `get`)."""
+    seen: list[tuple[str, str, Any]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def answer(self, body: dict[str, Any]) -> None:
+            self.send_response(201 if self.command == "POST" else 200)
+            self.end_headers()
+            self.wfile.write(json.dumps(body).encode())
+
+        def do_GET(self) -> None:
+            seen.append(("GET", self.path, None))
+            self.answer({"metadata": {"name": "job", "uid": "u-1"}})
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(("POST", self.path, body))
+            self.answer(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        reporter = StatusReporter(f"http://127.0.0.1:{server.server_port}", "tok", "team-a",
+                                  "job")
+        reporter.event("EngineReplaced", "engine at http://a:1 exited with code -9: replaced")
+        reporter.event("EngineReplaced", "engine at http://a:2 stopped answering: replaced")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [(m, p) for m, p, _ in seen] == [
+        ("GET", "/apis/kuberl.dev/v1alpha1/namespaces/team-a/rljobs/job"),
+        ("POST", "/api/v1/namespaces/team-a/events"),
+        ("POST", "/api/v1/namespaces/team-a/events")]  # (the uid read once)
+    event = seen[1][2]
+    assert event["involvedObject"] == {"apiVersion": "kuberl.dev/v1alpha1", "kind": "RLJob",
+                                       "name": "job", "namespace": "team-a", "uid": "u-1"}
+    assert (event["type"], event["reason"]) == ("Warning", "EngineReplaced")
+    assert "exited with code -9" in event["message"]
+    assert event["metadata"] == {"generateName": "job.", "namespace": "team-a"}

@@ -57,6 +57,8 @@ class Fleet:
         self._push_args: tuple[object, ...] = ()
         self._executor: Executor | None = None
         self.held = 0  # the weight version the trainers hold
+        # Told of each replacement, in words (in a cluster: an Event on the RLJob)
+        self.announce: Callable[[str], None] = lambda message: None
 
     def arm(self, push: Callable[..., object], bucket_bytes: int, held: int,
             executor: Executor | None = None) -> None:
@@ -101,8 +103,10 @@ class Fleet:
             await self.client.wait_healthy(timeout_s=self.start_timeout_s, urls=[new],
                                            exited=self.engines.dead)
             self.client.replace(url, new)  # (into rotation, and probed, once it answers)
-            LOG.warning("engine at %s %s: replaced by %s (restart %d of %d)", url, why, new,
-                        self.restarts, self.budget)
+            message = (f"engine at {url} {why}: replaced by {new} (restart {self.restarts} "
+                       f"of {self.budget})")
+            LOG.warning("%s", message)
+            await loop.run_in_executor(None, self.announce, message)
 
     async def sync(self, push: Callable[..., object], *args: object,
                    executor: Executor | None = None) -> None:

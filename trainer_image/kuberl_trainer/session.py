@@ -80,6 +80,7 @@ class Session:
         self.client = EngineClient(self.engines.urls)
         self.fleet = Fleet(self.engines, self.client, budget=self.spec.engine_restart_budget,
                            start_timeout_s=ENGINE_START_TIMEOUT_S)
+        self.fleet.announce = self._announce_replacement
         self.memory = MemoryHandoff(self.client, self.aio, [], self.spec.trainer_offload)
         if self.memory.on:  # colocated: the engines start alone, then make room (see there)
             self._wait_for_engines()
@@ -228,6 +229,15 @@ class Session:
                 self.memory.release_engines()
             except Exception as exc:  # (an engine gone: its memory is free anyway)
                 LOG.warning("engines did not release their memory before the save: %s", exc)
+
+    def _announce_replacement(self, message: str) -> None:
+        """In a cluster, an Event on the RLJob (best effort: it never stops training)."""
+        if self.status is None:
+            return
+        try:
+            self.status.event("EngineReplaced", message)
+        except (OSError, KeyError, ValueError) as exc:
+            LOG.warning("could not post the EngineReplaced Event on the RLJob: %s", exc)
 
     # ------------------------------------------------------------------ errors
     def explain(self, exc: BaseException) -> str:

@@ -1,5 +1,6 @@
 """ServiceAccount, Role and RoleBinding for the Ray head: the trainer there reports progress by
-patching its own RLJob's status, and may do nothing else with the API."""
+patching its own RLJob's status and posts Events on it (an engine replaced), and may do nothing
+else with the API."""
 
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ def service_account(job: RLJob) -> dict[str, Any]:
 def role(job: RLJob) -> dict[str, Any]:
     """Least privilege: `resourceNames` pins every rule to this one RLJob, so a compromised or
     buggy trainer can't touch other jobs; only the status subresource is writable, so it can't
-    change its own spec either. (`get` on the object lets it read metadata.generation.)"""
+    change its own spec either. (`get` on the object lets it read metadata.generation and the
+    uid its Events name.) Creating Events can't be pinned to a name (Kubernetes checks
+    resourceNames on no `create`): the trainer may create Events in its namespace, as any
+    controller does."""
     return {
         "apiVersion": f"{RBAC_API_GROUP}/v1",
         "kind": "Role",
@@ -33,6 +37,7 @@ def role(job: RLJob) -> dict[str, Any]:
              "resourceNames": [job.name], "verbs": ["get"]},
             {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"],
              "resourceNames": [job.name], "verbs": ["get", "patch"]},
+            {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
         ],
     }
 
