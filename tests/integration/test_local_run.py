@@ -201,7 +201,8 @@ def test_every_engine_process_holds_the_trainers_weights_after_every_step(
                                                  ("hangs", 1, "sync"), ("dies", 1, "async"),
                                                  ("dies-in-sync", 1, "sync"),
                                                  ("dies-alone", 1, "sync"),
-                                                 ("dies-alone", 1, "async")])
+                                                 ("dies-alone", 1, "async"),
+                                                 ("pod-lost", 1, "sync")])
 def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
         tiny: Path, tmp_path: Path, fault: str, tp: int, mode: str) -> None:
     """An engine SIGKILLed (dies) or SIGSTOPped (hangs: alive, silent) between steps: the next
@@ -213,7 +214,8 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
     dies-in-sync: killed as the weights of step 1 go out; the sync is made again, to the
     replacement and the engine that got them the first time. dies-alone: the only engine,
     killed between steps: the next rollout waits while it is replaced and given the weights
-    the trainers hold, then goes on on the replacement.)"""
+    the trainers hold, then goes on on the replacement. pod-lost: the engine's Ray actor
+    dies with its server, as when its pod goes: a new actor takes its placement bundle.)"""
     import json
     import urllib.request
 
@@ -250,6 +252,10 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
             pids = subprocess.run(["pgrep", "-f", f"kuberl_rollout.reference .*--port {port}"],
                                   capture_output=True, text=True).stdout.split()
             assert len(pids) == 1, pids
+            if fault == "pod-lost":  # its actor (the server's parent) first, then the server
+                actor = int(Path(f"/proc/{pids[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                assert "EngineServer" in Path(f"/proc/{actor}/cmdline").read_text(), actor
+                os.kill(actor, signal.SIGKILL)
             os.kill(int(pids[0]), sig)
 
         def push_and_check(engine_urls: list[str], version: int, bucket_bytes: int) -> float:
