@@ -200,6 +200,7 @@ def test_every_engine_process_holds_the_trainers_weights_after_every_step(
 @pytest.mark.parametrize(("fault", "tp", "mode"), [("dies", 1, "sync"), ("dies", 2, "sync"),
                                                  ("hangs", 1, "sync"), ("dies", 1, "async"),
                                                  ("dies-in-sync", 1, "sync"),
+                                                 ("hangs-in-sync", 1, "sync"),
                                                  ("dies-alone", 1, "sync"),
                                                  ("dies-alone", 1, "async"),
                                                  ("pod-lost", 1, "sync")])
@@ -212,7 +213,9 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
     very samples an undisturbed run draws (same prompts, same rewards): none lost, none
     twice. (async: one-step-off, the engine killed as the rollout it would share begins.
     dies-in-sync: killed as the weights of step 1 go out; the sync is made again, to the
-    replacement and the engine that got them the first time. dies-alone: the only engine,
+    replacement and the engine that got them the first time. hangs-in-sync: stopped there
+    instead; past the sync's deadline it is taken for hung and replaced the same way.
+    dies-alone: the only engine,
     killed between steps: the next rollout waits while it is replaced and given the weights
     the trainers hold, then goes on on the replacement. pod-lost: the engine's Ray actor
     dies with its server, as when its pod goes: a new actor takes its placement bundle.)"""
@@ -259,8 +262,8 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
             os.kill(int(pids[0]), sig)
 
         def push_and_check(engine_urls: list[str], version: int, bucket_bytes: int) -> float:
-            if fault == "dies-in-sync" and version == 2 and engine_urls == first:
-                kill(first[0], signal.SIGKILL)
+            if fault.endswith("-in-sync") and version == 2 and engine_urls == first:
+                kill(first[0], signal.SIGSTOP if fault.startswith("hangs") else signal.SIGKILL)
             seconds = push(engine_urls, version, bucket_bytes)
             want = trainers.checksums()
             for url in engine_urls:
@@ -270,7 +273,7 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
                 assert len(ranks) == tp
                 assert all({k: sums[k] for k in want} == want for sums in ranks), (url, version)
             synced.append((version, list(engine_urls)))
-            if version == 1 and engine_urls == first and fault != "dies-in-sync":
+            if version == 1 and engine_urls == first and not fault.endswith("-in-sync"):
                 kill(first[0], signal.SIGSTOP if fault == "hangs" else signal.SIGKILL)
             return seconds
 

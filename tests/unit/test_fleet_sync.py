@@ -34,7 +34,7 @@ class Engines:
     def restart(self, url: str) -> str:
         new = self.spare.pop(0)
         self.urls[self.urls.index(url)] = new
-        self.exited.pop(url)
+        self.exited.pop(url, None)  # (a hung one: stopped first)
         return new
 
 
@@ -78,6 +78,23 @@ async def test_an_engine_dying_in_the_sync_is_replaced_and_every_engine_gets_the
     # Sent again to all: the engine that survived may hold half an update.
     assert calls == [servers[:2], [servers[2], servers[1]]]
     assert fleet.restarts == 1 and fleet.client.urls == [servers[2], servers[1]]
+
+
+async def test_an_engine_past_the_syncs_deadline_is_taken_as_hung_and_replaced(
+        servers: list[str]) -> None:
+    """No engine died, but one did not answer within its deadline (the sender's timeouts):
+    hung, so replaced like a dead one rather than waited on."""
+    fleet, _ = fleet_of(servers, budget=1)
+    calls: list[list[str]] = []
+
+    def push(urls: list[str], version: int, bucket_bytes: int) -> float:
+        calls.append(urls)
+        if len(calls) == 1:
+            raise EngineError(urls[1], "/pause_generation: TimeoutError")
+        return 0.1
+
+    await fleet.sync(push, 7, 1024)
+    assert calls == [servers[:2], [servers[0], servers[2]]] and fleet.restarts == 1
 
 
 async def test_past_the_budget_the_sync_fails_naming_it(servers: list[str]) -> None:

@@ -133,9 +133,15 @@ class Fleet:
                 except Exception as exc:
                     gone = await loop.run_in_executor(None, dead_after, self.engines, exc)
                     if not gone and not self.client.lost:
-                        raise
+                        hung = _silent_engine(exc, self.client.urls)
+                        if hung is None:
+                            raise
+                        # (past the sync's deadline: hung, not left to NCCL's timeout)
+                        self.client.lose(hung)
+                        gone = {hung: 0}
                     LOG.warning("an engine failed during the weight sync (%s): replacing it "
-                                "and sending the weights again", ", ".join(sorted(gone)) or exc)
+                                "and sending the weights again (%s)", ", ".join(sorted(gone)),
+                                exc)
 
     # ---- the health probe ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -186,6 +192,14 @@ class Fleet:
     def _lose(self, url: str) -> None:
         if url in self.client.urls:  # (not if replaced meanwhile)
             self.client.lose(url)
+
+
+def _silent_engine(exc: BaseException, urls: list[str]) -> str | None:
+    """The engine that `exc` says did not answer (a timeout, a dropped connection) if it is
+    one of `urls`; None for an engine's answer or any other error."""
+    if isinstance(exc, EngineError) and not exc.answered and exc.url in urls:
+        return exc.url
+    return None
 
 
 def dead_after(engines: EngineGroup, exc: BaseException) -> dict[str, int]:

@@ -23,6 +23,11 @@ once every engine has answered that bucket, so all of them took part in the same
 the group stays usable. A dead connection or a timeout raises EngineError at once; the local
 broadcast thread may then stay blocked until the group's timeout, after which the group is
 unusable: call close() and connect() again.
+
+Deadlines: no call waits for the group's (NCCL's) own timeout. Pause, flush, continue and the
+group's set-up answer within CONTROL_TIMEOUT_S; a bucket within `bucket_deadline_s` of its
+size. An engine past its deadline raises EngineError without an answer, which the fleet
+(fleet.Fleet.sync) takes for a hung engine: replaced, and the sync made again.
 """
 
 from __future__ import annotations
@@ -111,6 +116,14 @@ def flatten_bucket(bucket: NamedTensors, device: torch.device) -> list[torch.Ten
 
 
 FLUSH_TIMEOUT_S = 60.0
+CONTROL_TIMEOUT_S = 60.0  # pause, continue, joining the group: no data moves
+# A bucket's deadline: a fixed allowance (the engine loads it into its model) plus its bytes
+# at a floor bandwidth far below any GPU fabric's (or gloo's on a busy CPU).
+BUCKET_BASE_S, BUCKET_FLOOR_BYTES_PER_S = 30.0, 50e6
+
+
+def bucket_deadline_s(nbytes: int) -> float:
+    return BUCKET_BASE_S + nbytes / BUCKET_FLOOR_BYTES_PER_S
 
 
 async def flush_when_idle(client: EngineClient, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
@@ -132,12 +145,14 @@ async def flush_when_idle(client: EngineClient, timeout_s: float = FLUSH_TIMEOUT
 
 async def pause_and_flush(client: EngineClient) -> None:
     """Pause generation (retract) on every engine, then flush their caches."""
-    await client.post_all("/pause_generation", protocol.pause_generation())
+    await client.post_all("/pause_generation", protocol.pause_generation(),
+                          timeout_s=CONTROL_TIMEOUT_S)
     await flush_when_idle(client)
 
 
 async def continue_generation(client: EngineClient) -> None:
-    await client.post_all("/continue_generation", protocol.continue_generation())
+    await client.post_all("/continue_generation", protocol.continue_generation(),
+                          timeout_s=CONTROL_TIMEOUT_S)
 
 
 @contextlib.asynccontextmanager
@@ -201,7 +216,7 @@ class DistributedWeightSender:
                                  self.master_port, 0, self.world_size, self.group_name,
                                  self.timeout_s)
         posts = self.client.post_all("/init_weights_update_group", bodies, per_engine=True,
-                                     timeout_s=self.timeout_s + 30)
+                                     timeout_s=min(CONTROL_TIMEOUT_S, self.timeout_s + 30))
         results = await first_error([local, posts])
         group = results[0]
         assert isinstance(group, WeightSyncGroup)
@@ -239,12 +254,13 @@ class DistributedWeightSender:
         body = protocol.update_weights_from_distributed(
             metas, group_name=self.group_name, weight_version=version, flush_cache=False,
             flattened=flat)
+        nbytes = sum(m.nbytes for m in metas)
         await first_error([
-            self.client.post_all("/update_weights_from_distributed", body,
-                                 timeout_s=self.timeout_s + 30, in_step=True),
+            self.client.post_all("/update_weights_from_distributed", body, in_step=True,
+                                 timeout_s=min(bucket_deadline_s(nbytes), self.timeout_s + 30)),
             in_daemon_thread(group.broadcast, tensors, 0),
         ])
-        return sum(m.nbytes for m in metas)
+        return nbytes
 
     async def close(self) -> None:
         """Ask engines to leave the group, then drop ours (engine errors still raise)."""
