@@ -460,12 +460,37 @@ def test_operator_runs_the_gpu_example(k8s_cluster: Cluster, operator: Operator,
         wait_for("the phase gauge to match the status", lambda: [
             s for s in phase_series() if f'phase="{w.status().get("phase")}"' in s],
             timeout=10, detail=lambda: "\n".join(phase_series()))
+        if spec.placement == "disaggregated":
+            _a_lost_rollout_pod_is_replaced_by_kuberay_alone(c, w, expected, all_running)
+            timings["rollout pod replaced"] = time.monotonic() - t0
     finally:
         timings["gc"] = w.delete_and_wait_gc()
     wait_for("the deleted RLJob's metrics series to go", lambda: f'name="{job}"'
              not in operator.metrics(), timeout=30)
     print(f"\n{example_name} on the cluster: "
           + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()))
+
+
+def _a_lost_rollout_pod_is_replaced_by_kuberay_alone(
+        c: Cluster, w: JobWatch, expected: dict[str, int],
+        all_running: Callable[[], bool]) -> None:
+    """A rollout worker pod deleted mid-run (a preempted node, a drain): KubeRay starts
+    another in its place, and the operator restarts nothing: the RayJob, its attempt and the
+    restart count stay (the trainer replaces the engines the pod held, fleet.py)."""
+    before = w.status()
+    victim = w.pods_by_group()[names.GROUP_ROLLOUT][0]["metadata"]["name"]
+    c.kubectl("delete", "pod", victim, "-n", w.ns, "--wait=false")
+    wait_for("KubeRay's replacement rollout pod, Running", lambda: all_running() and victim
+             not in [p["metadata"]["name"] for p in w.pods_by_group()[names.GROUP_ROLLOUT]]
+             and len(w.pods_by_group()[names.GROUP_ROLLOUT]) == expected[names.GROUP_ROLLOUT],
+             timeout=90, detail=w.pod_detail)
+    time.sleep(5 * RESYNC_SECONDS)  # (the operator's resyncs pass over it)
+    after = w.status()
+    assert (after["rayJobName"], after["restarts"]) == (
+        before["rayJobName"], before["restarts"]), (before, after)
+    assert "Restarting" not in [e["reason"] for e in events_for(c.api(), w.ns, w.job)]
+    rayjob = w.rayjob(0)
+    assert rayjob is not None and not rayjob["metadata"].get("deletionTimestamp"), rayjob
 
 
 def _check_pods(api: Api, groups: dict[str, list[dict[str, Any]]], spec: Any, job: str) -> None:
@@ -584,6 +609,22 @@ def test_head_service_account_reports_only_its_own_status(
             capture_output=True, text=True, timeout=60)
         assert spec_edit.returncode != 0 and "forbidden" in spec_edit.stderr.lower(), (
             spec_edit.stdout, spec_edit.stderr)
+
+        # Events: it may create them (an engine replaced), in its own namespace, and do
+        # nothing else with them or with the pods beside it.
+        def can_i(*args: str) -> str:
+            return subprocess.run(
+                [str(c.kubectl_path), f"--kubeconfig={as_head}", "auth", "can-i", *args],
+                capture_output=True, text=True, timeout=60).stdout.strip()
+        assert can_i("create", "events", "-n", ns) == "yes"
+        for verb, what, where in [("delete", "events", ns), ("list", "events", ns),
+                                  ("create", "events", "default"), ("delete", "pods", ns),
+                                  ("patch", f"rljobs.kuberl.dev/{other}", ns),
+                                  ("patch", "rayjobs.ray.io", ns)]:
+            assert can_i(verb, what, "-n", where) == "no", (verb, what, where)
+        StatusReporter(c.server, token, ns, job, ca_file=ca).event(
+            "EngineReplaced", "engine at http://10.0.0.7:30000 stopped answering: replaced")
+        assert "EngineReplaced" in [e["reason"] for e in events_for(c.api(), ns, job)]
     finally:
         c.kubectl("delete", "rljob", other, "-n", ns, "--ignore-not-found")
         w.delete_and_wait_gc()
