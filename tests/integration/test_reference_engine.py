@@ -659,8 +659,44 @@ async def test_metrics_have_sglangs_names_and_count_what_was_generated(
         assert after["sglang:generation_tokens_total"] == 12
         assert after["sglang:num_requests_total"] == 3
         assert after["sglang:num_running_reqs"] == 0 and after["sglang:num_queue_reqs"] == 0
+        served_by_the_trainer(engine.url, tmp_path)
     finally:
         engine.stop()
+
+
+def served_by_the_trainer(url: str, tmp_path: Path) -> None:
+    """The trainer's Prometheus endpoint serves the engines' metrics too, labelled by engine
+    (their ports are chosen at start: nothing else can scrape them); an engine that does not
+    answer is left out of the scrape without holding it up."""
+    import time
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kuberl_trainer.engine_metrics import EngineMetrics
+    from kuberl_trainer.metrics_log import MetricsLog
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port, silent = s.getsockname()[1], f"http://127.0.0.1:{s.getsockname()[1] + 1}"
+    with socket.socket() as hung:  # accepts, never answers
+        hung.bind(("127.0.0.1", 0))
+        hung.listen()
+        stuck = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        log = MetricsLog(tmp_path / "trainer", prometheus_port=port)
+        log.serve_also(EngineMetrics(lambda: [url, silent, stuck], timeout_s=1.0))
+        started = time.monotonic()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+        assert time.monotonic() - started < 5
+        log.close()
+    samples = {(m.name, s.name): s for m in text_string_to_metric_families(text)
+               for s in m.samples}
+    tokens = samples[("sglang:generation_tokens", "sglang:generation_tokens_total")]
+    assert tokens.labels["engine"] == url and tokens.value == 12
+    assert samples[("sglang:num_requests", "sglang:num_requests_total")].value == 3
+    engines = {s.labels.get("engine") for s in samples.values() if s.name.startswith("sglang:")}
+    assert engines == {url}
 
 
 async def test_a_busy_engine_is_healthy_at_once(pair: list[str]) -> None:

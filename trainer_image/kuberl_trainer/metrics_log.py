@@ -49,6 +49,11 @@ class MetricsLog:
                 self._wandb = wandb.init(project=wandb_project, name=run_name,
                                          dir=str(out_dir))
 
+    def serve_also(self, collector: Any) -> None:
+        """Serve `collector`'s metrics on the Prometheus endpoint too (if there is one)."""
+        if self._registry is not None:
+            self._registry.register(collector)
+
     def write(self, record: dict[str, Any]) -> None:
         ordered = {k: record[k] for k in STEP_KEYS if k in record}
         ordered.update({k: record[k] for k in sorted(record) if k not in ordered})

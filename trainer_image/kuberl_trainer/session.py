@@ -22,6 +22,7 @@ from kuberl_trainer.actors import EngineGroup, TrainGroup
 from kuberl_trainer.critic import CriticGroup
 from kuberl_trainer.data import PromptSource
 from kuberl_trainer.engine_client import EngineClient, EngineError
+from kuberl_trainer.engine_metrics import EngineMetrics
 from kuberl_trainer.fleet import Fleet, dead_after
 from kuberl_trainer.loop import Parts, train
 from kuberl_trainer.memory_handoff import MemoryHandoff, Ranks
@@ -161,6 +162,8 @@ class Session:
             bucket_bytes=1 << 26, eval_interval=self.spec.schedule.eval_interval,
             memory=memory,
             fleet=self.fleet)
+        # (the engines' own metrics beside the loop's: their ports are unknown to the chart)
+        parts.log.serve_also(EngineMetrics(self.client.live))
         progress.bar.n = self.step
         stop_watching = self.fleet.watch(self.spec.rollout.health_probe, self.aio)
         try:
