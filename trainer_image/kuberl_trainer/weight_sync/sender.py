@@ -202,6 +202,7 @@ class DistributedWeightSender:
         self.timeout_s = timeout_s
         self.weight_version = weight_version
         self.group: WeightSyncGroup | None = None
+        self._fresh = False  # connected, no bucket sent over the group yet
         # NCCL broadcasts need the tensors on this process's GPU.
         self.device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
 
@@ -221,6 +222,7 @@ class DistributedWeightSender:
         group = results[0]
         assert isinstance(group, WeightSyncGroup)
         self.group = group
+        self._fresh = True  # (see _send_bucket)
 
     async def send(self, buckets: Iterable[NamedTensors], *, weight_version: str | None = None
                    ) -> SyncStats:
@@ -255,9 +257,13 @@ class DistributedWeightSender:
             metas, group_name=self.group_name, weight_version=version, flush_cache=False,
             flattened=flat)
         nbytes = sum(m.nbytes for m in metas)
+        # A new group's first collective also sets up its communicator (NCCL's is lazy): that
+        # bucket has the set-up's allowance on top.
+        deadline = bucket_deadline_s(nbytes) + (CONTROL_TIMEOUT_S if self._fresh else 0.0)
+        self._fresh = False
         await first_error([
             self.client.post_all("/update_weights_from_distributed", body, in_step=True,
-                                 timeout_s=min(bucket_deadline_s(nbytes), self.timeout_s + 30)),
+                                 timeout_s=min(deadline, self.timeout_s + 30)),
             in_daemon_thread(group.broadcast, tensors, 0),
         ])
         return nbytes
