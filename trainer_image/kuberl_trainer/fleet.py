@@ -139,9 +139,9 @@ class Fleet:
                         # (past the sync's deadline: hung, not left to NCCL's timeout)
                         self.client.lose(hung)
                         gone = {hung: 0}
-                    LOG.warning("an engine failed during the weight sync (%s): replacing it "
-                                "and sending the weights again (%s)", ", ".join(sorted(gone)),
-                                exc)
+                    if self.restarts < self.budget:  # (else heal raises, naming the budget)
+                        LOG.warning("the weight sync failed on %s (%s): sent again once "
+                                    "replaced", ", ".join(sorted(gone)), _reason(exc))
 
     # ---- the health probe ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -192,6 +192,12 @@ class Fleet:
     def _lose(self, url: str) -> None:
         if url in self.client.urls:  # (not if replaced meanwhile)
             self.client.lose(url)
+
+
+def _reason(exc: BaseException) -> str:
+    """One line: an engine's own message (a Ray task error's str() is its whole traceback)."""
+    message = getattr(exc, "message", None)
+    return str(message) if isinstance(message, str) else type(exc).__name__
 
 
 def _silent_engine(exc: BaseException, urls: list[str]) -> str | None:
