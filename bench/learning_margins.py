@@ -13,7 +13,15 @@ show whether the machine's own float paths matter on top of that.
     .venv/bin/python bench/learning_margins.py --scenarios grpo rloo --seeds 0 1 \\
         --env ATEN_CPU_CAPABILITY=default --env KUBERL_TORCH_THREADS=1
 
-Prints one row per run, then per scenario and measure: mean, standard deviation and worst
+With --gpu the same scenarios run on the machine's GPUs: the trainer on one, and where the
+scenario is disaggregated the engine on another (weights over NCCL); the async scenarios
+against `sync-disaggregated` are issue 15's "async trains on GPU":
+
+    python bench/learning_margins.py --gpu --seeds 0 1 2 --scenarios sync-disaggregated \
+        async-one-step-off async-staleness-4 async-staleness-4-partial
+
+Prints one row per run (with its largest staleness and mean step time), then per scenario and
+measure: mean, standard deviation and worst
 value over the runs, the test's threshold, and how many standard deviations the mean lies on
 the passing side of it.
 Results go to bench/RESULTS.md ("Learning-test margins").
@@ -22,12 +30,14 @@ Results go to bench/RESULTS.md ("Learning-test margins").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -52,6 +62,15 @@ def label(config: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in config.items()) or "plain"
 
 
+def on_gpus(scenario: learning.Scenario) -> learning.Scenario:
+    """The scenario with its trainer on a GPU and, where disaggregated, its engine on
+    another (a dedicated critic stays where the scenario puts it)."""
+    gpus: dict[str, Any] = {"training": {"gpusPerNode": 1}}
+    if scenario.spec.get("placement") == "disaggregated":
+        gpus["rollout"] = {"gpus": 1}
+    return dataclasses.replace(scenario, spec=learning.merge(scenario.spec, gpus))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenarios", nargs="*", default=list(learning.SCENARIOS),
@@ -59,15 +78,17 @@ def main() -> int:
     ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2, 3])
     ap.add_argument("--env", action="append", default=[],
                     help="a numerics configuration, KEY=VALUE[,KEY=VALUE]; repeatable")
+    ap.add_argument("--gpu", action="store_true", help="trainer and engine on GPUs")
     args = ap.parse_args()
     tiny = tiny_job()
     results: dict[tuple[str, str], list[float]] = {}
     print(f"{'scenario':<34} {'config':<28} {'seed':>4} {'measure':<22} {'before':>8} "
-          f"{'after':>8} {'value':>8} {'s':>5}")
+          f"{'after':>8} {'value':>8} {'s':>5} {'stale':>5} {'step s':>6}")
     for config in parse_env(args.env):
         for seed in args.seeds:
             for name in args.scenarios:
                 scenario = learning.SCENARIOS[name]
+                scenario = on_gpus(scenario) if args.gpu else scenario
                 before = {k: os.environ.get(k) for k in config}
                 os.environ.update(config)
                 os.environ["KUBERL_TEST_SEED"] = str(seed)
@@ -82,11 +103,13 @@ def main() -> int:
                             os.environ.pop(key, None)
                         else:
                             os.environ[key] = value
+                stale = max(r.get("staleness_max", 0) for r in outcome.rows)
+                step = statistics.fmean(r["time_step_s"] for r in outcome.rows[1:])
                 for m in outcome.measures.values():
                     results.setdefault((name, m.name), []).append(m.value)
                     print(f"{name:<34} {label(config):<28} {seed:>4} {m.name:<22} "
-                          f"{m.before:>8.4f} {m.after:>8.4f} {m.value:>8.4f} {seconds:>5.0f}",
-                          flush=True)
+                          f"{m.before:>8.4f} {m.after:>8.4f} {m.value:>8.4f} {seconds:>5.0f} "
+                          f"{stale:>5.0f} {step:>6.2f}", flush=True)
     print()
     print(f"{'scenario':<34} {'measure':<22} {'runs':>4} {'mean':>8} {'sd':>7} {'worst':>8} "
           f"{'threshold':>9} {'margin/sd':>9}")

@@ -130,7 +130,7 @@ class Outcome:
     measures: dict[str, Measure]
 
 
-def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """Manifest sections `a` with `b`'s keys on top, one level deep (as manifest() does)."""
     return {**a, **{k: {**a.get(k, {}), **v} if isinstance(v, dict) else v
                     for k, v in b.items()}}
@@ -140,7 +140,7 @@ def _run(tiny: Path, tmp: Path, name: str, steps: int, spec: dict[str, Any]
          ) -> tuple[Path, str]:
     """`kuberl run` of the tiny job for `steps` steps with the test seed: (output dir,
     stdout)."""
-    spec = _merge({"schedule": {"numRollouts": steps}}, spec)
+    spec = merge({"schedule": {"numRollouts": steps}}, spec)
     out = tmp / name
     res = kuberl_run(manifest(tiny, tmp, name, **spec), out, "--seed", str(run_seed()))
     assert res.returncode == 0, res.stderr[-3000:]
@@ -161,7 +161,7 @@ class Scenario:
     prepare: Callable[[Path, Path], dict[str, Any]] | None = None
 
     def run(self, tiny: Path, tmp: Path) -> Outcome:
-        spec = _merge(self.spec, self.prepare(tiny, tmp)) if self.prepare else self.spec
+        spec = merge(self.spec, self.prepare(tiny, tmp)) if self.prepare else self.spec
         out, stdout = _run(tiny, tmp, "run", self.steps, spec)
         outcome = Outcome(out=out, stdout=stdout, rows=metrics(out),
                           measures=self.measure(tiny, tmp, out))
@@ -273,6 +273,10 @@ ALGORITHMS: dict[str, Scenario] = {
                         "klLossType": "k3"}),
 }
 
+# The same job in sync mode and the async scenarios' placement: the baseline
+# bench/learning_margins.py compares them with (the sync path itself is covered above).
+SYNC_DISAGGREGATED = _algorithm({}, placement="disaggregated", rollout={"gpus": 0})
+
 # mode async, one-step-off (test_local_run.py): the default job's GRPO, disaggregated (the
 # only placement async runs in), each step trained on samples one version old.
 ASYNC_ONE_STEP_OFF = _algorithm({}, placement="disaggregated", rollout={"gpus": 0},
@@ -300,6 +304,8 @@ MIXED_SFT = Scenario(demonstrations_nll, {"algorithm": {"sftCoef": 1.0}},
                      thresholds={"demo_nll_ratio": 0.05}, prepare=sevens)
 
 SCENARIOS: dict[str, Scenario] = {**ALGORITHMS, "on_policy_distillation": DISTILLATION,
-                                  "mixed-sft": MIXED_SFT, "async-one-step-off": ASYNC_ONE_STEP_OFF,
+                                  "mixed-sft": MIXED_SFT,
+                                  "sync-disaggregated": SYNC_DISAGGREGATED,
+                                  "async-one-step-off": ASYNC_ONE_STEP_OFF,
                                   "async-staleness-4": ASYNC_STALENESS_4[False],
                                   "async-staleness-4-partial": ASYNC_STALENESS_4[True]}

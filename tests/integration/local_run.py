@@ -77,7 +77,10 @@ def example_on_cpu(tiny: Path, tmp: Path, example: str, steps: int = 2) -> Path:
     return path
 
 
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # so `tests.integration.toy_rewards` imports
+# so `tests.integration.toy_rewards` imports (an existing path kept: a machine without the
+# package installed, e.g. a GPU box running the benches from source, has it there)
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 def kuberl_run(job: Path, out: Path, *extra: str,
