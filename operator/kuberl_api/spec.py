@@ -760,6 +760,13 @@ class RolloutSpec(ApiModel):
         + str(DEFAULT_ENGINE_RESTARTS) + " (disaggregated), 0 (colocated: engines share the "
         "training GPUs and are not replaced).")
     health_probe: HealthProbe = Field(default_factory=HealthProbe)
+    router: Literal["none", "sglang"] = Field(
+        "none", description="How generate requests reach the engines. none: the trainer's "
+        "own client balances whole GRPO groups over the engines (one batched request per "
+        "engine). sglang: through SGLang's router (sglang-router), started beside the "
+        "training loop, one request per sample with a GRPO group kept on one engine (its "
+        "prefix cache); weight updates still go to every engine directly, and an engine "
+        "replaced or found silent is taken out of the router first.")
     node_pool: NodePool = Field(default_factory=NodePool)
     resources: Resources = Field(default_factory=Resources,
                                  description="CPU and memory per rollout pod (placement: "

@@ -230,15 +230,20 @@ def test_every_engine_process_holds_the_trainers_weights_after_every_step(
         session.close()
 
 
-@pytest.mark.parametrize(("fault", "tp", "mode"), [("dies", 1, "sync"), ("dies", 2, "sync"),
-                                                 ("hangs", 1, "sync"), ("dies", 1, "async"),
-                                                 ("dies-in-sync", 1, "sync"),
-                                                 ("hangs-in-sync", 1, "sync"),
-                                                 ("dies-alone", 1, "sync"),
-                                                 ("dies-alone", 1, "async"),
-                                                 ("pod-lost", 1, "sync")])
+FAULTS = [("dies", 1, "sync"), ("dies", 2, "sync"), ("hangs", 1, "sync"), ("dies", 1, "async"),
+          ("dies-in-sync", 1, "sync"), ("hangs-in-sync", 1, "sync"), ("dies-alone", 1, "sync"),
+          ("dies-alone", 1, "async"), ("pod-lost", 1, "sync")]
+# The same behind SGLang's router (rollout.router: sglang)
+ROUTED_FAULTS = [("dies", 1, "sync"), ("hangs", 1, "sync"), ("dies-alone", 1, "sync"),
+                 ("dies", 1, "async")]
+
+
+@pytest.mark.parametrize(("fault", "tp", "mode", "router"),
+                         [(*f, "none") for f in FAULTS] + [(*f, "sglang") for f in ROUTED_FAULTS],
+                         ids=[f"{f}-tp{t}-{m}" for f, t, m in FAULTS]
+                         + [f"{f}-tp{t}-{m}-router" for f, t, m in ROUTED_FAULTS])
 def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
-        tiny: Path, tmp_path: Path, fault: str, tp: int, mode: str) -> None:
+        tiny: Path, tmp_path: Path, fault: str, tp: int, mode: str, router: str) -> None:
     """An engine SIGKILLed (dies) or SIGSTOPped (hangs: alive, silent) between steps: the next
     rollout's requests it holds go to the other engine (once the health probe has found it
     silent, for a hung one), it is replaced before the weights go out, and the replacement
@@ -251,7 +256,10 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
     dies-alone: the only engine,
     killed between steps: the next rollout waits while it is replaced and given the weights
     the trainers hold, then goes on on the replacement. pod-lost: the engine's Ray actor
-    dies with its server, as when its pod goes: a new actor takes its placement bundle.)"""
+    dies with its server, as when its pod goes: a new actor takes its placement bundle.
+    router: generation through SGLang's router, which the fleet keeps to the engines in
+    rotation: a hung engine is taken out of it and killed, and the router sends what it held
+    there to the other engine.)"""
     import json
     import urllib.request
 
@@ -266,7 +274,7 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
         return manifest(tiny, tmp_path, name, placement="disaggregated", mode=mode,
                         rollout={"gpus": 0, "engines": 1 if fault == "dies-alone" else 2,
                                  "gpusPerEngine": tp,
-                                 "healthProbe": probe},
+                                 "healthProbe": probe, "router": router},
                         schedule={"numRollouts": 4})
 
     undisturbed = tmp_path / "undisturbed"

@@ -8,6 +8,7 @@ training workers through Ray and to engines only over HTTP.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import secrets
@@ -551,6 +552,14 @@ class EngineGroup:
         self.urls[e] = new
         self._failed_part.pop(url, None)
         return str(new)
+
+    def kill(self, url: str) -> None:
+        """Kill every server process of the engine serving `url` (hung: no grace); `restart`
+        starts it again."""
+        e = self.urls.index(url)
+        for part in self.parts[e]:
+            with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                ray.get(part.stop.remote(0), timeout=60)
 
     def dead(self) -> dict[str, int]:
         """Engines a server process of which exited (any node's), with the exit code."""

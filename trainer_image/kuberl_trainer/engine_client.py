@@ -18,6 +18,9 @@ request bodies use SGLang's field names (tests/unit/test_engine_contract.py chec
   lost or made twice. With no engine left (a fleet of one), a chunk waits for `revive`
   (set by the fleet: the lost engines replaced and given the trainers' weights) and is sent
   to the replacement; without it, the rollout fails.
+- Through SGLang's router (`router_url`, set by router.Router): `generate_spread` sends every
+  sample as its own request to the router, with one routing key per group, and the router
+  picks the engine (router.py says why). Which engine made a sample is then unknown.
 """
 
 from __future__ import annotations
@@ -34,6 +37,12 @@ from typing import Any, TypeVar
 import aiohttp
 
 T = TypeVar("T")
+
+# sglang-router's header for its `manual` policy: requests with one key go to one engine
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+# What the router answers when no engine it tried could serve a request (every one gone)
+ROUTER_UNSERVED = (500, 502, 503)
+ROUTED_ATTEMPTS = 3  # a request the router could not place, sent again after a revive
 
 
 class EngineError(RuntimeError):
@@ -210,6 +219,11 @@ class EngineClient:
         # Called once when no engine is left mid-rollout, awaited by every chunk (fleet.revive)
         self.revive: Callable[[], Awaitable[None]] | None = None
         self._reviving: asyncio.Future[None] | None = None
+        self.router_url: str | None = None  # generation goes through it when set
+        self._routed_calls = itertools.count()
+        # Behind the router, awaited once by every request it could not place (fleet.reroute)
+        self.reroute: Callable[[], Awaitable[None]] | None = None
+        self._rerouting: asyncio.Future[None] | None = None
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -257,13 +271,14 @@ class EngineClient:
         self.outstanding[new] = 0
 
     async def request(self, url: str, method: str, path: str, body: Any = None, *,
-                      timeout_s: float | None = None) -> Any:
+                      timeout_s: float | None = None,
+                      headers: Mapping[str, str] | None = None) -> Any:
         """One HTTP call; returns the decoded JSON (or text, or None for an empty body)."""
         total = timeout_s if timeout_s is not None else self.request_timeout_s
         timeout = aiohttp.ClientTimeout(total=total, sock_connect=self.connect_timeout_s)
         try:
             async with self._session_now().request(method, url + path, json=body,
-                                                   timeout=timeout) as resp:
+                                                   timeout=timeout, headers=headers) as resp:
                 text = await resp.text()
                 if resp.status >= 400:
                     raise EngineError(url, f"{path}: {_error_text(text)}", resp.status)
@@ -336,6 +351,9 @@ class EngineClient:
         never split: its samples are generated together, by one engine's weights."""
         if group < 1 or len(prompts) % group:
             raise ValueError(f"{len(prompts)} prompts are not whole groups of {group}")
+        if self.router_url is not None:
+            return await self._generate_routed(self.router_url, prompts, sampling_params,
+                                               group, return_logprob)
         groups = len(prompts) // group
         chunks = max(1, min(len(self.live()), groups))
         bounds = [round(i * groups / chunks) * group for i in range(chunks + 1)]
@@ -346,6 +364,42 @@ class EngineClient:
                                 return_logprob=return_logprob)
             for a, b in itertools.pairwise(bounds))
         return [result for part in parts for result in part]
+
+    async def _generate_routed(self, router: str, prompts: Sequence[Sequence[int]],
+                               sampling_params: Sequence[Mapping[str, Any]], group: int,
+                               return_logprob: bool) -> list[GenerateResult]:
+        """generate_spread through the router: a request per sample, a routing key per
+        group. A request the router could not place (no engine it tried answered: its
+        retries stay with the engine that holds the group's key) waits for `reroute` (the
+        fleet takes the dead engines out) and is sent again; its seed makes the same
+        sample."""
+        call = next(self._routed_calls)
+
+        async def one(i: int) -> GenerateResult:
+            headers = {ROUTING_KEY_HEADER: f"{id(self):x}-{call}-{i // group}"}
+            body = generate_request(prompts[i], sampling_params[i],
+                                    return_logprob=return_logprob)
+            for attempt in itertools.count(1):
+                sent = time.perf_counter()
+                try:
+                    answer = await self.request(router, "POST", "/generate", body,
+                                                headers=headers)
+                except EngineError as exc:
+                    if (exc.status not in ROUTER_UNSERVED or self.reroute is None
+                            or attempt == ROUTED_ATTEMPTS):
+                        raise
+                    if self._rerouting is None or self._rerouting.done():
+                        self._rerouting = asyncio.ensure_future(self.reroute())
+                    await asyncio.shield(self._rerouting)
+                    continue
+                result = parse_generate_response(router, answer,
+                                                 return_logprob=return_logprob)
+                # (the router does not say which engine answered)
+                result.engine_url, result.seconds = "", time.perf_counter() - sent
+                return result
+            raise AssertionError("unreachable")
+
+        return await first_error(one(i) for i in range(len(prompts)))
 
     async def generate_batch(self, prompts: Sequence[Sequence[int]],
                              sampling_params: Sequence[Mapping[str, Any]], *,

@@ -19,6 +19,12 @@ mistakes its own pause for the engine's. After failureThreshold silent probes in
 engine is lost: its requests in flight are given up and sent to the others, and heal replaces
 it (stopping it first).
 
+Behind SGLang's router (router.py) the fleet also keeps the router's engines current: a
+replaced engine is removed from it before it is stopped and its replacement added once it
+answers. An engine the probe finds silent is removed and its server killed at once, not at
+the step boundary: the router holds the requests it sent there until their connection drops,
+then sends them to another engine.
+
 Colocated engines are not replaced (their budget is 0): they share the training GPUs, whose
 memory handoff a fresh engine would have to join mid-step.
 """
@@ -37,6 +43,7 @@ from concurrent.futures import Executor
 from kuberl_api.spec import HealthProbe
 from kuberl_trainer.actors import EngineGroup
 from kuberl_trainer.engine_client import EngineClient, EngineError
+from kuberl_trainer.router import Router
 
 LOG = logging.getLogger("kuberl.run")
 # A dying engine drops its connections a moment before its process is seen to exit: after an
@@ -59,6 +66,9 @@ class Fleet:
         self.held = 0  # the weight version the trainers hold
         # Told of each replacement, in words (in a cluster: an Event on the RLJob)
         self.announce: Callable[[str], None] = lambda message: None
+        self.router: Router | None = None  # kept to the engines in rotation when set
+        self._silenced: set[str] = set()  # killed for their silence (see _evict)
+        self._evictions: set[asyncio.Future[None]] = set()
 
     def arm(self, push: Callable[..., object], bucket_bytes: int, held: int,
             executor: Executor | None = None) -> None:
@@ -69,6 +79,8 @@ class Fleet:
         self.held = held
         if self.budget > 0:
             self.client.revive = self.revive
+            if self.router is not None:
+                self.client.reroute = self.reroute
 
     def trained(self) -> None:
         """The trainers took a step: they hold the next weight version (called where their
@@ -86,6 +98,24 @@ class Fleet:
         await self.sync(lambda urls: push(urls, self.held, *self._push_args),
                         executor=self._executor)
 
+    async def reroute(self) -> None:
+        """Behind the router, a request that no engine it tried could serve: its retries
+        stay with the engine that holds the group's routing key, dead or not. The engines
+        that died are taken out of the router and out of rotation (heal replaces them at the
+        step boundary); with none left, they are replaced now (revive)."""
+        assert self.router is not None
+        loop = asyncio.get_running_loop()
+        unserved = EngineError(self.router.url, "no engine could serve a request")
+        dead = await loop.run_in_executor(None, dead_after, self.engines, unserved)
+        for url in dead:
+            if url in self.client.live():
+                LOG.warning("engine at %s exited with code %d: taken out of the router, to be "
+                            "replaced", url, dead[url])
+                self.client.lose(url)
+                await self.router.remove(url)
+        if not self.client.live():
+            await self.revive()
+
     async def heal(self) -> None:
         """Replace every engine that died or was lost since the last call. Raises EngineError
         for the first engine past the restart budget."""
@@ -93,16 +123,21 @@ class Fleet:
         dead = await loop.run_in_executor(None, self.engines.dead)
         gone = sorted(set(dead) | self.client.lost, key=self.engines.urls.index)
         for url in gone:
-            why = (f"exited with code {dead[url]}" if url in dead
-                   else "stopped answering")
+            why = (f"exited with code {dead[url]}"
+                   if url in dead and url not in self._silenced else "stopped answering")
             if self.restarts >= self.budget:
                 raise EngineError(url, f"{why}; rollout.maxEngineRestarts is {self.budget}"
                                   f"{' and used up' if self.budget else ''}")
+            if self.router is not None:
+                await self.router.remove(url)
             new = await loop.run_in_executor(None, self.engines.restart, url)
+            self._silenced.discard(url)
             self.restarts += 1
             await self.client.wait_healthy(timeout_s=self.start_timeout_s, urls=[new],
                                            exited=self.engines.dead)
             self.client.replace(url, new)  # (into rotation, and probed, once it answers)
+            if self.router is not None:
+                await self.router.add(new)
             message = (f"engine at {url} {why}: replaced by {new} (restart {self.restarts} "
                        f"of {self.budget})")
             LOG.warning("%s", message)
@@ -192,6 +227,24 @@ class Fleet:
     def _lose(self, url: str) -> None:
         if url in self.client.urls:  # (not if replaced meanwhile)
             self.client.lose(url)
+            if self.router is not None:
+                eviction = asyncio.ensure_future(self._evict(url))
+                self._evictions.add(eviction)
+                eviction.add_done_callback(self._evictions.discard)
+
+    async def _evict(self, url: str) -> None:
+        """Behind the router: no new request for the silent engine at `url`, and its server
+        killed, so that the router sends the requests it holds there to another engine (it
+        would wait for them until its request timeout). heal replaces it as a lost one."""
+        assert self.router is not None
+        loop = asyncio.get_running_loop()
+        try:
+            await self.router.remove(url)
+            self._silenced.add(url)
+            await loop.run_in_executor(None, self.engines.kill, url)
+        except Exception as exc:  # (heal stops and replaces it regardless)
+            LOG.warning("could not take the silent engine at %s out of the router: %s", url,
+                        _reason(exc))
 
 
 def _reason(exc: BaseException) -> str:

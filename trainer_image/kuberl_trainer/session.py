@@ -32,6 +32,7 @@ from kuberl_trainer.preflight import Checked
 from kuberl_trainer.progress import Progress
 from kuberl_trainer.reporter import StatusReporter
 from kuberl_trainer.rollout import DataPosition, RolloutManager
+from kuberl_trainer.router import Router
 
 if TYPE_CHECKING:
     from kuberl_trainer.run import Options
@@ -51,6 +52,7 @@ class Session:
         self.memory: MemoryHandoff
         self.sft_source: PromptSource | None = None
         self.rollout: RolloutManager | None = None
+        self.router: Router | None = None
         self.step = 0
         self.weight_version = 0
         self.aio = asyncio.new_event_loop()  # one loop for the run: the HTTP session lives on it
@@ -93,6 +95,11 @@ class Session:
         self.memory.ranks = self._colocated_ranks()
         if not self.memory.on:  # (disaggregated: engines and trainers start side by side)
             self._wait_for_engines()
+        if self.spec.rollout.router == "sglang":  # (generation only: after the engines)
+            self.router = Router(self.client, log=None if logs is None else logs / "router.log")
+            self.aio.run_until_complete(self.router.start())
+            self.client.router_url = self.router.url
+            self.fleet.router = self.router
         d = self.spec.data
         self.source = PromptSource(d.prompts, d.input_key, d.label_key, seed=self.opts.seed)
         self.sft_source = (PromptSource(d.sft.path, d.input_key, d.label_key,
@@ -291,6 +298,8 @@ class Session:
 
     def close(self) -> None:
         try:
+            if self.router is not None:
+                self.router.stop()
             if hasattr(self, "client"):
                 self.aio.run_until_complete(self.client.close())
             if self.engines is not None:
