@@ -22,6 +22,7 @@ How kuberl uses it, and why (measured against sglang-router 0.3.2, docs/design-n
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import subprocess
@@ -46,7 +47,7 @@ def router_command(urls: Sequence[str], *, port: int, prometheus_port: int,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port),
             "--policy", "manual", "--assignment-mode", "min_load",
             "--disable-health-check", "--disable-circuit-breaker",
-            "--request-timeout-secs", str(max(1, round(request_timeout_s))),
+            "--request-timeout-secs", str(max(1, math.ceil(request_timeout_s))),
             "--log-level", "warn"]
 
 
