@@ -120,6 +120,8 @@ class Fleet:
         """Replace every engine that died or was lost since the last call. Raises EngineError
         for the first engine past the restart budget."""
         loop = asyncio.get_running_loop()
+        if self._evictions:  # (a kill landing after the restart would kill the replacement)
+            await asyncio.gather(*self._evictions, return_exceptions=True)
         dead = await loop.run_in_executor(None, self.engines.dead)
         gone = sorted(set(dead) | self.client.lost, key=self.engines.urls.index)
         for url in gone:
