@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from kuberl_trainer.engine_client import EngineClient, GenerateResult  # noqa: E402
 from kuberl_trainer.router import Router  # noqa: E402
+from tests.integration.test_router import delta, served  # noqa: E402
 
 
 def free_port() -> int:
@@ -55,15 +56,6 @@ def start_engines(model: Path, n: int, device: str, logs: Path) -> list[subproce
     return procs
 
 
-async def served(client: EngineClient) -> dict[str, int]:
-    out = {}
-    for url in client.urls:
-        text = await client.request(url, "GET", "/metrics")
-        out[url] = int(sum(float(line.split()[-1]) for line in text.splitlines()
-                           if line.startswith("sglang:num_requests_total")))
-    return out
-
-
 async def rollout(client: EngineClient, args: argparse.Namespace, seed: int
                   ) -> tuple[float, list[GenerateResult], dict[str, int]]:
     # (distinct prompts within the tiny model's 14-token vocabulary)
@@ -75,8 +67,7 @@ async def rollout(client: EngineClient, args: argparse.Namespace, seed: int
     started = time.perf_counter()
     results = await client.generate_spread(prompts, params, group=args.samples)
     seconds = time.perf_counter() - started
-    after = await served(client)
-    return seconds, results, {u: after[u] - before[u] for u in after}
+    return seconds, results, await delta(client, before)
 
 
 async def main_async(args: argparse.Namespace, urls: list[str], logs: Path) -> None:

@@ -54,7 +54,8 @@ async def routed(urls: list[str], tmp_path: Path) -> AsyncIterator[tuple[EngineC
 def groups(n: int, first: int = 0) -> tuple[list[list[int]], list[dict[str, object]]]:
     """n GRPO groups of GROUP samples: a prompt each, a seed per sample."""
     prompts = [[4, 5, 6 + g] for g in range(first, first + n) for _ in range(GROUP)]
-    params = [{**PARAMS, "sampling_seed": 100 + i} for i in range(len(prompts))]
+    params: list[dict[str, object]] = [{**PARAMS, "sampling_seed": 100 + i}
+                                       for i in range(len(prompts))]
     return prompts, params
 
 
