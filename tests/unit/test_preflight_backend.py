@@ -1,5 +1,5 @@
-"""`kuberl run`'s preflight for the megatron backend: what it needs is checked before Ray
-starts, each refusal naming the field and what is allowed."""
+"""`kuberl run`'s preflight for the megatron backend and the router: what they need is checked
+before Ray starts, each refusal naming the field and what is allowed."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kuberl_api.spec import RLJobSpec
-from kuberl_trainer.preflight import PreflightError, check_backend, check_engine_tp
+from kuberl_trainer.preflight import PreflightError, check_backend, check_engine_tp, check_router
 
 QWEN2 = {"model_type": "qwen2", "num_hidden_layers": 6, "hidden_size": 64,
          "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 96,
@@ -96,3 +96,17 @@ def test_engine_tp_that_splits_a_head_is_refused_before_anything_starts(tmp_path
             r"spec.rollout.gpusPerEngine: tensor parallel size 8 must divide the model's 12 "
             r"attention heads, its 3 key/value heads .*, its MLP intermediate size 100")):
         check_engine_tp(engine_spec(tmp_path, 8))
+
+
+def test_the_router_needs_sglang_router_installed(model: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    routed = spec(model, backend="fsdp")
+    routed.rollout.router = "sglang"
+    check_router(routed)  # (installed here: the trainer extra has it)
+    check_router(spec(model, backend="fsdp"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "sglang_router" else real(name, *a))
+    check_router(spec(model, backend="fsdp"))  # router none: nothing needed
+    with pytest.raises(PreflightError, match=r"^spec\.rollout\.router: .*kuberl\[trainer\]"):
+        check_router(routed)

@@ -82,6 +82,16 @@ def check_backend(spec: RLJobSpec) -> None:
                              f"{shape.num_layers} layers")
 
 
+def check_router(spec: RLJobSpec) -> None:
+    """rollout.router sglang runs sglang-router where the loop runs: it must be installed."""
+    import importlib.util
+
+    if spec.rollout.router == "sglang" and importlib.util.find_spec("sglang_router") is None:
+        raise PreflightError("spec.rollout.router: sglang needs sglang-router, which is not "
+                             "installed here (pip install 'kuberl[trainer]'; the trainer image "
+                             "has it), or use router none (the client's own balancer)")
+
+
 def check_engine_tp(spec: RLJobSpec) -> None:
     """SGLang shards attention heads and the MLP across an engine's TP ranks and asserts at
     model load that they divide (sglang/srt/models/*.py, 0.5.6): attention heads by the TP
@@ -122,6 +132,7 @@ def check(spec: RLJobSpec) -> Checked:
     check_tokenizer(tokenizer, "spec.model.tokenizer" if spec.model.tokenizer
                     else "spec.model.path")
     check_backend(spec)
+    check_router(spec)
     check_engine_tp(spec)
     check_data(spec)
     try:
