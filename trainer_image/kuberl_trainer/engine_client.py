@@ -42,7 +42,7 @@ T = TypeVar("T")
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 # What the router answers when no engine it tried could serve a request (every one gone)
 ROUTER_UNSERVED = (500, 502, 503)
-ROUTED_ATTEMPTS = 3  # a request the router could not place, sent again after a revive
+ROUTED_ATTEMPTS = 3  # a request the router could not place, sent again after a reroute
 
 
 class EngineError(RuntimeError):
@@ -379,7 +379,9 @@ class EngineClient:
             headers = {ROUTING_KEY_HEADER: f"{id(self):x}-{call}-{i // group}"}
             body = generate_request(prompts[i], sampling_params[i],
                                     return_logprob=return_logprob)
-            for attempt in itertools.count(1):
+            attempt = 0
+            while True:
+                attempt += 1
                 sent = time.perf_counter()
                 try:
                     answer = await self.request(router, "POST", "/generate", body,
@@ -397,7 +399,6 @@ class EngineClient:
                 # (the router does not say which engine answered)
                 result.engine_url, result.seconds = "", time.perf_counter() - sent
                 return result
-            raise AssertionError("unreachable")
 
         return await first_error(one(i) for i in range(len(prompts)))
 

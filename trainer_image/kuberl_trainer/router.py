@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -67,8 +66,12 @@ class Router:
                              request_timeout_s=self.client.request_timeout_s)
         sink: IO[bytes] | int = (self._log.open("ab") if self._log is not None
                                  else subprocess.DEVNULL)
-        self._proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT,
-                                      start_new_session=True, env=os.environ.copy())
+        try:
+            self._proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
+        finally:  # (the router writes to its own copy of the file)
+            if not isinstance(sink, int):
+                sink.close()
         await self.wait_for(set(self.client.live()), timeout_s)
 
     async def workers(self) -> dict[str, str]:
