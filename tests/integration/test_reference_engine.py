@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -249,6 +250,11 @@ async def checksums(client: EngineClient) -> list[dict[str, str]]:
     return [await client.request(u, "GET", "/get_weights_checksum") for u in client.urls]
 
 
+async def engine_sums(urls: list[str]) -> list[dict[str, str]]:
+    async with EngineClient(urls, request_timeout_s=30) as client:
+        return await checksums(client)
+
+
 async def gloo_sender(client: EngineClient, group_name: str, *,
                       flatten: bool) -> DistributedWeightSender:
     """This test process as trainer rank 0 of a gloo group with the client's engines."""
@@ -343,6 +349,94 @@ async def test_shared_tensor_update_reaches_both_engines(
                                weight_version="restored", shared=True)
         want = {n: tensor_sha256(t) for n, t in original.items()}
         assert await checksums(client) == [want, want]
+
+
+def trainer_worker(model_dir: Path, **engine_args: str) -> Any:
+    """A real TrainWorker (the Ray actor's class, used in-process) of the fsdp backend on CPU,
+    for reference engines given `engine_args`."""
+    from kuberl_api import parse
+    from kuberl_trainer.actors import TrainWorker
+
+    spec = parse({"apiVersion": "kuberl.dev/v1alpha1", "kind": "RLJob",
+                  "metadata": {"name": "sync"}, "spec": {
+                      "model": {"path": str(model_dir)}, "data": {"prompts": "/d.jsonl"},
+                      "training": {"backend": "fsdp", "gpusPerNode": 0},
+                      "rollout": {"engine": "reference", "gpus": 0,
+                                  "engineArgs": engine_args}}}).spec
+    threads = torch.get_num_threads()  # (a CPU worker sets its own; this process keeps ours)
+    worker = TrainWorker(spec.model_dump_json(by_alias=True), rank=0, world_size=1)
+    torch.set_num_threads(threads)
+    return worker
+
+
+def test_a_tied_model_takes_its_embedding_alone_and_its_lm_head_follows(
+        model_dir: Path) -> None:
+    """The fsdp backend sends a tied model's embedding once, without lm_head.weight (SGLang
+    skips that name and ties lm_head to the embedding), in the engine's dtype: the reference
+    engine takes the buckets as they are, its lm_head is the new embedding afterwards, and
+    its checksums are the trainer's (TrainWorker.checksums, of what it sends)."""
+    from kuberl_rollout.reference.engine import ReferenceEngine
+
+    worker = trainer_worker(model_dir, dtype="bfloat16")
+    worker.setup("127.0.0.1", 0)
+    assert worker.sync_dtype() == torch.bfloat16
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # the trainer's weights move away from what the engine loaded
+        for param in worker.backend.module.parameters():
+            param.add_(torch.randn(param.shape, generator=gen))
+    engine = ReferenceEngine(str(model_dir), dtype="bfloat16")
+    before = engine.checksums()
+
+    buckets = list(worker.backend.named_tensor_buckets(4096, worker.sync_dtype()))
+    sent = dict(kv for bucket in buckets for kv in bucket)
+    assert "lm_head.weight" not in sent and {t.dtype for t in sent.values()} == {torch.bfloat16}
+    for bucket in buckets:
+        engine.load_weights(bucket)
+
+    embedding = sent["model.embed_tokens.weight"]
+    assert torch.equal(engine.model.lm_head.weight, embedding)
+    assert torch.equal(engine.model.model.embed_tokens.weight, embedding)
+    after, want = engine.checksums(), worker.checksums()
+    assert want.keys() == sent.keys() and {n: after[n] for n in want} == want
+    assert after["lm_head.weight"] == want["model.embed_tokens.weight"]
+    assert after["lm_head.weight"] != before["lm_head.weight"]
+
+
+def test_colocated_syncs_reuse_rank_zeros_loop_and_session(
+        pair: list[str], reference_model: torch.nn.Module, model_dir: Path) -> None:
+    """push_colocated, one training rank (shared memory stands in for CUDA IPC on CPU), into
+    both engines twice, with the Poster a TrainWorker keeps: both syncs reach the engines
+    through one event loop and one HTTP session. A changed engine list (an engine replaced)
+    gets a new Poster and closes the old one."""
+    from kuberl_trainer.weight_sync.colocated import push_colocated
+
+    worker = trainer_worker(model_dir)
+    poster = worker._colocated_poster(pair)
+    original = {n: t.clone() for n, t in reference_model.state_dict().items()}
+    sessions = []
+    try:
+        for version in (1, 2):
+            state = perturbed(reference_model, seed=20 + version)
+            assert worker._colocated_poster(pair) is poster
+            push_colocated(bucketize(trainer_params(state, reference_model), 16 << 10),
+                           rank=0, world_size=1, gpu=("127.0.0.1", 0), engine_urls=pair,
+                           engine_devices=[[0], [0]], weight_version=f"colocated-{version}",
+                           poster=worker._colocated_poster(pair))
+            sessions.append(poster.client._session)
+            want = {n: tensor_sha256(t) for n, t in state.items()}
+            assert asyncio.run(engine_sums(pair)) == [want, want]
+        assert sessions[0] is not None and sessions[0] is sessions[1]
+        assert not sessions[0].closed
+        assert not poster.loop.is_closed()
+    finally:
+        async def restore() -> None:
+            async with EngineClient(pair, request_timeout_s=60) as client:
+                await send_tensors(client, [trainer_params(original, reference_model)],
+                                   weight_version="restored", shared=True)
+        asyncio.run(restore())
+    replacement = worker._colocated_poster(pair[:1])
+    assert replacement is not poster and poster.loop.is_closed() and sessions[0].closed
+    replacement.close()
 
 
 async def test_tensor_update_rejects_unknown_names_and_changes_nothing(

@@ -5,16 +5,19 @@ pinned SGLang's own parser."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kuberl_api import parse
+from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.actors import EngineServer
 from kuberl_trainer.engine_client import EngineError
-from kuberl_trainer.engine_command import engine_arg_flags
+from kuberl_trainer.engine_command import engine_arg_flags, engine_dtype
 from kuberl_wire.protocol import ENGINE_SECRET_ENV
 from tests.sglang_contract.cases import DIST_INIT_ADDR, NCCL_PORT, PORT, all_cases
 
@@ -219,6 +222,42 @@ def test_a_cluster_engine_death_quotes_the_lines_its_actor_kept(
     text = s.explain(EngineError(url, "exited with code 2 while starting"))
     assert text.startswith(f"engine died: {url} exited with code 2")
     assert text.splitlines()[-1] == "  error: unrecognized arguments: --bogus"
+
+
+def _spec(**spec: Any) -> RLJobSpec:
+    return RLJobSpec.model_validate_json(spec_json(**spec))
+
+
+def test_engine_dtype_is_the_engine_args_dtype_else_each_engines_default(tmp_path: Path
+                                                                         ) -> None:
+    """The dtype weight sync sends in: what the engine serves. engineArgs' dtype (SGLang's
+    spellings too); else the reference engine's own default (float32, whatever the model
+    says), or SGLang's "auto": the config's dtype, float32 served as float16 (bf16 for
+    Gemma), as SGLang 0.5.6's ModelConfig resolves it."""
+    from kuberl_rollout.reference.__main__ import build_parser
+
+    def config(**fields: Any) -> dict[str, Any]:
+        (tmp_path / "config.json").write_text(json.dumps(fields))
+        return {"path": str(tmp_path)}
+
+    reference = {"training": {"backend": "fsdp", "gpusPerNode": 0},
+                 "rollout": {"engine": "reference", "gpus": 0}}
+    sglang = {"placement": "disaggregated", "rollout": {"gpus": 8}}
+    assert engine_dtype(_spec(model=config(dtype="bfloat16"), **reference)) == "float32"
+    assert build_parser().get_default("dtype") == "float32"  # the same default
+    assert engine_dtype(_spec(model=config(), training=reference["training"], rollout={
+        "engine": "reference", "gpus": 0, "engineArgs": {"dtype": "bfloat16"}})) == "bfloat16"
+    for fields, served in [({"dtype": "bfloat16"}, "bfloat16"),
+                           ({"torch_dtype": "float16"}, "float16"),  # the older key
+                           ({"torch_dtype": "float32"}, "float16"),
+                           ({}, "float16"),
+                           ({"dtype": "float32", "model_type": "gemma2"}, "bfloat16")]:
+        assert engine_dtype(_spec(model=config(**fields), **sglang)) == served, fields
+    model = config(dtype="bfloat16")
+    for asked, served in [("auto", "bfloat16"), ("half", "float16"), ("float", "float32"),
+                          ("float32", "float32")]:
+        assert engine_dtype(_spec(model=model, placement="disaggregated", rollout={
+            "gpus": 8, "engineArgs": {"dtype": asked}})) == served, asked
 
 
 def test_every_engine_arg_allowed_for_the_reference_engine_is_one_of_its_flags() -> None:

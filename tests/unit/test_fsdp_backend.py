@@ -250,7 +250,7 @@ def test_named_tensor_buckets_cover_state_dict_with_hf_names(model_dir: str) -> 
     backend = make_backend(make_spec(model_dir), rank=0, world_size=1, device="cpu")
     assert isinstance(backend, FSDPBackend)
     limit = 4096  # the embedding is exactly 4096 bytes; each MLP matrix (8192) is oversize
-    buckets = list(backend.named_tensor_buckets(limit))
+    buckets = list(backend.named_tensor_buckets(limit, tied_aliases=True))
 
     names = [name for bucket in buckets for name, _ in bucket]
     expected = list(Qwen2ForCausalLM.from_pretrained(model_dir).state_dict())
@@ -266,9 +266,36 @@ def test_named_tensor_buckets_cover_state_dict_with_hf_names(model_dir: str) -> 
     for name, value in fresh.state_dict().items():
         assert torch.equal(value, backend.module.state_dict()[name])
 
-    untied = [n for b in backend.named_tensor_buckets(limit, skip_tied=True) for n, _ in b]
+    untied = [n for b in backend.named_tensor_buckets(limit) for n, _ in b]
     on_disk = load_file(Path(model_dir) / "model.safetensors")
-    assert sorted(untied) == sorted(on_disk)  # what save_pretrained writes
+    assert sorted(untied) == sorted(on_disk)  # what save_pretrained writes (and sync sends)
+
+
+def test_sync_buckets_hold_a_tied_embedding_once_in_the_engine_dtype(model_dir: str) -> None:
+    """What weight sync sends to a bf16 engine: every tensor once (the tied lm_head.weight
+    left out, as HF saves it) and cast to bf16 — under half the bytes of the fp32 master
+    weights with both tied names (the issue's 2.52 GB for 0.99 GB)."""
+    backend = make_backend(make_spec(model_dir), rank=0, world_size=1, device="cpu")
+    assert isinstance(backend, FSDPBackend)
+    master = backend.module.state_dict()
+    sent = [kv for bucket in backend.named_tensor_buckets(4096, torch.bfloat16) for kv in bucket]
+
+    names = [n for n, _ in sent]
+    assert "lm_head.weight" not in names and len(set(names)) == len(names)
+    assert "model.embed_tokens.weight" in names
+    assert sorted(names) == sorted(load_file(Path(model_dir) / "model.safetensors"))
+    assert {t.dtype for _, t in sent} == {torch.bfloat16}
+    for name, tensor in sent:
+        assert torch.equal(tensor, master[name].to(torch.bfloat16)), name
+    assert all(t.dtype == torch.float32 for t in master.values())  # the master stays fp32
+
+    def size(named: Any) -> int:
+        return sum(t.numel() * t.element_size() for _, t in named)
+
+    before = size(master.items())  # fp32, lm_head.weight and the embedding both sent
+    embedding = master["model.embed_tokens.weight"]
+    assert size(sent) == (before - embedding.numel() * 4) // 2
+    assert size(sent) < before / 2
 
 
 def test_megatron_backend_refuses_cpu_before_touching_megatron(model_dir: str) -> None:
@@ -292,7 +319,8 @@ def _ddp_worker(rank: int, world_size: int, init_file: str, model_dir: str, out:
                                device="cpu")
         shard = make_batch().split(world_size)[rank]
         metrics = backend.train_step(with_old(backend, shard))
-        names = [n for bucket in backend.named_tensor_buckets(1 << 20) for n, _ in bucket]
+        names = [n for bucket in backend.named_tensor_buckets(1 << 20, tied_aliases=True)
+                 for n, _ in bucket]
         assert isinstance(backend, FSDPBackend) and backend.mode == "ddp"
         torch.save({"params": params(backend), "names": names, "metrics": metrics},
                    os.path.join(out, f"rank{rank}.pt"))

@@ -27,7 +27,7 @@ import torch
 
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.backends.base import Backend, TrainBatch, make_backend
-from kuberl_trainer.engine_command import engine_command
+from kuberl_trainer.engine_command import engine_command, engine_dtype
 from kuberl_trainer.placement import (
     ActorShape,
     Layout,
@@ -115,6 +115,8 @@ class TrainWorker:
             torch.set_num_threads(torch_threads(sharing))
         self._sender: Any = None
         self._aio: asyncio.AbstractEventLoop | None = None
+        self._poster: Any = None  # a colocated sync's rank 0 HTTP side (colocated.Poster)
+        self._sync_dtype: torch.dtype | None = None
         self._weights_off = self._offloaded = False
         self._memory: dict[str, float] = {}  # GPU memory metrics (GiB), with train_step's
 
@@ -190,9 +192,13 @@ class TrainWorker:
         started = time.perf_counter()
         if self._weights_off:
             self.onload(WEIGHTS)
-        buckets = itertools.islice(self.backend.named_tensor_buckets(bucket_bytes),
-                                   max_buckets)
-        if self.spec.placement == "colocate" and self.device == "cuda":
+        colocated = self.spec.placement == "colocate" and self.device == "cuda"
+        # Colocated engines read the tensors in place (IPC handles) and cast as they copy:
+        # the training dtype's own storage costs no memory, a cast copy would cost the model's
+        # size until the engines let go. Over the wire, the engines' dtype is fewer bytes.
+        buckets = itertools.islice(self.backend.named_tensor_buckets(
+            bucket_bytes, None if colocated else self.sync_dtype()), max_buckets)
+        if colocated:
             # Trainer and engine share GPUs, and NCCL refuses two ranks on one device: pass
             # CUDA IPC handles through /update_weights_from_tensor instead, as SGLang takes
             # them, each engine TP rank's from the training rank on its GPU; the engine
@@ -205,7 +211,8 @@ class TrainWorker:
                 gpu=(node_ip(), int(ray.get_gpu_ids()[0])), engine_urls=engine_urls,
                 engine_devices=[colocated_engine_devices(i, tp, self.spec.training.gpus_per_node)
                                 for i in range(len(engine_urls))],
-                weight_version=str(weight_version))
+                weight_version=str(weight_version),
+                poster=self._colocated_poster(engine_urls) if self.rank == 0 else None)
             return time.perf_counter() - started
         if self.rank != 0:
             for _ in buckets:
@@ -214,6 +221,27 @@ class TrainWorker:
         self._weight_sender(engine_urls, sync_port).run_until_complete(
             self._sender.send(buckets, weight_version=str(weight_version)))
         return time.perf_counter() - started
+
+    def sync_dtype(self) -> torch.dtype:
+        """The dtype weight sync sends (and `checksums` hashes): the engines' own."""
+        if self._sync_dtype is None:
+            from kuberl_wire.dtypes import str_to_dtype
+
+            self._sync_dtype = str_to_dtype(engine_dtype(self.spec))
+        return self._sync_dtype
+
+    def _colocated_poster(self, engine_urls: list[str]) -> Any:
+        """Rank 0's HTTP side of a colocated sync (event loop and HTTP session), kept while
+        the engines stay the same, so a sync opens no new connections (colocated.py)."""
+        from kuberl_trainer.weight_sync.colocated import Poster
+
+        if self._poster is not None and self._poster.client.urls != [
+                u.rstrip("/") for u in engine_urls]:
+            self._poster.close()  # an engine was replaced
+            self._poster = None
+        if self._poster is None:
+            self._poster = Poster(engine_urls)
+        return self._poster
 
     def _weight_sender(self, engine_urls: list[str],
                        sync_port: int) -> asyncio.AbstractEventLoop:
@@ -254,8 +282,8 @@ class TrainWorker:
         from kuberl_wire.codec import tensor_sha256
 
         self.onload(WEIGHTS)
-        return {name: tensor_sha256(t) for bucket in self.backend.named_tensor_buckets(1 << 26)
-                for name, t in bucket}
+        return {name: tensor_sha256(t) for bucket in self.backend.named_tensor_buckets(
+            1 << 26, self.sync_dtype()) for name, t in bucket}
 
     def save(self, path: str) -> None:
         self.onload()

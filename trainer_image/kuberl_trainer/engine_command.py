@@ -27,12 +27,17 @@ What kuberl passes to SGLang (`python -m sglang.launch_server`) and why:
   engineListArgs
 The reference engine (`python -m kuberl_rollout.reference`) gets the same model, host, port,
 --tp-size, multi-node and metrics flags, plus --seed, --device and (on CPU) --torch-threads.
+
+`engine_dtype`: the dtype an engine so launched serves in (weight sync sends in it); it also
+reads the model's config.json, as SGLang's "auto" does.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from kuberl_api.spec import RLJobSpec
 
@@ -73,6 +78,34 @@ def default_engine_args(spec: RLJobSpec) -> dict[str, EngineArgValue]:
     if colocated_sglang(spec):
         defaults["enable-memory-saver"] = "true"
     return defaults
+
+
+# --dtype spellings (SGLang's choices; the reference engine takes the torch names) -> torch names
+DTYPE_NAMES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16",
+               "float": "float32", "float32": "float32"}
+REFERENCE_DEFAULT_DTYPE = "float32"  # kuberl_rollout.reference's --dtype default
+
+
+def engine_dtype(spec: RLJobSpec) -> str:
+    """The dtype the engines hold the policy's weights in (a torch name, "bfloat16"), which
+    weight sync sends them in: fewer bytes than the trainer's fp32 master weights, and the
+    bytes the engine's checksums are of. From rollout.engineArgs' dtype; else the engine's
+    default: the reference engine's float32, SGLang's "auto" (`ModelConfig`'s
+    `_get_and_verify_dtype` in 0.5.6): the model's config.json dtype (`dtype`, or the older
+    `torch_dtype`), where a float32 or unstated one serves as float16 (bfloat16 for Gemma)."""
+    asked = spec.rollout.engine_args.get("dtype")
+    if asked is None:
+        asked = "auto" if spec.rollout.engine == "sglang" else REFERENCE_DEFAULT_DTYPE
+    if asked != "auto":
+        if asked not in DTYPE_NAMES:
+            raise ValueError(f"rollout.engineArgs dtype {asked!r}: expected auto or one of "
+                             f"{sorted(DTYPE_NAMES)}")
+        return DTYPE_NAMES[asked]
+    config = json.loads((Path(spec.model.path) / "config.json").read_text())
+    stated = DTYPE_NAMES.get(str(config.get("dtype") or config.get("torch_dtype")), "float32")
+    if stated != "float32":
+        return stated
+    return "bfloat16" if str(config.get("model_type", "")).startswith("gemma") else "float16"
 
 
 def engine_command(spec: RLJobSpec, *, model_path: str, port: int, nccl_port: int, seed: int,

@@ -4,6 +4,6 @@ No ray, network or file I/O here (import-linter enforces it); every function map
 tensors so it can be tested against hand-computed values.
 """
 
-from kuberl_trainer.algos import advantages, filters, kl, losses
+from kuberl_trainer.algos import advantages, filters, kl
 
-__all__ = ["advantages", "filters", "kl", "losses"]
+__all__ = ["advantages", "filters", "kl"]

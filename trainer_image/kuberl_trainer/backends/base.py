@@ -166,9 +166,13 @@ class Backend(Protocol):
         ranks that report (one per data-parallel rank)."""
         ...
 
-    def named_tensor_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
-        """The full weights as ``(HF state_dict name, tensor)`` lists of at most
-        ``bucket_bytes`` each (a single larger tensor gets a bucket of its own)."""
+    def named_tensor_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None,
+                             ) -> Iterator[list[tuple[str, Tensor]]]:
+        """The full weights as weight sync sends them: ``(HF name, tensor)`` lists of at
+        most ``bucket_bytes`` each (a single larger tensor gets a bucket of its own), in
+        ``dtype`` (the engines', ``engine_command.engine_dtype``; None: the backend's own).
+        Each tensor once, under the names HF saves: a tied ``lm_head.weight`` is left out,
+        since engines tie it to the embedding on load (SGLang skips the name)."""
         ...
 
     def offload(self, *, optimizer: bool, weights: bool) -> int:

@@ -35,7 +35,6 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from kuberl_api.spec import RLJobSpec
-from kuberl_trainer.algos import losses
 from kuberl_trainer.algos.objective import Objective
 from kuberl_trainer.backends.base import TrainBatch, sft_step_parts
 from kuberl_trainer.backends.buckets import bucketize
@@ -55,12 +54,8 @@ from kuberl_trainer.backends.optim import (
 )
 from kuberl_trainer.backends.rng import rng_state, set_rng_state
 from kuberl_trainer.backends.step_metrics import StepMetrics
-from kuberl_trainer.backends.tokens import (
-    gather_logprobs,
-    next_token_logits,
-    response_mask,
-    used_width,
-)
+from kuberl_trainer.backends.tokens import response_mask, used_width
+from kuberl_trainer.backends.vocab_logprobs import next_token_logprobs_and_entropy
 
 LOG = logging.getLogger("kuberl.backend.fsdp")
 
@@ -126,8 +121,7 @@ class FSDPBackend:
     def _logprobs(self, model: nn.Module, batch: TrainBatch) -> Tensor:
         """``[B, T]`` on the device, in micro-batches. Runs the unwrapped module: no DDP
         hooks (nothing to synchronise without gradients)."""
-        return self._per_token(batch, lambda mb: gather_logprobs(
-            self._shifted_logits(model, mb), mb.input_ids))
+        return self._per_token(batch, lambda mb: self._token_values(model, mb)[0])
 
     def _per_token(self, batch: TrainBatch, fn: Callable[[TrainBatch], Tensor]) -> Tensor:
         """``fn`` (a ``[b, t]`` value per token of a padding-trimmed micro-batch) over the whole
@@ -140,13 +134,14 @@ class FSDPBackend:
             parts.append(nn.functional.pad(values, (0, width - values.shape[1])))
         return torch.cat(parts)
 
-    def _shifted_logits(self, model: nn.Module, mb: TrainBatch) -> Tensor:
-        """``[b, t-1, V]`` float32 temperature-scaled logits, row ``i`` predicting token
-        ``i+1`` (see ``tokens.py``)."""
+    def _token_values(self, model: nn.Module, mb: TrainBatch) -> tuple[Tensor, Tensor]:
+        """``(log-probs, entropy)`` ``[b, t]`` of ``mb``'s tokens under the temperature-scaled
+        policy, aligned to input_ids (``vocab_logprobs``: no float32 copy of the logits)."""
         with self._autocast():
             out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
                         use_cache=False)
-        return next_token_logits(out.logits, self.algo.temperature)
+        return next_token_logprobs_and_entropy(out.logits, mb.input_ids,
+                                               temperature=self.algo.temperature)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         # FSDP2 casts through its MixedPrecisionPolicy; a single GPU gets the same bf16
@@ -240,13 +235,11 @@ class FSDPBackend:
         """``(partial loss sum, token-mean stats, response tokens)`` for one micro-batch, the
         last two as device scalars; the objective (policy loss, TIS, KL, entropy,
         aggregation) is ``algos.objective``'s."""
-        shifted = self._shifted_logits(self.model, mb)      # [b, t-1, V]
-        logp = gather_logprobs(shifted, mb.input_ids)         # [b, t]
+        logp, entropy = self._token_values(self.model, mb)    # [b, t] each
         mask = response_mask(mb.loss_mask)                    # [b, t]
         old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()  # see TrainBatch
-        # Entropy is costly ([b, t-1, V] float32); keep its graph only when it is trained on.
-        with contextlib.nullcontext() if self.objective.needs_entropy_grad else torch.no_grad():
-            entropy = nn.functional.pad(losses.token_entropy(shifted), (1, 0))  # [b, t]
+        if not self.objective.needs_entropy_grad:
+            entropy = entropy.detach()  # a metric only: its backward term is skipped
         partial, stats = self.objective.partial_loss(
             logp, old, mb.advantages, mask, entropy=entropy, rollout_logp=mb.rollout_logprobs,
             ref_logp=mb.ref_logprobs)
@@ -255,7 +248,7 @@ class FSDPBackend:
     def _sft_nll(self, mb: TrainBatch) -> tuple[Tensor, Tensor]:
         """``(sum of -log p over the target tokens, their count)`` for one micro-batch of
         demonstrations (temperature-scaled logits, like everything the policy is trained on)."""
-        logp = gather_logprobs(self._shifted_logits(self.model, mb), mb.input_ids)
+        logp, _ = self._token_values(self.model, mb)
         mask = response_mask(mb.loss_mask)
         nll = -torch.where(mask.bool(), logp, torch.zeros_like(logp)).sum()
         return nll, mask.sum()
@@ -313,25 +306,25 @@ class FSDPBackend:
 
     # -- weights -----------------------------------------------------------------------------
 
-    def named_tensor_buckets(self, bucket_bytes: int, *, skip_tied: bool = False,
-                             dtype: torch.dtype | None = None,
-                             ) -> Iterator[list[tuple[str, Tensor]]]:
+    def named_tensor_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None, *,
+                             tied_aliases: bool = False) -> Iterator[list[tuple[str, Tensor]]]:
         """Buckets of ``(name, tensor)`` covering ``module.state_dict()`` of the HF model.
 
         Names are exactly a plain HF model's ``state_dict()`` keys (no DDP ``module.``
         prefix: it walks the unwrapped module). Tied weights: a tied model's state_dict holds
-        both ``model.embed_tokens.weight`` and ``lm_head.weight`` (one tensor); both are
-        yielded by default so ``load_state_dict(strict=True)`` accepts the result. With
-        ``skip_tied=True`` only the first name of each tied group is yielded — the keys
-        ``save_pretrained`` writes, enough for SGLang, which re-ties on load.
+        both ``model.embed_tokens.weight`` and ``lm_head.weight`` (one tensor). Only the
+        first name of each tied group is yielded — the keys ``save_pretrained`` writes, what
+        weight sync sends (engines re-tie on load) — unless ``tied_aliases``: then both, so
+        ``load_state_dict(strict=True)`` accepts the result.
 
-        Tensors are on the training device, in the training dtype unless ``dtype`` is given;
-        the single/DDP ones share storage with the live weights: read, don't write.
-        Under FSDP2 every rank must iterate (each tensor is an all-gather).
+        Tensors are on the training device, in the training dtype (fp32) unless ``dtype`` is
+        given; the single/DDP ones in the training dtype share storage with the live
+        weights: read, don't write. Under FSDP2 every rank must iterate (each tensor is an
+        all-gather).
         """
-        return bucketize(self._named_full_tensors(skip_tied, dtype), bucket_bytes)
+        return bucketize(self._named_full_tensors(tied_aliases, dtype), bucket_bytes)
 
-    def _named_full_tensors(self, skip_tied: bool, dtype: torch.dtype | None,
+    def _named_full_tensors(self, tied_aliases: bool, dtype: torch.dtype | None,
                             ) -> Iterator[tuple[str, Tensor]]:
         entries = self.module.state_dict(keep_vars=True)  # keep_vars: identity finds ties
         uses = Counter(id(t) for t in entries.values())
@@ -339,7 +332,7 @@ class FSDPBackend:
         for name, value in entries.items():
             key = id(value)
             if key in gathered:
-                if not skip_tied:
+                if tied_aliases:
                     yield name, gathered[key]
                 continue
             tensor = _full_tensor(value, dtype)
@@ -504,11 +497,13 @@ def with_tied_aliases(state: dict[str, Any], module: nn.Module) -> dict[str, Any
 
 
 def _full_tensor(value: Tensor, dtype: torch.dtype | None) -> Tensor:
-    tensor = value.detach()
+    # Cast first: under FSDP2 each rank casts its own shard and the all-gather moves the
+    # smaller dtype (half the bytes for bf16).
+    tensor = value.detach() if dtype is None else value.detach().to(dtype)
     full = getattr(tensor, "full_tensor", None)  # a DTensor shard under FSDP2
     if callable(full):
         tensor = full()
-    return tensor if dtype is None else tensor.to(dtype)
+    return tensor
 
 
 def trim_padding(mb: TrainBatch) -> TrainBatch:

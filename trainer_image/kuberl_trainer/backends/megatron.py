@@ -13,7 +13,7 @@ last pipeline stage's logits with TP rank 0.
   with ``cu_seqlens``, no padding computed, at most ``microBatchSize`` x the step's longest
   sequence tokens each. Samples are spread over data-parallel ranks by token count.
 - **Loss.** Logits stay split over the vocabulary (TP); log-probs and entropy are reduced over
-  the TP group (``megatron/vocab_parallel.py``) and fed to the same ``algos.objective`` as the
+  the TP group (``backends/vocab_logprobs.py``) and fed to the same ``algos.objective`` as the
   fsdp backend, normalised over the whole global batch, so Megatron sums gradients over
   data-parallel ranks instead of averaging them (``calculate_per_token_loss``).
 - **Weight sync** gathers TP shards into full HF tensors bucket by bucket (``megatron/
@@ -56,6 +56,7 @@ from kuberl_trainer.backends.optim import MAX_GRAD_NORM, LrMultiplier, optim_con
 from kuberl_trainer.backends.rng import rng_state, set_rng_state
 from kuberl_trainer.backends.step_metrics import StepMetrics
 from kuberl_trainer.backends.tokens import response_mask
+from kuberl_trainer.backends.vocab_logprobs import token_logprobs_and_entropy
 from kuberl_trainer.megatron import export, hf_layout as L, model as M
 from kuberl_trainer.megatron.packing import (
     Packed,
@@ -65,7 +66,6 @@ from kuberl_trainer.megatron.packing import (
     pack_rows,
     unpack,
 )
-from kuberl_trainer.megatron.vocab_parallel import token_logprobs_and_entropy
 
 LOG = logging.getLogger("kuberl.backend.megatron")
 
@@ -274,12 +274,12 @@ class MegatronBackend:
 
     def _token_values(self, mb: Micro, output: Tensor) -> tuple[Tensor, Tensor]:
         """``(log-probs, entropy)`` ``[b, t]`` of ``mb``'s tokens, aligned to input_ids."""
-        logits = output[0].float() / self.algo.temperature         # [N, V/tp]
+        logits = output[0]                                          # [N, V/tp], bf16
         targets, valid = next_token_targets(mb.packed)
         logp, entropy = token_logprobs_and_entropy(
             logits, targets, vocab_start=self.par.tp_rank * logits.shape[-1],
             group=self.ps.get_tensor_model_parallel_group() if self.par.tp > 1 else None,
-            vocab_size=self.shape.vocab)
+            vocab_size=self.shape.vocab, temperature=self.algo.temperature)
         width = mb.batch.input_ids.shape[1]
         mask = response_mask(mb.batch.loss_mask)
         to_rows = [unpack(align_to_tokens(torch.where(valid, v, 0.0), mb.packed), mb.packed,
@@ -397,23 +397,27 @@ class MegatronBackend:
 
     # -- weights -----------------------------------------------------------------------------
 
-    def named_tensor_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+    def named_tensor_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None,
+                             ) -> Iterator[list[tuple[str, Tensor]]]:
         """Collective over every rank (each must iterate it to the end). Global rank 0 gets
-        the full HF-named buckets; the others yield what they gathered (possibly nothing)."""
+        the full HF-named buckets, in ``dtype`` (None: the parameters' bf16); the others
+        yield what they gathered (possibly nothing). A tied model's output layer is the
+        embedding: the plan exports it once, as ``model.embed_tokens.weight``."""
         if self.dp_rank != 0:  # data-parallel replicas hold the same weights: nothing to do
             return
         local = M.named_local_tensors(self.model, self.par, self.shape.num_layers)
-        plan = export.plan(self.shape, self.par.pp, bucket_bytes, bytes_per_element=2)
+        size = 2 if dtype is None else dtype.itemsize
+        plan = export.plan(self.shape, self.par.pp, bucket_bytes, bytes_per_element=size)
         pending: tuple[list[export.Export], list[Any]] | None = None
         for bucket in plan:
             # Issue this bucket's all-gathers before finishing the previous one: they run on
             # NCCL's stream while the caller sends what we yield.
             issued = (bucket, self._gather(bucket, local))
             if pending is not None:
-                yield self._finish(*pending)
+                yield self._finish(*pending, dtype)
             pending = issued
         if pending is not None:
-            yield self._finish(*pending)
+            yield self._finish(*pending, dtype)
 
     def _gather(self, bucket: list[export.Export], local: dict[str, Tensor]) -> list[Any]:
         if bucket[0].stage != self.par.pp_rank:
@@ -430,13 +434,14 @@ class MegatronBackend:
             out.append((parts, work))
         return out
 
-    def _finish(self, bucket: list[export.Export], gathered: list[Any]
-                ) -> list[tuple[str, Tensor]]:
+    def _finish(self, bucket: list[export.Export], gathered: list[Any],
+                dtype: torch.dtype | None) -> list[tuple[str, Tensor]]:
         named: list[tuple[str, Tensor]] = []
         for e, (parts, work) in zip(bucket, gathered, strict=False):
             if work is not None:
                 work.wait()
-            named += export.to_hf(e, L.tp_gather(e.megatron, parts, self.shape), self.shape)
+            full = L.tp_gather(e.megatron, parts, self.shape)
+            named += export.to_hf(e, full if dtype is None else full.to(dtype), self.shape)
         stage = bucket[0].stage
         if stage == 0 or self.par.tp_rank != 0:
             return named

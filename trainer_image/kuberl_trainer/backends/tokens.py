@@ -1,44 +1,15 @@
-"""Per-token log-probs from a causal LM's logits: the shift convention, in one place.
+"""Token alignment: the shift convention, in one place.
 
 A causal LM's ``logits[:, t]`` is the distribution of the *next* token, ``input_ids[:, t+1]``.
 The trainer stores everything aligned to ``input_ids`` positions (see ``base.py``), so the
 log-prob of token ``t`` comes from ``logits[:, t-1]`` and position 0, which nothing predicts,
-gets 0.
+gets 0 (``vocab_logprobs.next_token_logprobs_and_entropy`` computes them).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-
-
-def next_token_logits(logits: Tensor, temperature: float) -> Tensor:
-    """``logits[B, T, V]`` -> ``[B, T-1, V]`` float32, row ``t`` predicting token ``t+1``.
-
-    Divided by the sampling temperature so log-probs match what the engines sampled from
-    (SGLang reports log-probs of the temperature-scaled distribution). Float32 because
-    bf16 log-softmax loses the small probabilities the PPO ratio depends on.
-    """
-    return logits[:, :-1].float() / temperature
-
-
-def gather_logprobs(shifted: Tensor, input_ids: Tensor) -> Tensor:
-    """Log-prob of each actual token, aligned to ``input_ids`` positions.
-
-    Args:
-        shifted: ``[B, T-1, V]`` from ``next_token_logits``.
-        input_ids: ``[B, T]`` long.
-
-    Returns:
-        ``[B, T]``: column ``t >= 1`` is ``log softmax(shifted[:, t-1])[input_ids[:, t]]``;
-        column 0 is 0.
-    """
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    # log_softmax(x)[y] = x[y] - logsumexp(x): gathers one value instead of keeping a second
-    # [B, T-1, V] log-softmax tensor alive for backward.
-    picked = shifted.gather(-1, targets).squeeze(-1) - torch.logsumexp(shifted, dim=-1)
-    return F.pad(picked, (1, 0), value=0.0)
 
 
 def response_mask(loss_mask: Tensor) -> Tensor:

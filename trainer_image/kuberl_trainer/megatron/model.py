@@ -117,7 +117,7 @@ def build_gpt(shape: L.DecoderShape, hf_config: Mapping[str, Any], par: Parallel
         pre_process=par.first_stage, post_process=par.last_stage,
         position_embedding_type="rope", **rope_settings(hf_config),
         share_embeddings_and_output_weights=shape.tied,
-        parallel_output=True)  # logits stay vocab-parallel: see megatron/vocab_parallel.py
+        parallel_output=True)  # logits stay vocab-parallel: see backends/vocab_logprobs.py
     # Every parameter in the compute dtype, norms included (Megatron's Float16Module does the
     # same): the local spec builds its norms in float32, which would then reach the engines as
     # float32 tensors where the checkpoint has bf16. The optimizer keeps fp32 master copies.

@@ -87,11 +87,17 @@ def in_daemon_thread(fn: Callable[..., R], *args: Any) -> asyncio.Future[R]:
 
 @dataclass(frozen=True)
 class SyncStats:
+    """One weight update's sizes and time. ``seconds`` is the whole update; of it,
+    ``pause_s`` went to pausing generation and flushing caches, ``resume_s`` to continuing
+    it, and the rest to the buckets (export, announce, transfer, the engines' loading)."""
+
     weight_version: str
     buckets: int
     tensors: int
     bytes: int
     seconds: float
+    pause_s: float = 0.0
+    resume_s: float = 0.0
 
     @property
     def mb_per_s(self) -> float:
@@ -234,16 +240,21 @@ class DistributedWeightSender:
         version = weight_version if weight_version is not None else str(self.weight_version + 1)
         start = time.perf_counter()
         n_buckets = n_tensors = n_bytes = 0
-        async with paused(self.client):
-            for bucket, last in _with_last(buckets):
-                sizes = await self._send_bucket(group, bucket, version if last else None)
-                n_buckets += 1
-                n_tensors += len(bucket)
-                n_bytes += sizes
+        await pause_and_flush(self.client)
+        paused_at = time.perf_counter()
+        for bucket, last in _with_last(buckets):
+            sizes = await self._send_bucket(group, bucket, version if last else None)
+            n_buckets += 1
+            n_tensors += len(bucket)
+            n_bytes += sizes
+        sent_at = time.perf_counter()
+        await continue_generation(self.client)  # (not after a failure: see `paused`)
+        end = time.perf_counter()
         if weight_version is None:
             self.weight_version += 1
         return SyncStats(weight_version=version, buckets=n_buckets, tensors=n_tensors,
-                         bytes=n_bytes, seconds=time.perf_counter() - start)
+                         bytes=n_bytes, seconds=end - start, pause_s=paused_at - start,
+                         resume_s=end - sent_at)
 
     async def _send_bucket(self, group: WeightSyncGroup, bucket: NamedTensors,
                            version: str | None) -> int:

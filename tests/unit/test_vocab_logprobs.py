@@ -1,6 +1,7 @@
-"""Vocab-parallel log-probs and entropy (megatron/vocab_parallel.py): one process against
-torch's full softmax, then two gloo ranks holding half the vocabulary each, values and
-gradients compared with the single-process computation."""
+"""Log-probs and entropy over the vocabulary (backends/vocab_logprobs.py): one process against
+torch's full float32 softmax (values, gradients, temperature, chunking, bf16, what is kept for
+backward), then two gloo ranks holding half the vocabulary each, compared with the
+single-process computation."""
 
 from __future__ import annotations
 
@@ -13,15 +14,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kuberl_trainer.megatron.vocab_parallel import token_logprobs_and_entropy
+from kuberl_trainer.backends import vocab_logprobs
+from kuberl_trainer.backends.vocab_logprobs import (
+    next_token_logprobs_and_entropy,
+    token_logprobs_and_entropy,
+)
 
 W_LOGP, W_ENT = 0.7, -1.3  # fixed loss weights: loss = (logp * W_LOGP + entropy * W_ENT).sum()
 
 
-def full(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int | None = None
-         ) -> tuple[torch.Tensor, torch.Tensor]:
+def full(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int | None = None,
+         temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference: torch's log_softmax over the real columns."""
-    real = logits.float()[..., :vocab_size]
+    real = logits.float()[..., :vocab_size] / temperature
     logp = torch.log_softmax(real, dim=-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
@@ -83,6 +88,100 @@ def test_rejects_a_slice_without_a_group() -> None:
         token_logprobs_and_entropy(logits, targets, vocab_start=4)
     with pytest.raises(ValueError, match="targets"):
         token_logprobs_and_entropy(logits, targets[:1], vocab_start=0)
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs_and_entropy(logits, targets, temperature=0.0)
+
+
+def test_hand_computed_temperature() -> None:
+    # logits (0, 2 ln 3) at T=2 are (0, ln 3): p = (1/4, 3/4), as at T=1 above.
+    logits = torch.tensor([[0.0, 2 * math.log(3.0)]])
+    logp, entropy = token_logprobs_and_entropy(logits, torch.tensor([0]), temperature=2.0)
+    assert logp.item() == pytest.approx(math.log(1 / 4))
+    assert entropy.item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 23, 1 << 24])
+def test_chunks_of_rows_change_nothing(monkeypatch: pytest.MonkeyPatch,
+                                       chunk_elements: int) -> None:
+    """Values and gradients are the same however the rows are cut (one row a chunk, chunks
+    that split the batch unevenly, one chunk), at a temperature, with padding columns."""
+    monkeypatch.setattr(vocab_logprobs, "EAGER_CHUNK_ELEMENTS", chunk_elements)
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(3, 7, 12, generator=gen) * 3
+    targets = torch.randint(0, 10, (3, 7), generator=gen)
+    mine, ref = base.clone().requires_grad_(), base.clone().requires_grad_()
+    got = token_logprobs_and_entropy(mine, targets, vocab_size=10, temperature=0.7)
+    want = full(ref, targets, vocab_size=10, temperature=0.7)
+    loss(*got).backward()
+    loss(*want).backward()
+    torch.testing.assert_close(got, want)
+    assert mine.grad is not None and ref.grad is not None
+    torch.testing.assert_close(mine.grad, ref.grad)
+
+
+def test_bf16_logits_get_a_bf16_gradient_of_the_float32_computation() -> None:
+    gen = torch.Generator().manual_seed(4)
+    base = (torch.randn(16, 50, generator=gen) * 4).to(torch.bfloat16)
+    targets = torch.randint(0, 50, (16,), generator=gen)
+    mine, ref = base.clone().requires_grad_(), base.clone().requires_grad_()
+    got = token_logprobs_and_entropy(mine, targets)
+    want = full(ref, targets)  # float32 from the same bf16 values
+    torch.testing.assert_close(got, want)
+    loss(*got).backward()
+    loss(*want).backward()
+    assert mine.grad is not None and ref.grad is not None
+    assert mine.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(mine.grad, ref.grad)  # both rounded once to bf16
+
+
+def test_an_unused_entropy_needs_no_gradient() -> None:
+    """The policy loss without an entropy bonus backpropagates log-probs alone (the entropy
+    is a metric), and gets the log-prob gradient exactly."""
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(4, 9, generator=gen)
+    targets = torch.randint(0, 9, (4,), generator=gen)
+    mine, ref = base.clone().requires_grad_(), base.clone().requires_grad_()
+    logp, entropy = token_logprobs_and_entropy(mine, targets)
+    (logp.sum() + entropy.detach().sum()).backward()
+    full(ref, targets)[0].sum().backward()
+    assert mine.grad is not None and ref.grad is not None
+    torch.testing.assert_close(mine.grad, ref.grad)
+
+
+def test_backward_keeps_no_float32_copy_of_the_logits() -> None:
+    """What autograd keeps: the bf16 logits themselves and a few floats a row, nothing of
+    [rows, vocab] in float32 (issue 17: that copy cost 0.6 MB a token at Qwen's vocabulary)."""
+    rows, vocab = 32, 1000
+    logits = torch.randn(rows, vocab).to(torch.bfloat16).requires_grad_()
+    saved: list[torch.Tensor] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        logp, entropy = token_logprobs_and_entropy(logits, torch.zeros(rows, dtype=torch.long))
+        (logp + entropy).sum().backward()
+    big = [t for t in saved if t.numel() >= rows * vocab]
+    assert big and all(t.dtype == torch.bfloat16 for t in big), [
+        (t.dtype, tuple(t.shape)) for t in saved]
+    assert sum(t.numel() for t in saved if t.numel() < rows * vocab) <= 8 * rows
+
+
+def test_next_token_alignment_matches_the_shifted_softmax() -> None:
+    """Column t of the result is token t's log-prob under row t-1's distribution; column 0 is
+    0; the dummy target of the last row changes nothing."""
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(2, 5, 7, generator=gen)
+    ids = torch.randint(0, 7, (2, 5), generator=gen)
+    logp, entropy = next_token_logprobs_and_entropy(logits, ids, temperature=0.5)
+    ref = torch.log_softmax(logits[:, :-1] / 0.5, dim=-1)
+    want_logp = ref.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    want_entropy = -(ref.exp() * ref).sum(-1)
+    assert logp.shape == entropy.shape == (2, 5)
+    assert not logp[:, 0].any() and not entropy[:, 0].any()
+    torch.testing.assert_close(logp[:, 1:], want_logp)
+    torch.testing.assert_close(entropy[:, 1:], want_entropy)
 
 
 # -- two ranks over gloo ---------------------------------------------------------------------
