@@ -67,8 +67,8 @@ def gpu_spec(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     spec: dict[str, Any] = manifest(out, loop)["spec"]
     # The reference engine decodes with HF eager, one forward per token: far slower per token
     # than SGLang, so a GPU shape is balanced by a wide batch (its --max-batch-size, SGLang's
-    # --max-running-requests) and bf16, the dtype SGLang serves in (the engine casts the
-    # trainer's fp32 weights at each update). Its batches run to completion, and a batch
+    # --max-running-requests) and bf16, the dtype SGLang serves in (the trainer sends its
+    # weights in the engine's dtype). Its batches run to completion, and a batch
     # takes only the requests that arrive within --batch-wait-ms of the first: a rollout's
     # requests, sent over ~0.1 s, would be split into batches run one after the other (SGLang
     # takes every request in at its next decode step), so the window is wide; a full batch

@@ -9,14 +9,21 @@ twice side by side:
 - `on`: the handoff of kuberl_trainer/memory_handoff.py (engines release after sampling,
   trainers offload optimizer state and weights around the sync).
 
-After every sync every TP process's weights are compared with the trainer's (sha256). Prints a
-table: steps done, step seconds, offload/onload seconds and their share of the step, the
-trainers' peak GPU memory while training and what they hold while the engines generate, the
-bytes offloaded, weights exact; plus the device's peak memory in use (nvidia-smi, sampled).
+Every sync is checked (sync_check.py): before it, the engines' checksums are read and, where
+the trainer's weights match them on any tensor (the reward is ~0, so the weights never move),
+the trainer's are negated on every rank; after it, every TP process must hold the trainer's
+checksum of every tensor, each of which differed before. Prints a table: steps done, step
+seconds, offload/onload seconds and their share of the step, the trainers' peak GPU memory
+while training and what they hold while the engines generate, the bytes offloaded, weights
+exact; plus the device's peak memory in use (nvidia-smi, sampled).
 
     PYTHONPATH=<ray, pydantic, aiohttp>:operator:trainer_image:rollout_image:wire:bench \\
         python3 bench/gpu_colocated_memory.py --shape qwen2.5-3b --gpus 1 --modes off on
     ... --gpus 2 --engine-tp 2 --modes on     # TP=2 engine over two trainer ranks (FSDP2)
+    python3 bench/gpu_colocated_memory.py --cpu --modes on   # no GPU: the tiny shape on CPU,
+                                                             # the code paths and the checks
+
+Exits 1 when a run that finished has a sync not shown delivered.
 
 Never part of `make test`.
 """
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import threading
@@ -33,9 +41,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import torch
-from gpu_common import build_model, gpu_memory_used_gib
+from gpu_common import build_model, card, gpu_memory_used_gib
 from gpu_loop import manifest
+from sync_check import engine_sums, judge, trainer_differs
 
 
 def fed_from_own_gpu(engine_urls: list[str], version: str, tp: int) -> bool:
@@ -59,10 +67,10 @@ def job(out: Path, args: argparse.Namespace) -> dict[str, Any]:
         prompts=args.prompts, samples=args.samples, response_len=args.response_len,
         micro_batch=args.micro_batch, backend=args.backend, placement="colocate",
         steps=args.steps,
-        engine_tp=args.engine_tp, engine_nodes=1)
+        engine_tp=args.engine_tp, engine_nodes=1, cpu=args.cpu)
     doc = manifest(out, loop_args)
     spec = doc["spec"]
-    spec["training"]["gpusPerNode"] = args.gpus
+    spec["training"]["gpusPerNode"] = 0 if args.cpu else args.gpus
     spec["rollout"]["memoryFraction"] = args.fraction
     return doc
 
@@ -77,6 +85,8 @@ class DeviceMemory:
         self._thread.start()
 
     def _sample(self) -> None:
+        if not shutil.which("nvidia-smi"):  # (--cpu)
+            return
         while not self._stop.wait(0.25):
             self.peak_gib = max([self.peak_gib, *gpu_memory_used_gib()])
 
@@ -113,26 +123,28 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     try:
         session.start()
         assert session.trainers is not None and session.engines is not None
-        trainers, urls, push = session.trainers, session.engines.urls, session.trainers.push_weights
-
-        def engine_ranks(engine_urls: list[str], out: list[dict[str, str]]) -> None:
-            for url in engine_urls:
-                with urllib.request.urlopen(f"{url}/get_weights_checksum?all_ranks=true",
-                                            timeout=900) as answer:
-                    out += json.loads(answer.read())["tp_ranks"]
+        trainers, push = session.trainers, session.trainers.push_weights
 
         def push_and_check(engine_urls: list[str], version: int, bucket_bytes: int) -> float:
+            started = time.perf_counter()
+            # What the engines hold now (handoff on: the zeros a resume maps, as SGLang's;
+            # off: the last sync's weights), hashed while the trainers hash theirs.
+            before: list[dict[str, str]] = []
+            engines = threading.Thread(target=lambda: before.extend(engine_sums(engine_urls)))
+            engines.start()
+            mine = trainers.checksums()
+            engines.join()
+            want = trainer_differs(trainers, before, mine)
+            checking = time.perf_counter() - started
             seconds = push(engine_urls, version, bucket_bytes)
             started = time.perf_counter()
-            ranks: list[dict[str, str]] = []  # the engines hash while the trainers do
-            engines = threading.Thread(target=engine_ranks, args=(engine_urls, ranks))
-            engines.start()
-            want = trainers.checksums()
-            engines.join()
-            exact.append(len(ranks) == len(urls) * args.engine_tp and all(
-                {k: r[k] for k in want} == want for r in ranks))
+            verdict = judge(before, engine_sums(engine_urls), want,
+                            len(engine_urls) * args.engine_tp)
+            if not verdict.ok:
+                print(f"sync of version {version}: {verdict}", flush=True)
+            exact.append(verdict.ok)
             own_gpu.append(fed_from_own_gpu(engine_urls, str(version), args.engine_tp))
-            check_s.append(time.perf_counter() - started)
+            check_s.append(checking + time.perf_counter() - started)
             return seconds
 
         trainers.push_weights = push_and_check  # type: ignore[method-assign]
@@ -175,7 +187,7 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 def settle(limit_s: float = 90.0) -> None:
     """Wait until the cards are (nearly) empty again: a run's processes exit after it."""
     deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and shutil.which("nvidia-smi"):
         if all(used < 2 for used in gpu_memory_used_gib()):
             return
         time.sleep(1)
@@ -195,7 +207,17 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--backend", default="fsdp", choices=["fsdp", "megatron"])
     p.add_argument("--modes", nargs="+", default=["off", "on"], choices=["off", "on"])
+    p.add_argument("--cpu", action="store_true",
+                   help="dry run without a GPU: the tiny shape (unless --shape), small "
+                        "batches, fsdp and the reference engine on CPU")
     args = p.parse_args()
+    if args.cpu:
+        if args.backend != "fsdp" or args.engine_tp != 1:
+            p.error("--cpu runs the fsdp backend and a TP=1 engine only")
+        if args.shape == p.get_default("shape"):
+            args.shape = "tiny"
+        args.gpus, args.prompts, args.samples, args.response_len = 0, 4, 2, 8
+        args.out = args.out.with_name(args.out.name + "-cpu")
     args.out.mkdir(parents=True, exist_ok=True)
     build_model(args.out, args.shape)
     rows = []
@@ -212,14 +234,15 @@ def main() -> int:
         (args.out / "colocated.json").write_text(json.dumps(rows, indent=2))
         settle()  # the next run starts on empty cards
     trainer = "fsdp fp32" if args.backend == "fsdp" else "megatron bf16 (fp32 master, Adam)"
-    print(f"\n{args.shape}, {torch.cuda.get_device_name(0)} x{args.gpus}, engine TP "
+    print(f"\n{args.shape}, {card()} x{args.gpus}, engine TP "
           f"{args.engine_tp}, memoryFraction {args.fraction}, {trainer} trainer, "
           f"{args.prompts * args.samples} samples/step, means of steps 2+; columns: handoff | "
           "steps done | step s | generate s | train s | sync s (without the checks) | offload s | "
           "onload s | share of step | trainer peak GiB "
           "(train) | trainer GiB while engines generate | offloaded GiB | device peak GiB | "
           "weights exact after every sync | every engine TP rank read its tensors on its own GPU")
-    return 0
+    # (a run that failed, as `off` is expected to, has no syncs to speak for)
+    return 0 if all(r["exact"] for r in rows if not r["error"]) else 1
 
 
 if __name__ == "__main__":

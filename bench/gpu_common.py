@@ -22,6 +22,8 @@ SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab (the HF confi
     "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936),
     "qwen2.5-1.5b": (1536, 28, 12, 2, 8960, 151936),
     "qwen2.5-3b": (2048, 36, 16, 2, 11008, 151936),
+    # Not a real model: the scripts' CPU dry runs (every code path in seconds, no GPU).
+    "tiny": (64, 2, 4, 2, 128, 512),
 }
 # Parameters of the shapes users extrapolate to (Qwen2.5-7B / -32B model cards), for
 # seconds-per-sync estimates from a measured bandwidth.

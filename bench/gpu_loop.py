@@ -3,7 +3,11 @@
 Runs the same Session as `kuberl run` (Ray, reference engines, fsdp backend, NCCL weight sync)
 on a random-weight model of a real shape (Qwen2.5-0.5B by default) with the tiny job's
 character tokenizer and addition prompts (the reward stays ~0: this measures speed, not
-learning). After the run it compares every engine's weight checksums with the trainer's.
+learning). After the run it checks that a sync delivers: the trainer's weights are negated on
+every rank (the reward is ~0, so they never moved and the engines' base model matched them
+already), one more sync goes through the run's own path, and every engine TP process must
+then hold the trainer's checksums on every tensor, each of which differed before that sync
+(sync_check.py).
 
     python bench/gpu_loop.py --placement disaggregated --steps 6     # 2 GPUs: trainer | engine
     python bench/gpu_loop.py --placement colocate --steps 6          # 1 GPU shared
@@ -14,6 +18,8 @@ learning). After the run it compares every engine's weight checksums with the tr
         # SIGKILLed as the weights of version 2 go out; it must be replaced on its GPU and the
         # replacement must hold the trainer's weights. The base model on disk is perturbed
         # after start-up, so a replacement that missed the sync fails the checksum check.
+    python bench/gpu_loop.py --cpu --steps 2                      # no GPU: the tiny shape,
+        # fsdp on CPU, a CPU reference engine; checks the code paths (and the check's)
 
 Prints a table: generated tokens/s, trained tokens/s, seconds per step split into generate /
 train / sync, weight-sync GB/s. Never part of `make test`.
@@ -22,7 +28,6 @@ train / sync, weight-sync GB/s. Never part of `make test`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
@@ -30,9 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
-from gpu_common import SHAPES, build_model  # bench/ is on sys.path when run as a script
+from gpu_common import SHAPES, build_model, card  # bench/ is on sys.path when run as a script
+from sync_check import SyncCheck, verify_session_sync
 
 
 def manifest(out: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -45,15 +50,19 @@ def manifest(out: Path, args: argparse.Namespace) -> dict[str, Any]:
         "algorithm": {"lr": 1e-6},
         "training": {"backend": args.backend, "gpusPerNode": 1,
                      "microBatchSize": args.micro_batch},
-        # The engine serves in the dtype the trainer sends (megatron: bf16, fsdp: its fp32
-        # master weights), so the checksum check compares identical bytes.
+        # bf16, as SGLang serves this model; both backends send in the engine's dtype
+        # (engine_command.engine_dtype), so the checksum check compares identical bytes.
         "rollout": {"engine": "reference", "gpusPerEngine": 1,
-                    "engineArgs": {"dtype": "bfloat16" if args.backend == "megatron"
-                                   else "float32"}},
+                    "engineArgs": {"dtype": "bfloat16"}},
         "placement": args.placement,
         "schedule": {"numRollouts": args.steps},
     }
     spec["rollout"]["gpusPerEngine"] = args.engine_tp
+    if getattr(args, "cpu", False):  # the dry run: CPU trainer and engine, as `make demo`
+        spec["training"]["gpusPerNode"] = 0
+        spec["rollout"] |= {"gpus": 0}
+        return {"apiVersion": "kuberl.dev/v1alpha1", "kind": "RLJob",
+                "metadata": {"name": "gpu-loop"}, "spec": spec}
     if args.placement == "disaggregated":  # (colocated engines take the training pods' GPUs)
         # --engine-nodes K: rollout "nodes" of TP/K GPUs, so the engine spans K of them (one
         # Ray actor and server process each, SGLang's --nnodes; here all on one machine)
@@ -79,10 +88,20 @@ def main() -> int:
                    help="(disaggregated) the nodes that engine spans")
     p.add_argument("--kill-engine-at-sync", type=int, default=None, metavar="VERSION",
                    help="SIGKILL the engine as this weight version goes out (fleet check)")
+    p.add_argument("--cpu", action="store_true",
+                   help="dry run without a GPU: the tiny shape (unless --shape), small "
+                        "batches, fsdp on CPU and a CPU reference engine")
     args = p.parse_args()
+    if args.cpu:
+        if args.backend != "fsdp" or args.engine_tp != 1:
+            p.error("--cpu runs the fsdp backend and a TP=1 engine only")
+        if args.shape == p.get_default("shape"):
+            args.shape = "tiny"
+        args.prompts, args.samples, args.response_len = 4, 2, 8
+        args.micro_batch = min(args.micro_batch, 8)
+        args.out = args.out.with_name(args.out.name + "-cpu")
 
     from kuberl_api import parse
-    from kuberl_trainer.engine_client import EngineClient
     from kuberl_trainer.preflight import check
     from kuberl_trainer.progress import Progress
     from kuberl_trainer.run import Options
@@ -106,20 +125,11 @@ def main() -> int:
         if args.kill_engine_at_sync is not None:
             kill_engine_at_sync(session, args.kill_engine_at_sync, args.out / "model")
         session.train(Progress(args.steps))
-        trainer = session.trainers.checksums()
         urls = session.engines.urls
-
-        async def sums() -> list[Any]:
-            client = EngineClient(urls)
-            try:
-                return [rank for u in urls for rank in (await client.request(
-                    u, "GET", "/get_weights_checksum?all_ranks=true"))["tp_ranks"]]
-            finally:
-                await client.close()
-
-        ranks = asyncio.run(sums())  # every TP process of every engine
-        synced = len(ranks) == len(urls) * args.engine_tp and all(
-            {k: r[k] for k in trainer} == trainer for r in ranks)
+        # every TP process of every engine, after one more sync of changed weights
+        verdict = verify_session_sync(session, args.engine_tp)
+        print(verdict, flush=True)
+        synced = verdict.ok
         if args.kill_engine_at_sync is not None:
             replaced = urls != first_urls and session.fleet.restarts == 1
             print(f"engine {first_urls} -> {urls}, restarts {session.fleet.restarts}: "
@@ -127,7 +137,7 @@ def main() -> int:
             synced = synced and replaced
     finally:
         session.close()
-    report(run_dir, args, synced)
+    report(run_dir, args, verdict)
     return 0 if synced else 1
 
 
@@ -158,7 +168,7 @@ def kill_engine_at_sync(session: Any, version: int, model_dir: Path) -> None:
     session.trainers.push_weights = push_killing
 
 
-def report(run_dir: Path, args: argparse.Namespace, synced: bool) -> None:
+def report(run_dir: Path, args: argparse.Namespace, verdict: SyncCheck) -> None:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = rows[1:] or rows  # step 0 includes CUDA warm-up
     mean = lambda k: statistics.fmean(r[k] for r in steady)  # noqa: E731
@@ -167,14 +177,15 @@ def report(run_dir: Path, args: argparse.Namespace, synced: bool) -> None:
     train_tokens = gen_tokens + 6 * samples
     print(f"\n{args.shape}, backend {args.backend}, {args.placement}, engine TP "
           f"{args.engine_tp} over {args.engine_nodes} node(s), "
-          f"GPU: {torch.cuda.get_device_name(0)}, "
+          f"GPU: {card()}, "
           f"{samples} samples/step, steps {len(rows)} (first excluded)")
     print(f"{'gen tok/s':>10} {'train tok/s':>12} {'gen s':>7} {'train s':>8} {'sync s':>7} "
           f"{'step s':>7} {'weights synced':>15}")
     print(f"{gen_tokens / mean('time_generate_s'):>10.0f} "
           f"{train_tokens / mean('time_train_s'):>12.0f} {mean('time_generate_s'):>7.2f} "
           f"{mean('time_train_s'):>8.2f} {mean('time_sync_s'):>7.2f} "
-          f"{mean('time_step_s'):>7.2f} {synced!s:>15}")
+          f"{mean('time_step_s'):>7.2f} {verdict.ok!s:>15}")
+    print(f"weights synced: {verdict}")
 
 
 if __name__ == "__main__":

@@ -11,12 +11,14 @@ checksums.
   itself), and a TP=1 engine on GPU 3 (the baseline, same run). `DistributedWeightSender`
   (pause, flush, buckets over NCCL, continue) pushes the weights, negated before every sync so
   the engine must receive every byte; after the last sync every TP process's sha256 of every
-  tensor must equal the trainer's.
+  tensor must equal the trainer's, and must have differed from it just before that sync (read
+  then: with an even number of syncs the weights are the base model's again).
 - colocated: two training ranks (processes on GPUs 0 and 1, one NCCL group) and a TP=2 engine
   on the same two GPUs (then, as the baseline, two TP=1 engines, one per GPU); `push_colocated`
-  routes each engine TP rank's entry from the training rank on its GPU. Rank 1 holds the
-  negated weights of rank 0, so the check fails unless each engine rank read its own GPU's
-  copy: the process on GPU 0 must hold W, the one on GPU 1 -W.
+  routes each engine TP rank's entry from the training rank on its GPU. Neither rank holds the
+  base model W the engines loaded, and each holds other weights than the other (rank 0 W + 1,
+  rank 1 -W), so the check fails unless each engine rank received its own GPU's copy: the
+  process on GPU 0 must hold W + 1, the one on GPU 1 -W, each tensor unlike before the syncs.
 
 Prints a table (GB per sync, median seconds of `--repeats`, GB/s, exact) and writes OUT/tp.json.
 Needs 4 GPUs (3 for disaggregated), aiohttp. GB = 1e9 bytes. Never part of `make test`:
@@ -43,6 +45,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 from gpu_common import ROOT, build_model, card  # bench/ on path
+from sync_check import judge
 
 HOST = "127.0.0.1"
 
@@ -127,15 +130,19 @@ def disaggregated(model_dir: Path, tp: int, gpus: str, args: argparse.Namespace,
     try:
         loop.run_until_complete(sender.connect())
         seconds = []
-        for _ in range(args.repeats + 1):  # the first warms up
+        before: list[dict[str, str]] = []
+        for i in range(args.repeats + 1):  # the first warms up
             for _, t in named:
                 t.neg_()
+            if i == args.repeats:  # what the engine holds before the checked (last) sync
+                before = rank_sums(url)
             torch.cuda.synchronize()
             start = time.perf_counter()
             loop.run_until_complete(sender.send(buckets(named, args.bucket_mb)))
             seconds.append(time.perf_counter() - start)
-        want = sha(named)
-        exact = all({n: s[n] for n in want} == want for s in rank_sums(url))
+        verdict = judge(before, rank_sums(url), sha(named), tp)
+        print(f"  {name}: {verdict}", flush=True)
+        exact = verdict.ok
         loop.run_until_complete(sender.close())
     finally:
         loop.run_until_complete(client.close())
@@ -150,23 +157,31 @@ def disaggregated(model_dir: Path, tp: int, gpus: str, args: argparse.Namespace,
 
 def _colocated_rank(rank: int, world: int, port: int, model_dir: str, urls: list[str],
                     devices: list[list[int]], mb: int, repeats: int, results: Any) -> None:
-    from kuberl_trainer.weight_sync.colocated import push_colocated
+    from kuberl_trainer.weight_sync.colocated import Poster, push_colocated
 
     torch.cuda.set_device(rank)
     torch.distributed.init_process_group("nccl", init_method=f"tcp://{HOST}:{port}",
                                          rank=rank, world_size=world)
     named = load_params(Path(model_dir), f"cuda:{rank}")
-    if rank == 1:  # rank 1's copy differs: only routing by GPU gives each engine rank its own
-        for _, t in named:
+    # Neither copy is the base model the engines hold (else a sync that delivered nothing
+    # would pass), and they differ: only routing by GPU gives each engine rank its own.
+    for _, t in named:
+        if rank == 0:
+            t.add_(1.0)
+        else:
             t.neg_()
     seconds = []
+    poster = Poster(urls) if rank == 0 else None  # kept across syncs, as a TrainWorker does
     for i in range(repeats + 1):
         torch.cuda.synchronize()
         torch.distributed.barrier()
         start = time.perf_counter()
         push_colocated(buckets(named, mb), rank=rank, world_size=world, gpu=(HOST, rank),
-                       engine_urls=urls, engine_devices=devices, weight_version=str(i))
+                       engine_urls=urls, engine_devices=devices, weight_version=str(i),
+                       poster=poster)
         seconds.append(time.perf_counter() - start)
+    if poster is not None:
+        poster.close()
     results.put((rank, seconds, sha(named)))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -180,6 +195,7 @@ def colocated(model_dir: Path, tp: int, args: argparse.Namespace, out: Path) -> 
                for i, d in enumerate(devices)]
     urls = [url for _, url in engines]
     try:
+        before = [rank_sums(url) for url in urls]  # the base model, as each engine loaded it
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
         port = free_port()
@@ -191,10 +207,14 @@ def colocated(model_dir: Path, tp: int, args: argparse.Namespace, out: Path) -> 
         got = {r: (s, w) for r, s, w in (results.get(timeout=900) for _ in procs)}
         for p in procs:
             p.join(timeout=120)
-        # engine e's TP rank r must hold what the training rank on GPU devices[e][r] holds
-        exact = [{n: ranks[r][n] for n in got[gpu][1]} == got[gpu][1]
-                 for url, devs in zip(urls, devices, strict=True)
-                 for ranks in [rank_sums(url)] for r, gpu in enumerate(devs)]
+        # engine e's TP rank r must hold what the training rank on GPU devices[e][r] holds,
+        # unlike before the syncs
+        verdicts = [judge(was[r:r + 1], ranks[r:r + 1], got[gpu][1], 1)
+                    for url, devs, was in zip(urls, devices, before, strict=True)
+                    for ranks in [rank_sums(url)] for r, gpu in enumerate(devs)]
+        for v in verdicts:
+            print(f"  colocated tp{tp}: {v}", flush=True)
+        exact = [v.ok for v in verdicts]
     finally:
         for proc, _ in engines:
             proc.terminate()

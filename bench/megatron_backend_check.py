@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from gpu_common import family_configs, make_spec, random_batch  # bench/ is on sys.path
 
 COMMON = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
@@ -56,14 +57,16 @@ def write_models(out: Path) -> None:
 def hf_logprobs(model_dir: Path, batch: Any) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    from kuberl_trainer.backends.tokens import gather_logprobs, next_token_logits, response_mask
+    from kuberl_trainer.backends.tokens import response_mask
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
                                                  attn_implementation="sdpa").cuda().eval()
     with torch.no_grad():
         b = batch.to("cuda")
         logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
-        out = gather_logprobs(next_token_logits(logits, 1.0), b.input_ids)
+        # The plain computation (full float32 log-softmax), independent of the trainer's.
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        out = F.pad(logp.gather(-1, b.input_ids[:, 1:, None]).squeeze(-1), (1, 0))
     return (out * response_mask(b.loss_mask)).cpu()
 
 

@@ -66,6 +66,8 @@ class Row:
     full_s: list[float]
     raw_s: list[float]
     exact: bool
+    pause_s: list[float]   # of full_s: pausing generation + flushing caches
+    resume_s: list[float]  # of full_s: continuing generation
 
     @property
     def full_gbps(self) -> float:
@@ -320,15 +322,16 @@ class FullSync:
     def connect(self) -> None:
         self.runner.run(self.sender.connect())
 
-    def sync(self, backend: Any, bucket_bytes: int) -> tuple[int, int, float]:
-        """(bytes, buckets, seconds) of one full sync, GPU work included."""
+    def sync(self, backend: Any, bucket_bytes: int) -> tuple[int, int, float, float, float]:
+        """(bytes, buckets, seconds, pause s, resume s) of one full sync, GPU work included."""
         self.version += 1
         torch.cuda.synchronize()
         start = time.perf_counter()
         stats = self.runner.run(self.sender.send(backend.named_tensor_buckets(bucket_bytes),
                                                  weight_version=str(self.version)))
         torch.cuda.synchronize()
-        return stats.bytes, stats.buckets, time.perf_counter() - start
+        return (stats.bytes, stats.buckets, time.perf_counter() - start, stats.pause_s,
+                stats.resume_s)
 
     def exact(self, backend: Any) -> bool:
         """The engine holds the last version and, for every name the trainer sends, the
@@ -375,7 +378,8 @@ def measure(shape: str, sync: FullSync, raw: RawPeer, backend: Any, bucket_mb: i
     del buckets
     torch.cuda.empty_cache()
     row = Row(shape=shape, bucket_mb=bucket_mb, bytes=nbytes, buckets=runs[0][1],
-              full_s=[s for _, _, s in runs], raw_s=raw_s, exact=exact)
+              full_s=[r[2] for r in runs], raw_s=raw_s, exact=exact,
+              pause_s=[r[3] for r in runs], resume_s=[r[4] for r in runs])
     print(f"  {shape} bucket {bucket_mb} MB: full {row.full_gbps:.2f} GB/s, raw "
           f"{row.raw_gbps:.2f} GB/s, exact {exact}", flush=True)
     return row
@@ -428,12 +432,15 @@ def report(rows: list[Row], args: argparse.Namespace) -> dict[str, Any]:
     print(f"\nweight sync GPU 0 -> GPU 1 over NCCL: {cards}; torch {torch.__version__}, "
           f"NCCL {nccl}; median of {args.repeats} syncs after 1 warm-up; GB = 1e9 B")
     print(f"{'shape':<14} {'GB/sync':>8} {'bucket MB':>10} {'buckets':>8} {'full s':>8} "
-          f"{'full GB/s':>10} {'raw s':>8} {'raw GB/s':>9} {'full/raw':>9} {'exact':>6}")
+          f"{'full GB/s':>10} {'raw s':>8} {'raw GB/s':>9} {'full/raw':>9} {'exact':>6} "
+          f"{'pause ms':>9} {'resume ms':>10}")
     for r in rows:
         print(f"{r.shape:<14} {r.bytes / 1e9:>8.3f} {r.bucket_mb:>10} {r.buckets:>8} "
               f"{statistics.median(r.full_s):>8.3f} {r.full_gbps:>10.2f} "
               f"{statistics.median(r.raw_s):>8.3f} {r.raw_gbps:>9.2f} "
-              f"{r.full_gbps / r.raw_gbps:>9.2f} {r.exact!s:>6}")
+              f"{r.full_gbps / r.raw_gbps:>9.2f} {r.exact!s:>6} "
+              f"{statistics.median(r.pause_s) * 1e3:>9.1f} "
+              f"{statistics.median(r.resume_s) * 1e3:>10.1f}")
     print("goal: full/raw >= 0.9")
     base = max(rows, key=lambda r: (r.bytes, r.full_gbps))
     print(f"\nextrapolated (bf16, 2 B/parameter) at {base.shape}'s fastest bucket "
