@@ -168,19 +168,32 @@ def backends(args: argparse.Namespace) -> None:
         anchor = None
         if args.anchor:
             n = args.anchor_rows or rows_for(tokens, args.anchor_seq, args.anchor_micro_rows)
-            anchor = run_anchor(model_dir, params=params, rows=n, seq=args.anchor_seq,
-                                micro_rows=args.anchor_micro_rows, repeats=args.repeats,
-                                device=args.device)
+            micro = args.anchor_micro_rows
+            while anchor is None:
+                # A user writing the loop by hand takes the largest micro-batch that fits
+                # (HF's loss keeps float32 logits of the whole micro-batch): halve on OOM.
+                try:
+                    anchor = run_anchor(model_dir, params=params, rows=n, seq=args.anchor_seq,
+                                        micro_rows=micro, repeats=args.repeats,
+                                        device=args.device)
+                except torch.OutOfMemoryError:
+                    if micro == 1:
+                        raise
+                    micro //= 2
+                    gc.collect()
+                    torch.cuda.empty_cache()
             reset_peak()
             print(f"{shape} bare HF loop: {anchor.seconds:.3f} s/step, {anchor.rows} x "
-                  f"{anchor.seq} tokens, peak {anchor.peak_gib:.1f} GiB", flush=True)
+                  f"{anchor.seq} tokens, micro-batches of {micro} rows, peak "
+                  f"{anchor.peak_gib:.1f} GiB", flush=True)
         rows.append((shape, tokens, flops, result, anchor))
     print(f"\nbenchmark 1: train step, {' vs '.join(args.backends)}, 1x {card()}; "
           f"{args.samples} samples of {args.prompt} prompt + {lo}..{hi} response tokens, "
           f"microBatchSize {args.micro_batch}")
     if args.anchor:
         print(f"anchor: bare HF transformers loop (SDPA, bf16 weights, AdamW), dense rows of "
-              f"{args.anchor_seq} tokens, micro-batches of {args.anchor_micro_rows} rows; "
+              f"{args.anchor_seq} tokens, micro-batches of the most rows up to "
+              f"{args.anchor_micro_rows} that fit (printed above); "
               "'/ anchor': FLOP rate over the anchor's (model FLOPs: 6 x params per token + "
               "causal attention)")
     print(f"{'shape':<14} {'backend':<9} {'s/step':>7} {'tokens':>7} {'tokens/s':>9} "

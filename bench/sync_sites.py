@@ -179,7 +179,9 @@ def self_check() -> None:
                                           "trainer_image/fake_sync.py:4 step"}, fake
     assert all(s.code.startswith("warnings.warn(") and s.via == "" for s, _ in fake), fake
     # the unrelated warning went to the previous handler, once per call
-    assert [str(w.message) for w in others] == ["something else"] * 3, others
+    # (torch may add warnings of its own on a GPU: only ours are counted here)
+    mine = [str(w.message) for w in others if str(w.message) == "something else"]
+    assert mine == ["something else"] * 3, [str(w.message) for w in others]
     real = sites.total - 6  # (.item() may count more than once on some torch: at least 1)
     assert real >= 1 if torch.cuda.is_available() else real == 0, sites.counts
     # A stack through a library: counted at the repo frame, the library's innermost as via.

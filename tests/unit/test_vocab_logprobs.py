@@ -134,6 +134,31 @@ def test_bf16_logits_get_a_bf16_gradient_of_the_float32_computation() -> None:
     torch.testing.assert_close(mine.grad, ref.grad)  # both rounded once to bf16
 
 
+@pytest.mark.parametrize("chunk_elements", [1 << 30, 40 * 300])
+def test_the_compiled_kernels_compute_what_the_eager_ones_do(
+        monkeypatch: pytest.MonkeyPatch, chunk_elements: int) -> None:
+    """The CUDA path's kernels (torch.compile; Inductor builds them for the CPU here, so the
+    compiled code path runs without a GPU): one chunk, and chunks of 40 rows plus a last one
+    of 17, with padding columns, temperature, bf16 logits and both gradients."""
+    kernels = vocab_logprobs._compiled(torch.device("cpu"))
+    assert kernels is not None, "the probe failed: see the warning logged"
+    monkeypatch.setattr(vocab_logprobs, "COMPILED_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(vocab_logprobs, "_kernels",
+                        lambda _: (kernels, vocab_logprobs.COMPILED_CHUNK_ELEMENTS))
+    gen = torch.Generator().manual_seed(8)
+    base = (torch.randn(97, 300, generator=gen) * 3).to(torch.bfloat16)
+    targets = torch.randint(0, 280, (97,), generator=gen)
+    mine, ref = base.clone().requires_grad_(), base.clone().requires_grad_()
+    got = token_logprobs_and_entropy(mine, targets, vocab_size=280, temperature=0.8)
+    want = full(ref, targets, vocab_size=280, temperature=0.8)
+    torch.testing.assert_close(got, want)
+    loss(*got).backward()
+    loss(*want).backward()
+    assert mine.grad is not None and ref.grad is not None
+    assert mine.grad.dtype == torch.bfloat16 and not mine.grad[:, 280:].any()
+    torch.testing.assert_close(mine.grad, ref.grad)
+
+
 def test_an_unused_entropy_needs_no_gradient() -> None:
     """The policy loss without an entropy bonus backpropagates log-probs alone (the entropy
     is a metric), and gets the log-prob gradient exactly."""

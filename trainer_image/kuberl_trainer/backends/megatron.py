@@ -58,6 +58,7 @@ from kuberl_trainer.backends.step_metrics import StepMetrics
 from kuberl_trainer.backends.tokens import response_mask
 from kuberl_trainer.backends.vocab_logprobs import token_logprobs_and_entropy
 from kuberl_trainer.megatron import export, hf_layout as L, model as M
+from kuberl_trainer.megatron.grad_norm import use_sync_free_grad_norm
 from kuberl_trainer.megatron.packing import (
     Packed,
     align_to_tokens,
@@ -178,6 +179,8 @@ class MegatronBackend:
     def _build_optimizer(self) -> Any:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        if use_sync_free_grad_norm():
+            LOG.info("no Transformer Engine or Apex: gradient norm by torch._foreach_norm")
         o = optim_config(self.spec)
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=self.algo.lr, weight_decay=o.weight_decay,

@@ -101,6 +101,23 @@ def chunk_grad(logits: Tensor, index: Tensor, shift: Tensor, log_total: Tensor, 
 Kernels = tuple[Callable[..., Tensor], Callable[..., Tensor], Callable[..., Tensor]]
 
 
+def _rows_dynamic(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``fn`` compiled once for any number of rows but for its vocabulary width: a chunk's
+    row count varies (the last chunk, every micro-batch), the width never does, and a width
+    known at compile time lets Inductor pick its reduction tiling for it."""
+    compiled = torch.compile(fn, fullgraph=True)
+
+    def call(*args: Any) -> Tensor:
+        for arg in args:
+            if isinstance(arg, Tensor):
+                torch._dynamo.maybe_mark_dynamic(arg, 0)
+                if arg.dim() == 2:
+                    torch._dynamo.mark_static(arg, 1)
+        return compiled(*args)
+
+    return call
+
+
 @functools.cache
 def _compiled(device: torch.device) -> Kernels | None:
     """The chunk functions compiled for ``device``, or None when compiling is off or fails
@@ -109,8 +126,7 @@ def _compiled(device: torch.device) -> Kernels | None:
     now, not in the middle of a train step."""
     if os.environ.get(COMPILE_ENV, "1") == "0":
         return None
-    kernels = tuple(torch.compile(fn, dynamic=True, fullgraph=True)
-                    for fn in (chunk_max, chunk_sums, chunk_grad))
+    kernels = tuple(_rows_dynamic(fn) for fn in (chunk_max, chunk_sums, chunk_grad))
     try:
         x = torch.zeros(2, 8, dtype=torch.bfloat16, device=device)
         index, row = torch.zeros(2, dtype=torch.long, device=device), torch.zeros(2, device=device)
@@ -171,8 +187,13 @@ class _TokenStats(torch.autograd.Function):
         g_logp = zero if g_logp is None else g_logp.float()
         g_ent = zero if g_ent is None else g_ent.float()
         (_, _, k_grad), elements = _kernels(logits)
+        chunks = _row_chunks(logits.shape[0], logits.shape[1], elements)
+        if len(chunks) == 1:  # the kernel's output is the gradient: no second copy of it
+            grad = k_grad(logits, index, shift, log_total, mean, g_logp, g_ent, ctx.inv_temp,
+                          ctx.real)
+            return grad, None, None, None, None
         grad = torch.empty_like(logits)
-        for rows in _row_chunks(logits.shape[0], logits.shape[1], elements):
+        for rows in chunks:
             grad[rows] = k_grad(logits[rows], index[rows], shift[rows], log_total[rows],
                                 mean[rows], g_logp[rows], g_ent[rows], ctx.inv_temp, ctx.real)
         return grad, None, None, None, None

@@ -163,10 +163,11 @@ def unpack(values: Tensor, packed: Packed, width: int) -> Tensor:
         raise ValueError(f"width {width} is shorter than the longest sequence "
                          f"({packed.max_seqlen})")
     flat = _flat(values, packed, "values")
-    rows = torch.repeat_interleave(
-        torch.arange(len(packed.lengths), device=flat.device),
-        torch.tensor(packed.lengths, device=flat.device))
     cols = packed.position_ids.reshape(-1).to(flat.device)
+    # Each token's row: how many sequences have started by it. From the positions on the
+    # device, not from `lengths`: this runs in every micro-batch's loss, and a host-built
+    # index would stall the GPU's queue there (a sync each).
+    rows = (cols == 0).cumsum(0) - 1
     # Out-of-place index_put: autograd routes each slot's gradient back to its packed value.
     return flat.new_zeros(len(packed.lengths), width).index_put((rows, cols), flat)
 
