@@ -157,6 +157,12 @@ def test_the_compiled_kernels_compute_what_the_eager_ones_do(
     assert mine.grad is not None and ref.grad is not None
     assert mine.grad.dtype == torch.bfloat16 and not mine.grad[:, 280:].any()
     torch.testing.assert_close(mine.grad, ref.grad)
+    # The policy loss without an entropy bonus: the kernel skips the entropy term.
+    mine.grad = ref.grad = None
+    logp, entropy = token_logprobs_and_entropy(mine, targets, vocab_size=280, temperature=0.8)
+    (logp.sum() + entropy.detach().sum()).backward()
+    full(ref, targets, vocab_size=280, temperature=0.8)[0].sum().backward()
+    torch.testing.assert_close(mine.grad, ref.grad)
 
 
 def test_an_unused_entropy_needs_no_gradient() -> None:

@@ -64,7 +64,8 @@ def _masked(x: Tensor, real: int) -> Tensor:
 
 
 def _scaled(logits: Tensor, inv_temp: float, real: int) -> Tensor:
-    return _masked(logits.float() * inv_temp, real)
+    x = logits.float()  # (a no-op on float32 logits)
+    return _masked(x if inv_temp == 1.0 else x * inv_temp, real)
 
 
 def chunk_max(logits: Tensor, inv_temp: float, real: int) -> Tensor:
@@ -86,16 +87,21 @@ def chunk_sums(logits: Tensor, index: Tensor, shift: Tensor, inv_temp: float,
 
 
 def chunk_grad(logits: Tensor, index: Tensor, shift: Tensor, log_total: Tensor, mean: Tensor,
-               g_logp: Tensor, g_ent: Tensor, inv_temp: float, real: int) -> Tensor:
+               g_logp: Tensor, g_ent: Tensor | None, inv_temp: float, real: int) -> Tensor:
     """``[C, V]`` gradient w.r.t. the logits, in their dtype: ``g_logp * ([j = t] - p_j) -
-    g_ent * p_j * (xs_j - mean)``, times ``inv_temp`` (the logits were scaled by it)."""
+    g_ent * p_j * (xs_j - mean)``, times ``inv_temp`` (the logits were scaled by it).
+    ``g_ent`` None: the entropy was not trained on (its term is skipped, not multiplied by 0)."""
     xs = _scaled(logits, inv_temp, real) - shift.unsqueeze(-1)
     p = (xs - log_total.unsqueeze(-1)).exp()                    # 0 on padding
-    centred = (xs - mean.unsqueeze(-1)).masked_fill(p == 0, 0.0)  # no -inf * 0
     cols = torch.arange(logits.shape[-1], device=logits.device)
     target = (cols == index.unsqueeze(-1)).to(p.dtype)
-    grad = g_logp.unsqueeze(-1) * (target - p) - g_ent.unsqueeze(-1) * p * centred
-    return (grad * inv_temp).to(logits.dtype)
+    grad = g_logp.unsqueeze(-1) * (target - p)
+    if g_ent is not None:
+        centred = (xs - mean.unsqueeze(-1)).masked_fill(p == 0, 0.0)  # no -inf * 0
+        grad = grad - g_ent.unsqueeze(-1) * p * centred
+    if inv_temp != 1.0:
+        grad = grad * inv_temp
+    return grad.to(logits.dtype)
 
 
 Kernels = tuple[Callable[..., Tensor], Callable[..., Tensor], Callable[..., Tensor]]
@@ -160,14 +166,20 @@ class _TokenStats(torch.autograd.Function):
                 group: ProcessGroup | None) -> tuple[Tensor, Tensor]:
         (k_max, k_sums, _), elements = _kernels(logits)
         chunks = _row_chunks(logits.shape[0], logits.shape[1], elements)
-        shift = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        for rows in chunks:
-            shift[rows] = k_max(logits[rows], inv_temp, real)
+        if len(chunks) == 1:  # (no buffers to fill: small inputs pay no extra copies)
+            shift = k_max(logits, inv_temp, real)
+        else:
+            shift = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+            for rows in chunks:
+                shift[rows] = k_max(logits[rows], inv_temp, real)
         if group is not None:
             dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
-        sums = torch.empty(logits.shape[0], 3, dtype=torch.float32, device=logits.device)
-        for rows in chunks:
-            sums[rows] = k_sums(logits[rows], index[rows], shift[rows], inv_temp, real)
+        if len(chunks) == 1:
+            sums = k_sums(logits, index, shift, inv_temp, real)
+        else:
+            sums = torch.empty(logits.shape[0], 3, dtype=torch.float32, device=logits.device)
+            for rows in chunks:
+                sums[rows] = k_sums(logits[rows], index[rows], shift[rows], inv_temp, real)
         if group is not None:
             dist.all_reduce(sums, group=group)
         total, weighted, picked = sums.unbind(dim=-1)
@@ -175,6 +187,7 @@ class _TokenStats(torch.autograd.Function):
         mean = weighted / total            # E_p[x - shift]
         ctx.save_for_backward(logits, index, shift, log_total, mean)
         ctx.inv_temp, ctx.real = inv_temp, real
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
         return picked - log_total, log_total - mean
 
     @staticmethod
@@ -183,9 +196,8 @@ class _TokenStats(torch.autograd.Function):
         logits, index, shift, log_total, mean = ctx.saved_tensors
         if g_logp is None and g_ent is None:
             return None, None, None, None, None
-        zero = torch.zeros_like(shift)
-        g_logp = zero if g_logp is None else g_logp.float()
-        g_ent = zero if g_ent is None else g_ent.float()
+        g_logp = torch.zeros_like(shift) if g_logp is None else g_logp.float()
+        g_ent = None if g_ent is None else g_ent.float()
         (_, _, k_grad), elements = _kernels(logits)
         chunks = _row_chunks(logits.shape[0], logits.shape[1], elements)
         if len(chunks) == 1:  # the kernel's output is the gradient: no second copy of it
@@ -195,7 +207,8 @@ class _TokenStats(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for rows in chunks:
             grad[rows] = k_grad(logits[rows], index[rows], shift[rows], log_total[rows],
-                                mean[rows], g_logp[rows], g_ent[rows], ctx.inv_temp, ctx.real)
+                                mean[rows], g_logp[rows], None if g_ent is None else g_ent[rows],
+                                ctx.inv_temp, ctx.real)
         return grad, None, None, None, None
 
 
