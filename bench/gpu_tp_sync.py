@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 from gpu_common import ROOT, build_model, card  # bench/ on path
-from sync_check import judge
+from sync_check import engine_sums, judge
 
 HOST = "127.0.0.1"
 
@@ -79,11 +79,6 @@ def start_engine(model_dir: Path, gpus: str, tp: int, log: Path,
         except OSError:
             time.sleep(0.5)
     raise RuntimeError(f"engine {url} not healthy: {log.read_text()[-3000:]}")
-
-
-def rank_sums(url: str) -> list[dict[str, str]]:
-    with urllib.request.urlopen(url + "/get_weights_checksum?all_ranks=true", timeout=900) as r:
-        return list(json.loads(r.read())["tp_ranks"])
 
 
 def load_params(model_dir: Path, device: str) -> list[tuple[str, torch.Tensor]]:
@@ -135,12 +130,12 @@ def disaggregated(model_dir: Path, tp: int, gpus: str, args: argparse.Namespace,
             for _, t in named:
                 t.neg_()
             if i == args.repeats:  # what the engine holds before the checked (last) sync
-                before = rank_sums(url)
+                before = engine_sums([url])
             torch.cuda.synchronize()
             start = time.perf_counter()
             loop.run_until_complete(sender.send(buckets(named, args.bucket_mb)))
             seconds.append(time.perf_counter() - start)
-        verdict = judge(before, rank_sums(url), sha(named), tp)
+        verdict = judge(before, engine_sums([url]), sha(named), tp)
         print(f"  {name}: {verdict}", flush=True)
         exact = verdict.ok
         loop.run_until_complete(sender.close())
@@ -195,7 +190,7 @@ def colocated(model_dir: Path, tp: int, args: argparse.Namespace, out: Path) -> 
                for i, d in enumerate(devices)]
     urls = [url for _, url in engines]
     try:
-        before = [rank_sums(url) for url in urls]  # the base model, as each engine loaded it
+        before = [engine_sums([url]) for url in urls]  # the base model, as each engine loaded it
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
         port = free_port()
@@ -211,7 +206,7 @@ def colocated(model_dir: Path, tp: int, args: argparse.Namespace, out: Path) -> 
         # unlike before the syncs
         verdicts = [judge(was[r:r + 1], ranks[r:r + 1], got[gpu][1], 1)
                     for url, devs, was in zip(urls, devices, before, strict=True)
-                    for ranks in [rank_sums(url)] for r, gpu in enumerate(devs)]
+                    for ranks in [engine_sums([url])] for r, gpu in enumerate(devs)]
         for v in verdicts:
             print(f"  colocated tp{tp}: {v}", flush=True)
         exact = [v.ok for v in verdicts]
