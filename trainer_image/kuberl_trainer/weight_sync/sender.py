@@ -8,7 +8,12 @@ Disaggregated (`DistributedWeightSender`), per the contract in docs/engine-contr
   send:    inside `paused` (below): per bucket, POST /update_weights_from_distributed {names,
            dtypes, shapes} to every engine concurrently, broadcast the bucket's tensors from
            rank 0 in the announced order, then wait for every POST to answer; the last bucket
-           carries weight_version, so an engine reports the new version only once fully updated;
+           carries weight_version, so an engine reports the new version only once fully updated.
+           Buckets are made ready (exported, flattened) on a thread of their own while earlier
+           ones are on the wire (`prefetched`): the trainer's host work for bucket k+1 overlaps
+           the engines' for bucket k. Announces are not overlapped: two POSTs in flight may
+           reach an engine in either order, and an engine that took bucket k+1's announce
+           first would receive bucket k's bytes as k+1's tensors;
   close:   POST /destroy_weights_update_group, then drop the local group.
 Colocated (`send_tensors`): inside `paused`, POST /update_weights_from_tensor with one entry per
 TP rank of each engine, the tensors by reference (CUDA IPC handles, `codec.encode_shared`) or by
@@ -36,7 +41,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -171,6 +176,71 @@ async def paused(client: EngineClient) -> AsyncIterator[None]:
     await continue_generation(client)
 
 
+@dataclass
+class Prepared:
+    """A bucket ready to send: its announce and the tensors to broadcast, in order."""
+
+    metas: list[TensorMeta]
+    wire: list[torch.Tensor]
+    flattened: bool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.metas)
+
+
+def prepare_bucket(bucket: NamedTensors, device: torch.device, flatten: bool) -> Prepared:
+    """Announce and broadcast payload of one bucket: one flat tensor when its tensors share a
+    dtype (and ``flatten``), else each tensor, contiguous, on ``device``."""
+    metas = [tensor_meta(name, t) for name, t in bucket]
+    flat = flatten and len({t.dtype for _, t in bucket}) == 1
+    wire = flatten_bucket(bucket, device) if flat else [
+        t.detach().to(device).contiguous() for _, t in bucket]
+    return Prepared(metas, wire, flat)
+
+
+async def prefetched(items: Iterable[B], make: Callable[[B], R]
+                     ) -> AsyncGenerator[tuple[R, bool], None]:
+    """``make(item)`` for each item, as (result, is_last), each made on a daemon thread while
+    the caller works on the one before: the caller gets item k once item k+1 is made (to know
+    whether k is the last), while k+2 is being made, so at most three are alive at a time.
+
+    The thread makes them in order, one at a time, so collectives inside ``items`` (FSDP
+    gathers, Megatron's TP all-gathers) keep their order. It runs on the caller's CUDA device
+    (a new thread would start on device 0). An error in making an item is raised where the
+    caller would have got it. Use under ``contextlib.aclosing``: a caller stopping early
+    waits there for the item being made."""
+    it = iter(items)
+    device = (torch.cuda.current_device()
+              if torch.cuda.is_initialized() else None)  # type: ignore[no-untyped-call]
+
+    def make_next() -> tuple[R] | None:
+        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+            for item in it:
+                return (make(item),)
+            return None
+
+    current = await in_daemon_thread(make_next)
+    if current is None:
+        return
+    ahead: asyncio.Future[tuple[R] | None] = in_daemon_thread(make_next)
+    try:
+        while True:
+            following = await ahead
+            if following is None:
+                yield current[0], True
+                return
+            ahead = in_daemon_thread(make_next)  # item k+2, while item k goes out
+            yield current[0], False
+            current = following
+    finally:
+        # Stopped early (an engine failed): let the item being made finish, so no thread of
+        # ours is still inside the caller's collectives when it moves on.
+        if not ahead.done():
+            with contextlib.suppress(BaseException):
+                await ahead
+
+
 def _with_last(items: Iterable[B]) -> Iterator[tuple[B, bool]]:
     """Yield (bucket, is_last) with one bucket of lookahead, keeping the input a stream."""
     it = iter(items)
@@ -242,11 +312,13 @@ class DistributedWeightSender:
         n_buckets = n_tensors = n_bytes = 0
         await pause_and_flush(self.client)
         paused_at = time.perf_counter()
-        for bucket, last in _with_last(buckets):
-            sizes = await self._send_bucket(group, bucket, version if last else None)
-            n_buckets += 1
-            n_tensors += len(bucket)
-            n_bytes += sizes
+        ready = prefetched(buckets, lambda b: prepare_bucket(b, self.device, self.flatten))
+        async with contextlib.aclosing(ready):
+            async for bucket, last in ready:
+                await self._send_bucket(group, bucket, version if last else None)
+                n_buckets += 1
+                n_tensors += len(bucket.metas)
+                n_bytes += bucket.nbytes
         sent_at = time.perf_counter()
         await continue_generation(self.client)  # (not after a failure: see `paused`)
         end = time.perf_counter()
@@ -256,28 +328,22 @@ class DistributedWeightSender:
                          bytes=n_bytes, seconds=end - start, pause_s=paused_at - start,
                          resume_s=end - sent_at)
 
-    async def _send_bucket(self, group: WeightSyncGroup, bucket: NamedTensors,
-                           version: str | None) -> int:
-        """Announce and broadcast one bucket; returns its bytes. No cache flush per bucket:
-        `paused` flushed once before the first."""
-        metas = [tensor_meta(name, t) for name, t in bucket]
-        flat = self.flatten and len({t.dtype for _, t in bucket}) == 1
-        tensors = flatten_bucket(bucket, self.device) if flat else [
-            t.detach().to(self.device).contiguous() for _, t in bucket]
+    async def _send_bucket(self, group: WeightSyncGroup, bucket: Prepared,
+                           version: str | None) -> None:
+        """Announce and broadcast one bucket. No cache flush per bucket: `paused` flushed
+        once before the first."""
         body = protocol.update_weights_from_distributed(
-            metas, group_name=self.group_name, weight_version=version, flush_cache=False,
-            flattened=flat)
-        nbytes = sum(m.nbytes for m in metas)
+            bucket.metas, group_name=self.group_name, weight_version=version,
+            flush_cache=False, flattened=bucket.flattened)
         # A new group's first collective also sets up its communicator (NCCL's is lazy): that
         # bucket has the set-up's allowance on top.
-        deadline = bucket_deadline_s(nbytes) + (CONTROL_TIMEOUT_S if self._fresh else 0.0)
+        deadline = bucket_deadline_s(bucket.nbytes) + (CONTROL_TIMEOUT_S if self._fresh else 0.0)
         self._fresh = False
         await first_error([
             self.client.post_all("/update_weights_from_distributed", body, in_step=True,
                                  timeout_s=min(deadline, self.timeout_s + 30)),
-            in_daemon_thread(group.broadcast, tensors, 0),
+            in_daemon_thread(group.broadcast, bucket.wire, 0),
         ])
-        return nbytes
 
     async def close(self) -> None:
         """Ask engines to leave the group, then drop ours (engine errors still raise)."""
