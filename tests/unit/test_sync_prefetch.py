@@ -14,13 +14,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kuberl_trainer.weight_sync.sender import prefetched, prepare_bucket
+from kuberl_trainer.weight_sync.sender import made_inline, prefetched, prepare_bucket
 
 
-def collect(items: list[int], make=lambda x: x * 10) -> list[tuple[int, bool]]:  # type: ignore[no-untyped-def]
+def collect(items: list[int], way=prefetched) -> list[tuple[int, bool]]:  # type: ignore[no-untyped-def]
     async def run() -> list[tuple[int, bool]]:
         got = []
-        async with contextlib.aclosing(prefetched(items, make)) as ready:
+        async with contextlib.aclosing(way(items, lambda x: x * 10)) as ready:
             async for item in ready:
                 got.append(item)
         return got
@@ -28,10 +28,11 @@ def collect(items: list[int], make=lambda x: x * 10) -> list[tuple[int, bool]]: 
     return asyncio.run(run())
 
 
-def test_every_item_in_order_and_only_the_last_marked() -> None:
-    assert collect([1, 2, 3, 4]) == [(10, False), (20, False), (30, False), (40, True)]
-    assert collect([7]) == [(70, True)]
-    assert collect([]) == []
+@pytest.mark.parametrize("way", [prefetched, made_inline])
+def test_every_item_in_order_and_only_the_last_marked(way) -> None:  # type: ignore[no-untyped-def]
+    assert collect([1, 2, 3, 4], way) == [(10, False), (20, False), (30, False), (40, True)]
+    assert collect([7], way) == [(70, True)]
+    assert collect([], way) == []
 
 
 def test_the_next_item_is_made_while_the_caller_sends_one() -> None:

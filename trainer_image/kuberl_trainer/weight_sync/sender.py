@@ -241,6 +241,14 @@ async def prefetched(items: Iterable[B], make: Callable[[B], R]
                 await ahead
 
 
+async def made_inline(items: Iterable[B], make: Callable[[B], R]
+                      ) -> AsyncGenerator[tuple[R, bool], None]:
+    """`prefetched`'s items made on the caller's thread, one at a time: nothing overlaps
+    (the sender before the pipeline; benchmarks compare the two)."""
+    for item, last in _with_last(items):
+        yield make(item), last
+
+
 def _with_last(items: Iterable[B]) -> Iterator[tuple[B, bool]]:
     """Yield (bucket, is_last) with one bucket of lookahead, keeping the input a stream."""
     it = iter(items)
@@ -260,7 +268,8 @@ class DistributedWeightSender:
     def __init__(self, client: EngineClient, *, master_address: str, master_port: int,
                  backend: str = "gloo", group_name: str = "kuberl_weight_sync",
                  timeout_s: float = 300.0, weight_version: int = 0,
-                 flatten: bool = True, tp_sizes: Sequence[int] | None = None) -> None:
+                 flatten: bool = True, tp_sizes: Sequence[int] | None = None,
+                 prefetch: bool = True) -> None:
         self.client = client
         # Each engine's tensor parallel size: how many ranks it brings to the group.
         self.tp_sizes = list(tp_sizes) if tp_sizes is not None else [1] * len(client.urls)
@@ -271,6 +280,8 @@ class DistributedWeightSender:
         # tensors (norms, biases), and each broadcast costs tens of microseconds to launch on
         # both sides whatever its size.
         self.flatten = flatten
+        # Make bucket k+2 ready while bucket k goes out (`prefetched`); False: one at a time.
+        self.prefetch = prefetch
         self.master_address = master_address
         self.master_port = master_port
         self.backend = backend
@@ -312,7 +323,8 @@ class DistributedWeightSender:
         n_buckets = n_tensors = n_bytes = 0
         await pause_and_flush(self.client)
         paused_at = time.perf_counter()
-        ready = prefetched(buckets, lambda b: prepare_bucket(b, self.device, self.flatten))
+        ready = (prefetched if self.prefetch else made_inline)(
+            buckets, lambda b: prepare_bucket(b, self.device, self.flatten))
         async with contextlib.aclosing(ready):
             async for bucket, last in ready:
                 await self._send_bucket(group, bucket, version if last else None)
