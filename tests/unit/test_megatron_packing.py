@@ -14,6 +14,7 @@ from kuberl_trainer.megatron.packing import (
     balanced_partition,
     next_token_targets,
     pack_bins,
+    pack_bins_to,
     pack_rows,
     unpack,
 )
@@ -122,6 +123,42 @@ def test_pack_rows_by_hand() -> None:
     assert packed.max_seqlen == 4
     assert packed.lengths == [3, 1, 4]
     assert packed.tokens == 8
+
+
+def test_pack_bins_to_packs_each_bin_of_the_batch_by_hand() -> None:
+    ids = torch.tensor([[11, 12, 13, 0], [21, 0, 0, 0], [31, 32, 33, 34]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    first, second = pack_bins_to(ids, mask, [[0, 2], [1]], "cpu")
+    assert first.rows.tolist() == [0, 2] and second.rows.tolist() == [1]
+    assert first.packed.input_ids.tolist() == [[11, 12, 13, 31, 32, 33, 34]]
+    assert first.packed.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3]]
+    assert first.packed.cu_seqlens.dtype == torch.int32
+    assert first.packed.cu_seqlens.tolist() == first.cu_seqlens_cpu.tolist() == [0, 3, 7]
+    assert (first.packed.max_seqlen, first.packed.lengths) == (4, [3, 4])
+    assert second.packed.input_ids.tolist() == [[21]]
+    assert second.packed.cu_seqlens.tolist() == [0, 1]
+    assert pack_bins_to(ids, mask, [], "cpu") == []
+
+
+def test_pack_bins_to_matches_pack_rows_on_random_bins() -> None:
+    lengths = [random.Random(3).randint(1, 30) for _ in range(17)]
+    ids, mask = padded(lengths, 32, seed=3)
+    bins = pack_bins(lengths, 64)
+    for rows, made in zip(bins, pack_bins_to(ids, mask, bins, "cpu"), strict=True):
+        want = pack_rows(ids[rows], mask[rows])
+        assert made.rows.tolist() == rows
+        for field in ("input_ids", "position_ids", "cu_seqlens"):
+            got, ref = getattr(made.packed, field), getattr(want, field)
+            assert got.dtype == ref.dtype and torch.equal(got, ref), field
+        assert (made.packed.max_seqlen, made.packed.lengths) == (want.max_seqlen, want.lengths)
+
+
+def test_pack_bins_to_checks_its_input() -> None:
+    ids, mask = padded([2, 3], 4)
+    with pytest.raises(ValueError, match="row 0"):  # row 1 of the batch, row 0 of its bin
+        pack_bins_to(ids, torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0]]), [[0], [1]], "cpu")
+    with pytest.raises(ValueError, match="CPU tensors"):
+        pack_bins_to(ids.to("meta"), mask, [[0]], "cpu")
 
 
 @pytest.mark.parametrize(("mask", "row"), [

@@ -81,9 +81,10 @@ class TrainBatch:
         """Samples ``start:end`` (views, no copy)."""
         return self.map(lambda t: t[start:end])
 
-    def select(self, rows: Sequence[int]) -> TrainBatch:
-        """The samples at ``rows``, in that order (a copy)."""
-        index = torch.tensor(list(rows), dtype=torch.long)
+    def select(self, rows: Sequence[int] | Tensor) -> TrainBatch:
+        """The samples at ``rows``, in that order (a copy). An index tensor already on the
+        batch's device is used as it is (no transfer, so no host sync on a GPU)."""
+        index = rows if isinstance(rows, Tensor) else torch.tensor(list(rows), dtype=torch.long)
         return self.map(lambda t: t.index_select(0, index.to(t.device)))
 
     def to(self, device: str | torch.device) -> TrainBatch:

@@ -64,7 +64,7 @@ from kuberl_trainer.megatron.packing import (
     align_to_tokens,
     next_token_targets,
     pack_bins,
-    pack_rows,
+    pack_bins_to,
     unpack,
 )
 
@@ -85,7 +85,7 @@ class Micro:
     batch: TrainBatch
     packed: Packed       # on the GPU
     cu_seqlens_cpu: Tensor
-    indices: list[int]  # the samples' rows in the batch it was cut from
+    rows: Tensor        # the samples' rows in the batch it was cut from, on the GPU
     sft: bool = False
 
 
@@ -232,16 +232,22 @@ class MegatronBackend:
 
     def _micros(self, batch: TrainBatch, *, sft: bool = False) -> list[Micro]:
         """``batch`` packed into micro-batches of at most ``microBatchSize`` x its longest
-        sequence tokens (the work of one padded micro-batch, without the padding)."""
-        lengths = batch.attention_mask.sum(dim=1).tolist()
+        sequence tokens (the work of one padded micro-batch, without the padding). The
+        layout is read on the host once and the micro-batches' indices go to the GPU in one
+        transfer (`pack_bins_to`), so building them costs one host sync, not one per tensor."""
+        host = torch.stack([batch.input_ids, batch.attention_mask.to(batch.input_ids.dtype)]
+                           ).cpu()
+        ids, mask = host[0], host[1]
+        lengths = mask.sum(dim=1).tolist()
         budget = self.micro_batch_size * max(max(lengths), 1)
+        bins = pack_bins(lengths, budget)
         out = []
-        for rows in pack_bins(lengths, budget):
+        for rows, made in zip(bins, pack_bins_to(ids, mask, bins, batch.input_ids.device),
+                              strict=True):
             width = max(lengths[r] for r in rows)
-            mb = batch.select(rows).map(lambda t, w=width: t[:, :w])
-            packed = pack_rows(mb.input_ids, mb.attention_mask)
-            out.append(Micro(batch=mb, packed=_to_cuda(packed),
-                             cu_seqlens_cpu=packed.cu_seqlens.cpu(), indices=rows, sft=sft))
+            mb = batch.select(made.rows).map(lambda t, w=width: t[:, :w])
+            out.append(Micro(batch=mb, packed=made.packed, cu_seqlens_cpu=made.cu_seqlens_cpu,
+                             rows=made.rows, sft=sft))
         return out
 
     def _run(self, model: Any, micros: list[Micro], loss_fn: Callable[[Micro, Tensor], Any],
@@ -313,7 +319,7 @@ class MegatronBackend:
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device="cuda")
         for mb, item in zip(micros, stored, strict=True):
             logp = item["logp"]
-            out[torch.tensor(mb.indices, device="cuda"), :logp.shape[1]] = logp
+            out[mb.rows, :logp.shape[1]] = logp
         return out
 
     # -- training ----------------------------------------------------------------------------
@@ -560,10 +566,3 @@ def _ensure_process_group(rank: int, world_size: int) -> None:
         port = s.getsockname()[1]
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=1)
-
-
-def _to_cuda(packed: Packed) -> Packed:
-    return dataclasses.replace(packed, input_ids=packed.input_ids.cuda(),
-                               position_ids=packed.position_ids.cuda(),
-                               cu_seqlens=packed.cu_seqlens.cuda())
-

@@ -147,6 +147,46 @@ def pack_rows(input_ids: Tensor, attention_mask: Tensor) -> Packed:
                   lengths=[int(n) for n in lengths.tolist()])
 
 
+@dataclass(frozen=True)
+class PackedBin:
+    """One micro-batch: which rows of the batch it holds and their packed form."""
+
+    rows: Tensor            # [b] long, on the target device: the samples' rows in the batch
+    packed: Packed          # on the target device
+    cu_seqlens_cpu: Tensor  # the same boundaries, on the host
+
+
+def pack_bins_to(input_ids: Tensor, attention_mask: Tensor, bins: Sequence[Sequence[int]],
+                 device: torch.device | str) -> list[PackedBin]:
+    """Pack each bin's rows of the host tensors ``input_ids``/``attention_mask`` [B, T]
+    (``pack_rows``), then move every bin's row index and packed tensors to ``device`` in one
+    transfer. Packing reads lengths and masks on the host, and a copy from ordinary host
+    memory to a GPU waits for the GPU's queue to drain: built on the GPU, or moved tensor by
+    tensor, a step's micro-batches cost ~60 host syncs (measured on megatron 1.5B)."""
+    if input_ids.device.type != "cpu" or attention_mask.device.type != "cpu":
+        raise ValueError("pack_bins_to packs on the host: pass CPU tensors")
+    indices = [torch.tensor(list(rows), dtype=torch.long) for rows in bins]
+    packs = [pack_rows(input_ids.index_select(0, i), attention_mask.index_select(0, i))
+             for i in indices]
+    parts = [t for index, p in zip(indices, packs, strict=True)
+             for t in (index, p.input_ids[0], p.position_ids[0], p.cu_seqlens.long())]
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+    target = torch.device(device)
+    if target.type == "cuda":
+        # Pinned memory lets the copy run without the host waiting for it.
+        flat = flat.pin_memory().to(target, non_blocking=True)
+    else:
+        flat = flat.to(target)
+    moved = iter(torch.split(flat, [t.numel() for t in parts]))
+    out = []
+    for p in packs:
+        rows, ids, pos, cu = next(moved), next(moved), next(moved), next(moved)
+        out.append(PackedBin(rows=rows, cu_seqlens_cpu=p.cu_seqlens, packed=Packed(
+            input_ids=ids.unsqueeze(0), position_ids=pos.unsqueeze(0),
+            cu_seqlens=cu.to(torch.int32), max_seqlen=p.max_seqlen, lengths=p.lengths)))
+    return out
+
+
 def _flat(values: Tensor, packed: Packed, what: str) -> Tensor:
     """``[N]`` or ``[1, N]`` -> ``[N]`` (a view, so autograd flows through)."""
     if values.dim() not in (1, 2) or values.numel() != packed.tokens or (
