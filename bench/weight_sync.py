@@ -37,6 +37,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import re
 import socket
 import statistics
 import subprocess
@@ -71,6 +72,13 @@ class Row:
     pause_s: list[float]   # of full_s: pausing generation + flushing caches
     resume_s: list[float]  # of full_s: continuing generation
     serial_s: list[float]  # full syncs with buckets made one at a time (no prefetch)
+    # Where a full sync's time goes (`breakdown`): the trainer making every bucket ready
+    # (export to HF layout + flatten, GPU work included), the engine's own time per update
+    # summed over the last sync's buckets (from receiving the announce's body to loaded), and
+    # one HTTP round trip to the engine.
+    export_s: float = 0.0
+    engine_s: float = 0.0
+    rtt_s: float = 0.0
 
     @property
     def full_gbps(self) -> float:
@@ -339,6 +347,15 @@ class FullSync:
         return (stats.bytes, stats.buckets, time.perf_counter() - start, stats.pause_s,
                 stats.resume_s)
 
+    def round_trip_s(self, n: int = 20) -> float:
+        """Median seconds of an HTTP request the engine answers at once."""
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            self.runner.run(self.client.request(self.url, "GET", "/get_weight_version"))
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
     def exact(self, backend: Any) -> bool:
         """The engine holds the last version and, for every name the trainer sends, the
         trainer's bytes."""
@@ -368,8 +385,32 @@ class FullSync:
 # -- one shape -----------------------------------------------------------------------------
 
 
+def export_s(backend: Any, bucket_bytes: int, repeats: int) -> float:
+    """Median seconds to make every bucket ready as the sender does (no sending)."""
+    from kuberl_trainer.weight_sync.sender import prepare_bucket
+
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for bucket in backend.named_tensor_buckets(bucket_bytes):
+            prepare_bucket(bucket, torch.device("cuda"), flatten=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+ENGINE_UPDATE = re.compile(r"updated \d+ tensors, [\d.]+ MB in ([\d.]+)s")
+
+
+def engine_update_s(log: Path, buckets: int) -> float:
+    """The engine's own seconds for the last sync: its last ``buckets`` update log lines."""
+    found = ENGINE_UPDATE.findall(log.read_text(errors="replace"))
+    return sum(float(x) for x in found[-buckets:]) if len(found) >= buckets else float("nan")
+
+
 def measure(shape: str, sync: FullSync, raw: RawPeer, backend: Any, bucket_mb: int,
-            repeats: int) -> Row:
+            repeats: int, engine_log: Path) -> Row:
     bucket_bytes = bucket_mb << 20
     negate(backend)
     sync.sync(backend, bucket_bytes)  # warm-up (and, the first time, NCCL's communicator)
@@ -377,6 +418,7 @@ def measure(shape: str, sync: FullSync, raw: RawPeer, backend: Any, bucket_mb: i
     for _ in range(repeats):  # interleaved, so drift on the machine hits both alike
         serial.append(sync.sync(backend, bucket_bytes, prefetch=False)[2])
         runs.append(sync.sync(backend, bucket_bytes))
+    engine_s = engine_update_s(engine_log, runs[-1][1])  # the last sync's buckets
     exact = sync.exact(backend)
     buckets = materialize(backend, bucket_bytes)
     nbytes = sum(t.numel() * t.element_size() for bucket in buckets for t in bucket)
@@ -388,7 +430,9 @@ def measure(shape: str, sync: FullSync, raw: RawPeer, backend: Any, bucket_mb: i
     torch.cuda.empty_cache()
     row = Row(shape=shape, bucket_mb=bucket_mb, bytes=nbytes, buckets=runs[0][1],
               full_s=[r[2] for r in runs], raw_s=raw_s, exact=exact,
-              pause_s=[r[3] for r in runs], resume_s=[r[4] for r in runs], serial_s=serial)
+              pause_s=[r[3] for r in runs], resume_s=[r[4] for r in runs], serial_s=serial,
+              export_s=export_s(backend, bucket_bytes, repeats), engine_s=engine_s,
+              rtt_s=sync.round_trip_s())
     print(f"  {shape} bucket {bucket_mb} MB: full {row.full_gbps:.2f} GB/s, raw "
           f"{row.raw_gbps:.2f} GB/s, exact {exact}", flush=True)
     return row
@@ -402,7 +446,7 @@ def run_shape(shape: str, args: argparse.Namespace, devices: tuple[str, str]) ->
         backend = build_backend(model_dir)  # loads while the engine does
         try:
             engine.wait_ready(args.engine_timeout)
-            return sweep(shape, args, devices[1], engine.url, backend)
+            return sweep(shape, args, devices[1], engine, backend)
         finally:
             del backend
             free_megatron()
@@ -410,16 +454,17 @@ def run_shape(shape: str, args: argparse.Namespace, devices: tuple[str, str]) ->
         engine.stop()
 
 
-def sweep(shape: str, args: argparse.Namespace, engine_device: str, url: str,
+def sweep(shape: str, args: argparse.Namespace, engine_device: str, engine: Engine,
           backend: Any) -> list[Row]:
     with contextlib.ExitStack() as stack:
-        sync = FullSync(url)
+        sync = FullSync(engine.url)
         stack.callback(quietly, sync.close)  # after raw.close: callbacks run last-in first
         sync.connect()
         raw = RawPeer(engine_device)
         stack.callback(quietly, raw.close)
         raw.connect()
-        return [measure(shape, sync, raw, backend, mb, args.repeats) for mb in args.bucket_mb]
+        return [measure(shape, sync, raw, backend, mb, args.repeats, engine.log)
+                for mb in args.bucket_mb]
 
 
 def quietly(fn: Callable[[], None]) -> None:
@@ -453,6 +498,17 @@ def report(rows: list[Row], args: argparse.Namespace) -> dict[str, Any]:
               f"{statistics.median(r.serial_s):>9.3f} "
               f"{statistics.median(r.serial_s) / statistics.median(r.full_s):>12.2f}")
     print("goal: full/raw >= 0.8; serial/full > 1: what making buckets ready ahead saves")
+    print("\nwhere a full sync's time goes (ms; export: the trainer making every bucket ready, "
+          "GPU included; engine: its own time per update, summed; rtt: one HTTP round trip)")
+    print(f"{'shape':<14} {'bucket MB':>10} {'buckets':>8} {'full':>8} {'pause+resume':>13} "
+          f"{'export':>8} {'engine':>8} {'rtt':>6} {'raw':>6}")
+    for r in rows:
+        ms = 1e3
+        print(f"{r.shape:<14} {r.bucket_mb:>10} {r.buckets:>8} "
+              f"{statistics.median(r.full_s) * ms:>8.1f} "
+              f"{(statistics.median(r.pause_s) + statistics.median(r.resume_s)) * ms:>13.1f} "
+              f"{r.export_s * ms:>8.1f} {r.engine_s * ms:>8.1f} {r.rtt_s * ms:>6.2f} "
+              f"{statistics.median(r.raw_s) * ms:>6.1f}")
     base = max(rows, key=lambda r: (r.bytes, r.full_gbps))
     print(f"\nextrapolated (bf16, 2 B/parameter) at {base.shape}'s fastest bucket "
           f"({base.bucket_mb} MB): full {base.full_gbps:.2f} GB/s, raw {base.raw_gbps:.2f} GB/s")
