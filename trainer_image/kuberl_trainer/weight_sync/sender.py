@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from kuberl_trainer.engine_client import EngineClient, EngineError, first_error
 from kuberl_wire import codec, protocol
@@ -122,8 +123,12 @@ def bucketize(named: Iterable[tuple[str, torch.Tensor]],
 
 def flatten_bucket(bucket: NamedTensors, device: torch.device) -> list[torch.Tensor]:
     """The bucket's tensors (one dtype) as a single flat tensor on ``device``, in order: what
-    a ``flattened_bucket`` update broadcasts (one copy kernel, views need not be contiguous)."""
-    return [torch.cat([t.detach().reshape(-1).to(device) for _, t in bucket])]
+    a ``flattened_bucket`` update broadcasts. torch's own flatten (DDP's) does it in one call
+    from Python: a bucket holds hundreds of tensors, and three Python-level ops on each cost
+    the trainer more host time than the copy costs the GPU."""
+    with torch.no_grad():
+        flat = _flatten_dense_tensors([t for _, t in bucket])  # type: ignore[no-untyped-call]
+        return [flat.to(device)]
 
 
 FLUSH_TIMEOUT_S = 60.0
