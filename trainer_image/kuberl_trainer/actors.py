@@ -235,8 +235,7 @@ class TrainWorker:
         the engines stay the same, so a sync opens no new connections (colocated.py)."""
         from kuberl_trainer.weight_sync.colocated import Poster
 
-        if self._poster is not None and self._poster.client.urls != [
-                u.rstrip("/") for u in engine_urls]:
+        if self._poster is not None and _engines_changed(self._poster.client, engine_urls):
             self._poster.close()  # an engine was replaced
             self._poster = None
         if self._poster is None:
@@ -250,8 +249,7 @@ class TrainWorker:
         from kuberl_trainer.engine_client import EngineClient
         from kuberl_trainer.weight_sync.sender import DistributedWeightSender
 
-        if self._sender is not None and self._sender.client.urls != [
-                u.rstrip("/") for u in engine_urls]:
+        if self._sender is not None and _engines_changed(self._sender.client, engine_urls):
             self._drop_weight_sender()  # an engine was replaced: a group without it
         if self._sender is None:
             self._aio = asyncio.new_event_loop()
@@ -292,6 +290,12 @@ class TrainWorker:
     def load(self, path: str) -> None:
         self.onload()
         self.backend.load(path)
+
+
+def _engines_changed(client: Any, engine_urls: list[str]) -> bool:
+    """Whether a kept HTTP client (and what was built for its engines) no longer matches the
+    engines of this sync: one was replaced (EngineClient keeps URLs without a trailing /)."""
+    return bool(client.urls != [u.rstrip("/") for u in engine_urls])
 
 
 class EngineServer:
