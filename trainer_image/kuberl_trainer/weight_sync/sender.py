@@ -9,11 +9,12 @@ Disaggregated (`DistributedWeightSender`), per the contract in docs/engine-contr
            dtypes, shapes} to every engine concurrently, broadcast the bucket's tensors from
            rank 0 in the announced order, then wait for every POST to answer; the last bucket
            carries weight_version, so an engine reports the new version only once fully updated.
-           Buckets are made ready (exported, flattened) on a thread of their own while earlier
-           ones are on the wire (`prefetched`): the trainer's host work for bucket k+1 overlaps
-           the engines' for bucket k. Announces are not overlapped: two POSTs in flight may
-           reach an engine in either order, and an engine that took bucket k+1's announce
-           first would receive bucket k's bytes as k+1's tensors;
+           Buckets are made ready (exported, flattened) on a thread of their own ahead of the
+           wire (`prefetched`): bucket k+2 is made while bucket k is announced, broadcast and
+           loaded (k+1 must exist before k goes, to know whether k is the last). Announces
+           are not overlapped: two POSTs in flight may reach an engine in either order, and
+           an engine that took bucket k+1's announce first would receive bucket k's bytes as
+           k+1's tensors;
   close:   POST /destroy_weights_update_group, then drop the local group.
 Colocated (`send_tensors`): inside `paused`, POST /update_weights_from_tensor with one entry per
 TP rank of each engine, the tensors by reference (CUDA IPC handles, `codec.encode_shared`) or by
@@ -125,7 +126,8 @@ def flatten_bucket(bucket: NamedTensors, device: torch.device) -> list[torch.Ten
     """The bucket's tensors (one dtype) as a single flat tensor on ``device``, in order: what
     a ``flattened_bucket`` update broadcasts. torch's own flatten (DDP's) does it in one call
     from Python: a bucket holds hundreds of tensors, and three Python-level ops on each cost
-    the trainer more host time than the copy costs the GPU."""
+    the trainer more host time than the copy costs the GPU. A bucket of one contiguous
+    tensor comes back as a view of it (nothing copied; the broadcast only reads it)."""
     with torch.no_grad():
         flat = _flatten_dense_tensors([t for _, t in bucket])  # type: ignore[no-untyped-call]
         return [flat.to(device)]
