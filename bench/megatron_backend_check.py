@@ -72,7 +72,7 @@ def hf_logprobs(model_dir: Path, batch: Any) -> torch.Tensor:
 
 def my_rows(backend: Any, batch: Any) -> Any:
     """This rank's data-parallel share of ``batch`` (what the driver would send it)."""
-    from kuberl_trainer.megatron.packing import step_shards
+    from kuberl_trainer.backends.packing import step_shards
 
     dp_rank, dp_size, _ = backend.data_parallel_coords()
     lengths = batch.attention_mask.sum(dim=1).tolist()

@@ -214,7 +214,7 @@ def backends(args: argparse.Namespace) -> None:
 
 
 def tp(args: argparse.Namespace) -> None:
-    from kuberl_trainer.megatron.packing import step_shards
+    from kuberl_trainer.backends.packing import step_shards
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     dist.init_process_group("nccl")

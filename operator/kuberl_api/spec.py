@@ -38,6 +38,7 @@ MAX_NODES = 4096
 MAX_GPUS_PER_NODE = 16
 MAX_PARALLEL = 1024  # tp, pp, cp (and ep)
 MAX_MICRO_BATCH = 65536
+MAX_MICRO_BATCH_TOKENS = 16777216
 MAX_GLOBAL_BATCH = 16777216
 MAX_ROLLOUT_BATCH = 65536
 MAX_SAMPLES_PER_PROMPT = 1024
@@ -589,7 +590,14 @@ class TrainingSpec(ApiModel):
                                description="0 trains on CPU (one worker a pod).")
     parallelism: Parallelism = Field(default_factory=Parallelism)
     micro_batch_size: int = Field(1, ge=1, le=MAX_MICRO_BATCH,
-                                  description="Samples per forward pass.")
+                                  description="Samples per forward pass, as a token budget: "
+                                  "a pass packs up to microBatchSize x the step's longest "
+                                  "sample tokens, without padding.")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=1, le=MAX_MICRO_BATCH_TOKENS,
+        description="Tokens one forward pass packs (prompts + responses, no padding), "
+        "instead of the budget microBatchSize gives: bigger passes, fewer of them. At least "
+        "data.maxPromptLen + data.maxResponseLen, so that any sample fits.")
     global_batch_size: int | None = Field(
         None, ge=1, le=MAX_GLOBAL_BATCH,
         description="Samples per optimizer step; default: one step per rollout "
@@ -1198,6 +1206,11 @@ class RLJobSpec(ApiModel):
                 "the global batch must split evenly into micro-batches across data-parallel "
                 "ranks: globalBatchSize % (microBatchSize * dataParallel) == 0",
                 ".training.microBatchSize"),
+            cel("!has(self.training.maxTokensPerMicroBatch) || "
+                "self.training.maxTokensPerMicroBatch >= "
+                "self.data.maxPromptLen + self.data.maxResponseLen",
+                "training.maxTokensPerMicroBatch must hold the longest sample: at least "
+                "data.maxPromptLen + data.maxResponseLen", ".training.maxTokensPerMicroBatch"),
             cel("!has(self.model.storage) || !has(self.data.storage) || "
                 "self.model.storage.mountPath != self.data.storage.mountPath",
                 "model and data PVCs need different storage.mountPath values",
@@ -1438,6 +1451,11 @@ class RLJobSpec(ApiModel):
                   _shown(getattr(self.rollout, name)), _colocated_from_training(name))
 
     def _check_batches(self) -> None:
+        longest = self.data.max_prompt_len + self.data.max_response_len
+        budget = self.training.max_tokens_per_micro_batch
+        check(budget is None or budget >= longest, "training.maxTokensPerMicroBatch", budget,
+              f"must hold the longest sample: at least data.maxPromptLen + "
+              f"data.maxResponseLen = {longest}")
         samples = self.data.rollout_batch_size * self.data.n_samples_per_prompt
         gbs = self.global_batch_size
         if self.has_critic and self.critic.placement == "dedicated" and samples % gbs == 0:

@@ -37,13 +37,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def make_spec(model_dir: str, *, mbs: int = 2, gbs: int = B, lr: float = 1e-2,
-              sft: dict[str, Any] | None = None, **algorithm: Any) -> RLJobSpec:
+              sft: dict[str, Any] | None = None, max_tokens: int | None = None,
+              **algorithm: Any) -> RLJobSpec:
+    budget = {} if max_tokens is None else {"maxTokensPerMicroBatch": max_tokens}
     return RLJobSpec.model_validate({
         "model": {"path": model_dir},
         "data": {"prompts": "/data/prompts.jsonl", "rolloutBatchSize": B // 2,
-                 "nSamplesPerPrompt": 2, **({"sft": sft} if sft else {})},
+                 "nSamplesPerPrompt": 2, "maxPromptLen": 4, "maxResponseLen": T - 4,
+                 **({"sft": sft} if sft else {})},
         "training": {"backend": "fsdp", "gpusPerNode": 0, "microBatchSize": mbs,
-                     "globalBatchSize": gbs},
+                     "globalBatchSize": gbs, **budget},
         "rollout": {"engine": "reference"},  # on CPU
         "algorithm": {"lr": lr, **algorithm},
     })
@@ -186,6 +189,36 @@ def test_micro_batches_accumulate_to_the_full_batch_update(
     assert m_micro["ratio_max"] == pytest.approx(m_full["ratio_max"], rel=1e-5)
     for name, value in params(full).items():
         torch.testing.assert_close(params(micro)[name], value, rtol=0, atol=1e-5)
+
+
+def test_a_token_budget_cuts_the_passes_and_keeps_the_update(
+        model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """maxTokensPerMicroBatch: each forward pass packs at most that many tokens, no padding,
+    and the update is the one a single pass over the whole batch makes."""
+    full = make_backend(make_spec(model_dir, mbs=B), rank=0, world_size=1, device="cpu")
+    budget = make_backend(make_spec(model_dir, max_tokens=T), rank=0, world_size=1,
+                          device="cpu")
+    assert isinstance(full, FSDPBackend) and isinstance(budget, FSDPBackend)
+    batch = with_old(full, make_batch())
+    passes: list[int] = []
+    forward = FSDPBackend._forward
+
+    def counting(self: FSDPBackend, model: Any, mb: Any) -> torch.Tensor:
+        passes.append(mb.packed.tokens)
+        return forward(self, model, mb)
+
+    monkeypatch.setattr(FSDPBackend, "_forward", counting)
+    grads = capture_grads(monkeypatch)
+    full.train_step(batch)
+    whole = list(passes)
+    passes.clear()
+    budget.train_step(batch)
+
+    real = int(batch.attention_mask.sum())
+    assert whole == [real]              # one pass over every real token, no padding
+    assert sum(passes) == real and max(passes) <= T and len(passes) >= real // T
+    for g_full, g_cut in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(g_cut, g_full, rtol=1e-4, atol=1e-7)
 
 
 def test_several_optimizer_steps_per_rollout(model_dir: str) -> None:

@@ -52,24 +52,3 @@ def test_rejects_heads_that_do_not_split_into_groups() -> None:
     q, kv = torch.zeros(3, 1, 6, 4), torch.zeros(3, 1, 4, 4)
     with pytest.raises(ValueError, match="6 query heads"):
         sdpa(q, kv, kv, None, causal=True)
-
-
-@pytest.mark.parametrize(("heads", "groups"), [(4, 4), (8, 2)])
-def test_packed_sequences_attend_only_within_themselves(heads: int, groups: int) -> None:
-    """Three sequences packed into one row give what each gives alone (causal, no padding),
-    so nothing leaks across a boundary."""
-    from kuberl_trainer.megatron.sdpa_attention import sdpa_packed
-
-    gen = torch.Generator().manual_seed(2)
-    lengths, d = [5, 1, 7], 8
-    cu = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
-    q = torch.randn(13, heads, d, generator=gen, dtype=torch.float64)
-    k = torch.randn(13, groups, d, generator=gen, dtype=torch.float64)
-    v = torch.randn(13, groups, d, generator=gen, dtype=torch.float64)
-    got = sdpa_packed(q, k, v, cu, max(lengths))
-    assert got.shape == (13, heads * d)
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
-        s = b - a
-        causal = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
-        alone = naive(q[a:b, None], k[a:b, None], v[a:b, None], causal, 1 / math.sqrt(d))
-        torch.testing.assert_close(got[a:b], alone[:, 0])

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from kuberl_trainer.backends.base import TrainBatch
-from kuberl_trainer.megatron.packing import step_shards
+from kuberl_trainer.backends.packing import step_shards
 
 T = TypeVar("T")
 

@@ -44,6 +44,7 @@ from kuberl_trainer.backends.hf_files import (
     keep_source_dtype,
     read_safetensors_dir,
 )
+from kuberl_trainer.backends.micro_batches import MicroBatch, micro_batches
 from kuberl_trainer.backends.offload import Offloads, optimizer_state, release_cached
 from kuberl_trainer.backends.optim import (
     OptimConfig,
@@ -52,10 +53,12 @@ from kuberl_trainer.backends.optim import (
     clip_gradients,
     optim_config,
 )
+from kuberl_trainer.backends.packing import next_token_targets, to_rows
 from kuberl_trainer.backends.rng import rng_state, set_rng_state
 from kuberl_trainer.backends.step_metrics import StepMetrics
-from kuberl_trainer.backends.tokens import response_mask, used_width
-from kuberl_trainer.backends.vocab_logprobs import next_token_logprobs_and_entropy
+from kuberl_trainer.backends.tokens import response_mask
+from kuberl_trainer.backends.varlen_attention import register_hf_attention
+from kuberl_trainer.backends.vocab_logprobs import token_logprobs_and_entropy
 
 LOG = logging.getLogger("kuberl.backend.fsdp")
 
@@ -123,25 +126,54 @@ class FSDPBackend:
         hooks (nothing to synchronise without gradients)."""
         return self._per_token(batch, lambda mb: self._token_values(model, mb)[0])
 
-    def _per_token(self, batch: TrainBatch, fn: Callable[[TrainBatch], Tensor]) -> Tensor:
-        """``fn`` (a ``[b, t]`` value per token of a padding-trimmed micro-batch) over the whole
-        batch: ``[B, T]`` on the device, 0 off the response."""
-        width = batch.input_ids.shape[1]
-        parts = []
-        for mb in batch.to(self.device).chunks(self.micro_batch_size):
-            mb = trim_padding(mb)
-            values = fn(mb) * response_mask(mb.loss_mask)
-            parts.append(nn.functional.pad(values, (0, width - values.shape[1])))
-        return torch.cat(parts)
+    def _per_token(self, batch: TrainBatch, fn: Callable[[MicroBatch], Tensor]) -> Tensor:
+        """``fn`` (a ``[b, t]`` value per token of a micro-batch's rows) over the whole batch:
+        ``[B, T]`` on the device, 0 off the response."""
+        batch = batch.to(self.device)
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
+        for mb in self._micros(batch):
+            values = fn(mb) * response_mask(mb.batch.loss_mask)
+            out[mb.rows, :values.shape[1]] = values
+        return out
 
-    def _token_values(self, model: nn.Module, mb: TrainBatch) -> tuple[Tensor, Tensor]:
+    def _micros(self, batch: TrainBatch, *, sft: bool = False) -> list[MicroBatch]:
+        """``batch`` packed into micro-batches (``backends/micro_batches.py``). Under FSDP2
+        every forward is a collective, so each rank runs as many as the busiest rank."""
+        micros = micro_batches(batch, micro_batch_size=self.micro_batch_size,
+                               max_tokens=self.spec.training.max_tokens_per_micro_batch,
+                               sft=sft)
+        if self.mode != "fsdp2":
+            return micros
+        count = torch.tensor(len(micros), device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        if int(count.item()) == len(micros):
+            return micros
+        return micro_batches(batch, micro_batch_size=self.micro_batch_size,
+                             max_tokens=self.spec.training.max_tokens_per_micro_batch,
+                             at_least=int(count.item()), sft=sft)
+
+    def _forward(self, model: nn.Module, mb: MicroBatch) -> Tensor:
+        """The model's per-position output over ``mb``'s packed row: ``[N, ...]`` (logits,
+        or the value head's scores). Attention keeps to each sequence
+        (``varlen_attention``); positions restart at 0 with each one, so RoPE sees every
+        sequence as if it were alone."""
+        p = mb.packed
+        with self._autocast():
+            out = model(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False,
+                        cu_seq_lens_q=p.cu_seqlens, cu_seq_lens_k=p.cu_seqlens,
+                        max_length_q=p.max_seqlen, max_length_k=p.max_seqlen)
+        logits: Tensor = out.logits[0]
+        return logits
+
+    def _token_values(self, model: nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor]:
         """``(log-probs, entropy)`` ``[b, t]`` of ``mb``'s tokens under the temperature-scaled
         policy, aligned to input_ids (``vocab_logprobs``: no float32 copy of the logits)."""
-        with self._autocast():
-            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                        use_cache=False)
-        return next_token_logprobs_and_entropy(out.logits, mb.input_ids,
-                                               temperature=self.algo.temperature)
+        targets, valid = next_token_targets(mb.packed)
+        logp, entropy = token_logprobs_and_entropy(self._forward(model, mb), targets,
+                                                   temperature=self.algo.temperature)
+        width = mb.batch.input_ids.shape[1]
+        return (to_rows(logp, valid, mb.packed, width),
+                to_rows(entropy, valid, mb.packed, width))
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         # FSDP2 casts through its MixedPrecisionPolicy; a single GPU gets the same bf16
@@ -203,20 +235,20 @@ class FSDPBackend:
         into micro-batches and ranks.
         """
         units = self._global_sum(self.objective.units(response_mask(batch.loss_mask)))
-        micro = [(mb, False) for mb in batch.chunks(self.micro_batch_size)]
+        micros = self._micros(batch)
         if sft is not None:  # the SFT term: a token-mean NLL over all ranks' demonstrations
             sft_tokens = self._global_sum(float(response_mask(sft.loss_mask).sum()))
-            micro += [(mb, True) for mb in sft.chunks(self.micro_batch_size)]
+            micros += self._micros(sft, sft=True)
         self.optimizer.zero_grad(set_to_none=True)
-        for i, (mb, is_sft) in enumerate(micro):
-            with self._grad_sync(i == len(micro) - 1):
-                if is_sft:
-                    nll, tokens = self._sft_nll(trim_padding(mb))
+        for i, mb in enumerate(micros):
+            with self._grad_sync(i == len(micros) - 1):
+                if mb.sft:
+                    nll, tokens = self._sft_nll(mb)
                     loss = nll * (self.algo.sft_coef * self.world_size / sft_tokens)
                     metrics.add_micro(tokens=tokens, loss=loss.detach() / self.world_size,
                                       sft_nll=nll.detach())
                 else:
-                    partial, stats, tokens = self._micro_loss(trim_padding(mb))
+                    partial, stats, tokens = self._micro_loss(mb)
                     loss = partial * (self.world_size / units)
                     metrics.add_micro(tokens=tokens, loss=loss.detach() / self.world_size,
                                       stats=stats)
@@ -231,25 +263,26 @@ class FSDPBackend:
         self.scheduler.step()
         metrics.add_step(grad_norm, lr)
 
-    def _micro_loss(self, mb: TrainBatch) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+    def _micro_loss(self, mb: MicroBatch) -> tuple[Tensor, dict[str, Tensor], Tensor]:
         """``(partial loss sum, token-mean stats, response tokens)`` for one micro-batch, the
         last two as device scalars; the objective (policy loss, TIS, KL, entropy,
         aggregation) is ``algos.objective``'s."""
         logp, entropy = self._token_values(self.model, mb)    # [b, t] each
-        mask = response_mask(mb.loss_mask)                    # [b, t]
-        old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()  # see TrainBatch
+        b = mb.batch
+        mask = response_mask(b.loss_mask)                     # [b, t]
+        old = b.old_logprobs if b.old_logprobs is not None else logp.detach()  # see TrainBatch
         if not self.objective.needs_entropy_grad:
             entropy = entropy.detach()  # a metric only: its backward term is skipped
         partial, stats = self.objective.partial_loss(
-            logp, old, mb.advantages, mask, entropy=entropy, rollout_logp=mb.rollout_logprobs,
-            ref_logp=mb.ref_logprobs)
+            logp, old, b.advantages, mask, entropy=entropy, rollout_logp=b.rollout_logprobs,
+            ref_logp=b.ref_logprobs)
         return partial, stats, mask.sum()
 
-    def _sft_nll(self, mb: TrainBatch) -> tuple[Tensor, Tensor]:
+    def _sft_nll(self, mb: MicroBatch) -> tuple[Tensor, Tensor]:
         """``(sum of -log p over the target tokens, their count)`` for one micro-batch of
         demonstrations (temperature-scaled logits, like everything the policy is trained on)."""
         logp, _ = self._token_values(self.model, mb)
-        mask = response_mask(mb.loss_mask)
+        mask = response_mask(mb.batch.loss_mask)
         nll = -torch.where(mask.bool(), logp, torch.zeros_like(logp)).sum()
         return nll, mask.sum()
 
@@ -442,9 +475,11 @@ def rank_batch_size(global_batch: int, world_size: int, micro_batch: int) -> int
 def build_model(path: str, device: torch.device, mode: Mode, *, trainable: bool,
                 auto_class: Any = AutoModelForCausalLM, **kwargs: Any) -> PreTrainedModel:
     """Load the HF model (a causal LM unless ``auto_class`` says otherwise) in float32 (the
-    master weights) and place it for ``mode``."""
+    master weights) and place it for ``mode``. Its attention runs packed rows
+    (``varlen_attention``), which is all the backend gives it."""
     model: PreTrainedModel = auto_class.from_pretrained(
-        path, local_files_only=True, dtype=torch.float32, **kwargs)
+        path, local_files_only=True, dtype=torch.float32,
+        attn_implementation=register_hf_attention(), **kwargs)
     model.train(False)  # eval mode, no dropout ever: see the module docstring
     if not trainable:
         model.requires_grad_(False)
@@ -504,12 +539,6 @@ def _full_tensor(value: Tensor, dtype: torch.dtype | None) -> Tensor:
     if callable(full):
         tensor = full()
     return tensor
-
-
-def trim_padding(mb: TrainBatch) -> TrainBatch:
-    """Drop trailing all-padding columns (see ``tokens.used_width``)."""
-    width = used_width(mb.attention_mask)
-    return mb if width == mb.input_ids.shape[1] else mb.map(lambda t: t[:, :width])
 
 
 def _broadcast_object(obj: Any) -> Any:

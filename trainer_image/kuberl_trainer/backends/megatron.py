@@ -9,9 +9,10 @@ last pipeline stage's logits with TP rank 0.
   its stage's layers and its TP shard (``megatron/model.py``). Parameters are bf16; the
   distributed optimizer keeps fp32 master weights and Adam moments sharded over the
   data-parallel ranks (ZeRO-1) and clips the global grad norm.
-- **Micro-batches** are packed (``megatron/packing.py``): sequences concatenated into one row
-  with ``cu_seqlens``, no padding computed, at most ``microBatchSize`` x the step's longest
-  sequence tokens each. Samples are spread over data-parallel ranks by token count.
+- **Micro-batches** are packed (``backends/micro_batches.py``): sequences concatenated into one
+  row with ``cu_seqlens``, no padding computed, up to a token budget each
+  (``maxTokensPerMicroBatch``, default ``microBatchSize`` x the step's longest sequence).
+  Samples are spread over data-parallel ranks by token count.
 - **Loss.** Logits stay split over the vocabulary (TP); log-probs and entropy are reduced over
   the TP group (``backends/vocab_logprobs.py``) and fed to the same ``algos.objective`` as the
   fsdp backend, normalised over the whole global batch, so Megatron sums gradients over
@@ -34,7 +35,6 @@ import logging
 import math
 import shutil
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -51,22 +51,16 @@ from kuberl_trainer.backends.hf_files import (
     copy_tokenizer,
     read_safetensors_dir,
 )
+from kuberl_trainer.backends.micro_batches import MicroBatch, micro_batches
 from kuberl_trainer.backends.offload import Offloads, optimizer_state, release_cached
 from kuberl_trainer.backends.optim import MAX_GRAD_NORM, LrMultiplier, optim_config
+from kuberl_trainer.backends.packing import next_token_targets, to_rows
 from kuberl_trainer.backends.rng import rng_state, set_rng_state
 from kuberl_trainer.backends.step_metrics import StepMetrics
 from kuberl_trainer.backends.tokens import response_mask
 from kuberl_trainer.backends.vocab_logprobs import token_logprobs_and_entropy
 from kuberl_trainer.megatron import export, hf_layout as L, model as M
 from kuberl_trainer.megatron.grad_norm import use_sync_free_grad_norm
-from kuberl_trainer.megatron.packing import (
-    Packed,
-    align_to_tokens,
-    next_token_targets,
-    pack_bins,
-    pack_bins_to,
-    unpack,
-)
 
 LOG = logging.getLogger("kuberl.backend.megatron")
 
@@ -75,18 +69,6 @@ OPTIM_FILE = "optimizer_rank{rank}.pt"  # each rank's optimizer shard (fp32 mast
 STEPS_FILE = "steps.json"
 RNG_FILE = "rng_rank{rank}.pt"
 SEED = 1234
-
-
-@dataclass
-class Micro:
-    """One packed micro-batch: its samples (padded rows, trimmed to their longest) and the
-    packed row the model runs on."""
-
-    batch: TrainBatch
-    packed: Packed       # on the GPU
-    cu_seqlens_cpu: Tensor
-    rows: Tensor        # the samples' rows in the batch it was cut from, on the GPU
-    sft: bool = False
 
 
 class MegatronBackend:
@@ -230,41 +212,29 @@ class MegatronBackend:
 
     # -- micro-batches -----------------------------------------------------------------------
 
-    def _micros(self, batch: TrainBatch, *, sft: bool = False) -> list[Micro]:
-        """``batch`` packed into micro-batches of at most ``microBatchSize`` x its longest
-        sequence tokens (the work of one padded micro-batch, without the padding). The
-        layout is read on the host once and the micro-batches' indices go to the GPU in one
-        transfer (`pack_bins_to`), so building them costs one host sync, not one per tensor."""
-        host = torch.stack([batch.input_ids, batch.attention_mask.to(batch.input_ids.dtype)]
-                           ).cpu()
-        ids, mask = host[0], host[1]
-        lengths = mask.sum(dim=1).tolist()
-        budget = self.micro_batch_size * max(max(lengths), 1)
-        bins = pack_bins(lengths, budget)
-        out = []
-        for rows, made in zip(bins, pack_bins_to(ids, mask, bins, batch.input_ids.device),
-                              strict=True):
-            width = max(lengths[r] for r in rows)
-            mb = batch.select(made.rows).map(lambda t, w=width: t[:, :w])
-            out.append(Micro(batch=mb, packed=made.packed, cu_seqlens_cpu=made.cu_seqlens_cpu,
-                             rows=made.rows, sft=sft))
-        return out
+    def _micros(self, batch: TrainBatch, *, sft: bool = False) -> list[MicroBatch]:
+        """``batch`` packed into micro-batches (``backends/micro_batches.py``). Data-parallel
+        ranks may run different counts: nothing in a Megatron forward is collective across
+        them (the gradients are reduced once, after the last micro-batch)."""
+        return micro_batches(batch, micro_batch_size=self.micro_batch_size,
+                             max_tokens=self.spec.training.max_tokens_per_micro_batch, sft=sft)
 
-    def _run(self, model: Any, micros: list[Micro], loss_fn: Callable[[Micro, Tensor], Any],
-             *, forward_only: bool) -> list[dict[str, Any]]:
+    def _run(self, model: Any, micros: list[MicroBatch],
+             loss_fn: Callable[[MicroBatch, Tensor], Any], *, forward_only: bool,
+             ) -> list[dict[str, Any]]:
         """Megatron's pipeline schedule over ``micros``: each micro-batch's output goes to
         ``loss_fn`` on the last stage. Returns what ``loss_fn`` reported (last stage only)."""
         from megatron.core.packed_seq_params import PackedSeqParams
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        def forward_step(data: Iterator[Micro], chunk: Any) -> tuple[Tensor, Any]:
+        def forward_step(data: Iterator[MicroBatch], chunk: Any) -> tuple[Tensor, Any]:
             mb = next(data)
             p = mb.packed
             # Without Transformer Engine, Megatron's RoPE for packed sequences reads the
             # boundaries with .tolist() in every layer; it reads the "padded" boundaries when
             # given, so those get a CPU copy (no device sync per layer) while attention takes
             # the GPU ones. TE's kernels need both on the GPU.
-            host = None if self.te else mb.cu_seqlens_cpu
+            host = None if self.te else mb.bin.cu_seqlens_cpu
             params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=p.cu_seqlens,
                                      cu_seqlens_kv=p.cu_seqlens, max_seqlen_q=p.max_seqlen,
                                      max_seqlen_kv=p.max_seqlen, cu_seqlens_q_padded=host,
@@ -281,7 +251,7 @@ class MegatronBackend:
             micro_batch_size=1, forward_only=forward_only)
         return stored
 
-    def _token_values(self, mb: Micro, output: Tensor) -> tuple[Tensor, Tensor]:
+    def _token_values(self, mb: MicroBatch, output: Tensor) -> tuple[Tensor, Tensor]:
         """``(log-probs, entropy)`` ``[b, t]`` of ``mb``'s tokens, aligned to input_ids."""
         logits = output[0]                                          # [N, V/tp], bf16
         targets, valid = next_token_targets(mb.packed)
@@ -291,9 +261,8 @@ class MegatronBackend:
             vocab_size=self.shape.vocab, temperature=self.algo.temperature)
         width = mb.batch.input_ids.shape[1]
         mask = response_mask(mb.batch.loss_mask)
-        to_rows = [unpack(align_to_tokens(torch.where(valid, v, 0.0), mb.packed), mb.packed,
-                          width) * mask for v in (logp, entropy)]
-        return to_rows[0], to_rows[1]
+        return (to_rows(logp, valid, mb.packed, width) * mask,
+                to_rows(entropy, valid, mb.packed, width) * mask)
 
     # -- log-probs ---------------------------------------------------------------------------
 
@@ -308,7 +277,7 @@ class MegatronBackend:
     def _logprobs(self, model: Any, batch: TrainBatch) -> Tensor:
         micros = self._micros(batch.to("cuda"))
 
-        def report(mb: Micro, output: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
+        def report(mb: MicroBatch, output: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
             logp, _ = self._token_values(mb, output)
             zero = torch.zeros((), device=output.device)
             return zero, torch.zeros((), dtype=torch.int, device=output.device), {"logp": logp}
@@ -362,7 +331,7 @@ class MegatronBackend:
             sft_tokens = self._dp_sum(float(response_mask(sft.loss_mask).sum()))
             micros += self._micros(sft, sft=True)
 
-        def loss(mb: Micro, output: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
+        def loss(mb: MicroBatch, output: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
             # What is reported stays on the GPU, read back once per train_step (StepMetrics):
             # a host read here would stall the schedule once per micro-batch.
             logp, entropy = self._token_values(mb, output)

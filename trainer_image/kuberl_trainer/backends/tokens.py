@@ -17,13 +17,3 @@ def response_mask(loss_mask: Tensor) -> Tensor:
     mask = loss_mask.to(torch.float32).clone()
     mask[:, 0] = 0.0
     return mask
-
-
-def used_width(attention_mask: Tensor) -> int:
-    """Columns up to the last real token of any row; for right padding the rest is padding.
-
-    Trimming those columns before the forward pass changes no result (attention is causal,
-    so padding after a token never affects it) and saves compute on short micro-batches.
-    """
-    real = attention_mask.bool().any(dim=0).nonzero()
-    return int(real[-1].item()) + 1 if real.numel() else 1

@@ -27,6 +27,8 @@ from kuberl_trainer.algos import aggregation, value_loss
 from kuberl_trainer.algos.objective import Objective
 from kuberl_trainer.backends.base import TrainBatch
 from kuberl_trainer.backends.fsdp import FSDPBackend, build_model
+from kuberl_trainer.backends.micro_batches import MicroBatch
+from kuberl_trainer.backends.packing import to_rows
 from kuberl_trainer.backends.tokens import response_mask
 
 
@@ -79,19 +81,20 @@ class ValueBackend(FSDPBackend):
         """``[B, T]`` float32 value estimates on CPU, 0 off the response; in micro-batches."""
         return self._per_token(batch, lambda mb: self._values(self.module, mb)).cpu()
 
-    def _values(self, model: nn.Module, mb: TrainBatch) -> Tensor:
-        with self._autocast():
-            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                        use_cache=False)
-        scores = out.logits[..., 0].float()                  # [b, t]: after token i
-        return nn.functional.pad(scores[:, :-1], (1, 0))      # [b, t]: before token t
+    def _values(self, model: nn.Module, mb: MicroBatch) -> Tensor:
+        """``[b, t]``: the estimate before token t is the score read after token t - 1 in
+        the same sequence (0 at a sequence's start)."""
+        scores = self._forward(model, mb)[:, 0].float()       # [N]: after each packed token
+        valid = mb.packed.position_ids.new_ones(scores.shape, dtype=torch.bool)
+        return to_rows(scores, valid, mb.packed, mb.batch.input_ids.shape[1])
 
-    def _micro_loss(self, mb: TrainBatch) -> tuple[Tensor, dict[str, Tensor], Tensor]:
-        assert mb.values is not None and mb.returns is not None
-        mask = response_mask(mb.loss_mask)
+    def _micro_loss(self, mb: MicroBatch) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+        b = mb.batch
+        assert b.values is not None and b.returns is not None
+        mask = response_mask(b.loss_mask)
         values = self._values(self.model, mb)
         # critic.valueClip 0 turns clipping off (the spec has no "unset": see CriticSpec)
-        per_token, stats = value_loss.value_loss(values, mb.values, mb.returns, mask,
+        per_token, stats = value_loss.value_loss(values, b.values, b.returns, mask,
                                                  self.spec.critic.value_clip or None)
         partial = aggregation.partial_sum(per_token, mask, "token-mean")
         on = mask.bool()

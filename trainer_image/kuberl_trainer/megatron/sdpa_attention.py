@@ -7,26 +7,25 @@ of the fsdp backend's speed. SDPA dispatches to FlashAttention-2 / memory-effici
 handles grouped-query attention without copying keys and values (``enable_gqa``).
 
 Packed sequences (Megatron's ``thd`` format: the micro-batch's sequences concatenated into one
-row, ``cu_seqlens`` marking where each starts) go to ``sdpa_packed``: PyTorch's variable-length
-flash attention (``torch.nn.attention.varlen``) on GPU, each sequence on its own through SDPA
-elsewhere. Either way no token attends across a sequence boundary and no padding is computed.
+row, ``cu_seqlens`` marking where each starts) go to ``backends/varlen_attention.sdpa_packed``,
+which the fsdp backend shares: no token attends across a sequence boundary and no padding is
+computed.
 
-``sdpa(...)``/``sdpa_packed(...)`` are the pure functions (testable on CPU);
-``core_attention_class()`` wraps them in the module interface Megatron's layer specs build
+``sdpa(...)`` is the pure function (testable on CPU); ``core_attention_class()`` wraps it and
+``sdpa_packed`` in the module interface Megatron's layer specs build
 (``submodules.core_attention``), importing megatron-core only when called;
 ``local_spec_with_sdpa`` is the local GPT layer spec with it.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from kuberl_trainer.backends.varlen_attention import sdpa_packed
 
 
 def sdpa(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, *,
@@ -58,67 +57,6 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | Non
         scale=scale if scale is not None else 1.0 / math.sqrt(hn),
         enable_gqa=groups != heads)
     return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
-
-
-def sdpa_packed(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-                *, scale: float | None = None) -> Tensor:
-    """Causal attention within each of the packed sequences.
-
-    Args:
-        query: ``[t, heads, hn]`` (``t``: all sequences' tokens, concatenated).
-        key, value: ``[t, groups, hn]`` (grouped-query heads, as in ``sdpa``).
-        cu_seqlens: int32 ``[n + 1]``, sequence ``i`` is tokens ``cu[i]:cu[i+1]``.
-        max_seqlen: the longest sequence (the varlen kernel's tiling bound).
-
-    Returns:
-        ``[t, heads * hn]``.
-    """
-    t, heads, hn = query.shape
-    groups = key.shape[1]
-    if heads % groups:
-        raise ValueError(f"{heads} query heads do not split into {groups} key/value groups")
-    scale = scale if scale is not None else 1.0 / math.sqrt(hn)
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _varlen() is not None:
-        out = _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scale)
-    else:
-        out = torch.cat([
-            sdpa(query[a:b, None], key[a:b, None], value[a:b, None], None, causal=True,
-                 scale=scale)[:, 0]
-            for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True)])
-    return out.reshape(t, heads * hn)
-
-
-@functools.cache
-def _varlen() -> Any:
-    """``torch.nn.attention.varlen.varlen_attn`` where this torch has it (2.9+), else None."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
-
-
-@functools.cache
-def _varlen_parameters() -> frozenset[str]:
-    return frozenset(inspect.signature(_varlen()).parameters)
-
-
-def _flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int,
-                  scale: float) -> Tensor:
-    fn = _varlen()
-    params = _varlen_parameters()
-    # The causal switch changed name across torch releases: is_causal, then window_size.
-    causal: dict[str, Any] = ({"window_size": (-1, 0)} if "window_size" in params
-                              else {"is_causal": True})
-    if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
-            causal["enable_gqa"] = True
-        else:  # older kernels want as many key/value heads as query heads
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    cu = cu.to(device=q.device, dtype=torch.int32)
-    out: Tensor = fn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, **causal)
-    return out
 
 
 def core_attention_class() -> type:

@@ -1,4 +1,4 @@
-"""Sequence packing for the megatron backend's micro-batches, and balancing samples across
+"""Sequence packing for both backends' micro-batches, and balancing samples across
 data-parallel ranks. Pure torch.
 
 RL batches mix short and long responses, so right-padding a micro-batch to its longest row
@@ -237,3 +237,12 @@ def align_to_tokens(per_position: Tensor, packed: Packed) -> Tensor:
     starts = packed.position_ids.reshape(-1).to(flat.device) == 0
     shifted = F.pad(flat[:-1], (1, 0)).masked_fill(starts, 0)
     return shifted.reshape(per_position.shape)
+
+
+def to_rows(per_position: Tensor, valid: Tensor, packed: Packed, width: int) -> Tensor:
+    """Per-position values about the next token (e.g. log-probs of ``next_token_targets``,
+    ``valid`` from there) -> ``[b, width]`` rows aligned to ``input_ids``: shifted onto the
+    token they are about (``align_to_tokens``), 0 where nothing is predicted, unpacked.
+    Differentiable."""
+    values = torch.where(valid, _flat(per_position, packed, "per_position"), 0.0)
+    return unpack(align_to_tokens(values, packed), packed, width)

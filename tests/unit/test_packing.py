@@ -1,4 +1,4 @@
-"""Sequence packing and data-parallel balancing (megatron/packing.py): partitions computed by
+"""Sequence packing and data-parallel balancing (backends/packing.py): partitions computed by
 hand, invariants over random lengths, the packed <-> padded round trip, and the next-token
 shift inside sequence boundaries checked against the padded log-prob convention."""
 
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from kuberl_trainer.megatron.packing import (
+from kuberl_trainer.backends.packing import (
     align_to_tokens,
     balanced_partition,
     next_token_targets,
@@ -257,7 +257,7 @@ def test_gradients_flow_through_align_and_unpack() -> None:
 def test_step_shards_balance_each_global_batch_in_step_order() -> None:
     """Two optimizer steps of 4 samples over 2 ranks: each step's 4 are balanced on their own
     (rank 0 gets its share of step 0, then of step 1), never mixing the steps."""
-    from kuberl_trainer.megatron.packing import step_shards
+    from kuberl_trainer.backends.packing import step_shards
 
     lengths = [9, 1, 8, 2, 5, 5, 1, 9]
     # step 0 (9, 1, 8, 2): 9 -> rank 0, 8 -> rank 1, 2 -> rank 1, 1 -> rank 0: 10 tokens each.
