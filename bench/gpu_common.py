@@ -92,16 +92,20 @@ def build_model(out: Path, shape: str) -> Path:
 
 def make_spec(model_dir: Path | str, *, backend: str, samples: int, micro_batch: int,
               tp: int = 1, pp: int = 1, gpus: int = 1, lr: float = 1e-6,
-              **algorithm: Any) -> Any:
-    """An RLJobSpec whose one rollout of ``samples`` is one optimizer step."""
+              max_tokens: int | None = None, **algorithm: Any) -> Any:
+    """An RLJobSpec whose one rollout of ``samples`` is one optimizer step; ``max_tokens``:
+    training.maxTokensPerMicroBatch (the data's length limits shrink to fit it)."""
     from kuberl_api.spec import RLJobSpec
 
+    budget = {} if max_tokens is None else {"maxTokensPerMicroBatch": max_tokens}
+    lengths = {} if max_tokens is None else {"maxPromptLen": max_tokens // 2,
+                                             "maxResponseLen": max_tokens // 2}
     return RLJobSpec.model_validate({
         "model": {"path": str(model_dir)},
         "data": {"prompts": "/unused.jsonl", "rolloutBatchSize": samples,
-                 "nSamplesPerPrompt": 1},
+                 "nSamplesPerPrompt": 1, **lengths},
         "training": {"backend": backend, "gpusPerNode": gpus, "microBatchSize": micro_batch,
-                     "parallelism": {"tp": tp, "pp": pp}},
+                     "parallelism": {"tp": tp, "pp": pp}, **budget},
         "algorithm": {"lr": lr, **algorithm},
     })
 

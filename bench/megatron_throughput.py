@@ -153,7 +153,7 @@ def backends(args: argparse.Namespace) -> None:
         result = {}
         for kind in args.backends:
             spec = make_spec(model_dir, backend=kind, samples=args.samples,
-                             micro_batch=args.micro_batch)
+                             micro_batch=args.micro_batch, max_tokens=args.max_tokens)
             backend = build(spec, device=args.device)
             seconds = time_steps(backend, batch, args.repeats)
             if args.profile:
@@ -189,7 +189,7 @@ def backends(args: argparse.Namespace) -> None:
         rows.append((shape, tokens, flops, result, anchor))
     print(f"\nbenchmark 1: train step, {' vs '.join(args.backends)}, 1x {card()}; "
           f"{args.samples} samples of {args.prompt} prompt + {lo}..{hi} response tokens, "
-          f"microBatchSize {args.micro_batch}")
+          f"microBatchSize {args.micro_batch}, maxTokensPerMicroBatch {args.max_tokens}")
     if args.anchor:
         print(f"anchor: bare HF transformers loop (SDPA, bf16 weights, AdamW), dense rows of "
               f"{args.anchor_seq} tokens, micro-batches of the most rows up to "
@@ -272,6 +272,9 @@ def main() -> int:
     p.add_argument("--response", default=(256, 1024),
                    type=lambda s: tuple(int(x) for x in s.split(",")))
     p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="training.maxTokensPerMicroBatch (default: unset, microBatchSize "
+                   "rows of the longest sample)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="/tmp/kuberl-throughput")
     p.add_argument("--profile", action="store_true", help="also profile one step of each")

@@ -1,0 +1,117 @@
+"""The fsdp backend's packed micro-batches checked on GPUs, for each supported family (Qwen2
+with tied embeddings, Qwen3, Llama 3), on a small random bf16 model:
+
+1. **Log-probs** against HF transformers (bf16, SDPA, padded rows) on a batch of unequal
+   lengths: the largest difference on response tokens. The backend packs the rows and runs
+   its variable-length attention; HF pads and masks.
+2. **Passes**: how many forward passes each rank ran for the step. With several ranks
+   (FSDP2) they must be equal, or the ranks' all-gathers would not pair up; a small
+   ``--max-tokens`` makes the ranks' own counts differ, so the split is exercised.
+3. **Training**: three optimizer steps with +-1 advantages move the log-probs of the
+   positive tokens up and of the negative ones down.
+
+    torchrun --nproc-per-node 1 bench/fsdp_backend_check.py
+    torchrun --nproc-per-node 2 bench/fsdp_backend_check.py --max-tokens 96
+
+Exits non-zero when a check fails. Never part of `make test` (needs GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from gpu_common import make_spec, random_batch  # bench/ is on sys.path
+from megatron_backend_check import COMMON, families, hf_logprobs, my_rows, write_models
+
+SAMPLES = 16
+
+
+def check_family(name: str, model_dir: Path, max_tokens: int | None, world: int,
+                 rank: int) -> dict[str, Any]:
+    from kuberl_trainer.backends.fsdp import FSDPBackend
+
+    spec = make_spec(model_dir, backend="fsdp", samples=SAMPLES, micro_batch=2, gpus=world,
+                     lr=1e-4, max_tokens=max_tokens)
+    backend = FSDPBackend(spec, rank=rank, world_size=world, device="cuda")
+    row: dict[str, Any] = {"family": name}
+    batch = random_batch(SAMPLES, prompt=6, response=(3, 40), vocab=COMMON["vocab_size"])
+    ours = backend.logprobs(batch)  # every rank the whole batch (a collective under FSDP2)
+    if rank == 0:
+        ref = hf_logprobs(model_dir, batch)
+        row["max |logp - HF|"] = float((ours - ref).abs().max())
+        row["mean |logp - HF|"] = float((ours - ref).abs().sum() / batch.loss_mask.sum())
+
+    shard = my_rows(backend, batch)
+    own = len(_own_micros(backend, shard))
+    passes = len(backend._micros(shard.to("cuda")))
+    before = backend.logprobs(shard)
+    for _ in range(3):
+        backend.train_step(shard)
+    after = backend.logprobs(shard)
+    adv = shard.advantages
+    row["own passes"] = own
+    row["passes"] = passes
+    row["logp up (+adv)"] = float(((after - before) * (adv > 0)).sum() / (adv > 0).sum())
+    row["logp down (-adv)"] = float(((after - before) * (adv < 0)).sum() / (adv < 0).sum())
+    rows: list[Any] = [None] * world
+    dist.all_gather_object(rows, row)
+    merged = dict(rows[0])
+    merged["own passes"] = "/".join(str(r["own passes"]) for r in rows)
+    merged["passes"] = "/".join(str(r["passes"]) for r in rows)
+    merged["passes equal"] = len({r["passes"] for r in rows}) == 1
+    merged["trained"] = all(r["logp up (+adv)"] > 0 > r["logp down (-adv)"] for r in rows)
+    del backend
+    torch.cuda.empty_cache()
+    return merged
+
+
+def _own_micros(backend: Any, shard: Any) -> list[Any]:
+    """The micro-batches this rank would cut without matching the other ranks' count."""
+    from kuberl_trainer.backends.micro_batches import micro_batches
+
+    return micro_batches(shard, micro_batch_size=backend.micro_batch_size,
+                         max_tokens=backend.spec.training.max_tokens_per_micro_batch)
+
+
+def passed(row: dict[str, Any]) -> bool:
+    return bool(row["passes equal"] and row["trained"] and row["max |logp - HF|"] < 0.25)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="training.maxTokensPerMicroBatch (default: unset)")
+    p.add_argument("--out", default="/tmp/kuberl-fsdp-check")
+    args = p.parse_args()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    out = Path(args.out) / "models"
+    if rank == 0:
+        write_models(out)
+    dist.barrier()
+    rows = [check_family(name, out / name, args.max_tokens, world, rank)
+            for name in families()]
+    ok = all(passed(r) for r in rows)
+    if rank == 0:
+        print(f"\nfsdp backend check: {world} rank(s), maxTokensPerMicroBatch "
+              f"{args.max_tokens}, on {torch.cuda.get_device_name()}")
+        keys = list(rows[0])
+        print(" | ".join(keys))
+        for r in rows:
+            print(" | ".join(f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k])
+                             for k in keys))
+        print("PASS" if ok else "FAIL")
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
