@@ -116,6 +116,22 @@ def build(spec: Any, rank: int = 0, world: int = 1, device: str = "cuda") -> Any
     return make_backend(spec, rank=rank, world_size=world, device=device)
 
 
+LIGER = "+liger"
+
+
+def with_liger(backend: Any) -> None:
+    """Liger Kernel's Triton RoPE, RMSNorm and SwiGLU in the fsdp backend's HF models (an
+    experiment: the trainer does not apply them). Liger patches module-level functions of
+    the model's family, so a run with it belongs in a process of its own (``--no-anchor``)."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    for model in (backend.module, backend.ref):
+        if model is not None:
+            _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True,
+                                            cross_entropy=False,
+                                            fused_linear_cross_entropy=False)
+
+
 def release(backend: Any) -> None:
     del backend
     gc.collect()
@@ -152,9 +168,12 @@ def backends(args: argparse.Namespace) -> None:
         flops = train_flops(params, layers, hidden, lengths)
         result = {}
         for kind in args.backends:
-            spec = make_spec(model_dir, backend=kind, samples=args.samples,
+            name, liger = kind.removesuffix(LIGER), kind.endswith(LIGER)
+            spec = make_spec(model_dir, backend=name, samples=args.samples,
                              micro_batch=args.micro_batch, max_tokens=args.max_tokens)
             backend = build(spec, device=args.device)
+            if liger:
+                with_liger(backend)
             seconds = time_steps(backend, batch, args.repeats)
             if args.profile:
                 profile_step(backend, batch, f"{shape} {kind}")
@@ -283,7 +302,8 @@ def main() -> int:
                         "each backend (torch's sync debug mode; sync_sites.py)")
     p.add_argument("--backends", default=["fsdp", "megatron"],
                    type=lambda s: [x for x in s.split(",") if x],
-                   help="backends: which to train (comma list of fsdp, megatron)")
+                   help="backends: which to train (comma list of fsdp, megatron, fsdp+liger: "
+                   "fsdp with Liger Kernel's RoPE, RMSNorm and SwiGLU, alone with --no-anchor)")
     p.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=True,
                    help="backends: also time the bare HF loop (hf_anchor.py) on the same card")
     p.add_argument("--anchor-seq", type=int, default=2048, help="tokens per anchor row")
@@ -305,9 +325,9 @@ def main() -> int:
     for shape in args.shapes:
         if shape not in SHAPES:
             p.error(f"unknown shape {shape}; choose from {sorted(SHAPES)}")
-    unknown = [b for b in args.backends if b not in ("fsdp", "megatron")]
+    unknown = [b for b in args.backends if b not in ("fsdp", "megatron", "fsdp" + LIGER)]
     if unknown or not args.backends:
-        p.error(f"--backends: {unknown or 'none'}; choose from fsdp, megatron")
+        p.error(f"--backends: {unknown or 'none'}; choose from fsdp, megatron, fsdp{LIGER}")
     (backends if args.mode == "backends" else tp)(args)
     return 0
 
