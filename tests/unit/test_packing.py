@@ -16,6 +16,7 @@ from kuberl_trainer.backends.packing import (
     pack_bins,
     pack_bins_to,
     pack_rows,
+    to_rows,
     unpack,
 )
 
@@ -226,8 +227,11 @@ def test_packed_logprobs_match_the_padded_computation() -> None:
     logits = head(embed(packed.input_ids[0]))  # [N, V]
     targets, valid = next_token_targets(packed)
     per_position = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
-    per_position = per_position.masked_fill(~valid, 0.0)
-    got = unpack(align_to_tokens(per_position, packed), packed, width)
+    # to_rows drops what `valid` marks (each sequence's last position, a dummy target).
+    got = to_rows(per_position, valid, packed, width)
+    by_parts = unpack(align_to_tokens(per_position.masked_fill(~valid, 0.0), packed), packed,
+                      width)
+    torch.testing.assert_close(got, by_parts)
 
     padded_logp = torch.log_softmax(head(embed(ids)), -1)  # [b, T, V]
     want = torch.zeros(len(lengths), width)

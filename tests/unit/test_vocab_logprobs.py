@@ -16,7 +16,6 @@ import torch.multiprocessing as mp
 
 from kuberl_trainer.backends import vocab_logprobs
 from kuberl_trainer.backends.vocab_logprobs import (
-    next_token_logprobs_and_entropy,
     token_logprobs_and_entropy,
 )
 
@@ -197,22 +196,6 @@ def test_backward_keeps_no_float32_copy_of_the_logits() -> None:
     assert big and all(t.dtype == torch.bfloat16 for t in big), [
         (t.dtype, tuple(t.shape)) for t in saved]
     assert sum(t.numel() for t in saved if t.numel() < rows * vocab) <= 8 * rows
-
-
-def test_next_token_alignment_matches_the_shifted_softmax() -> None:
-    """Column t of the result is token t's log-prob under row t-1's distribution; column 0 is
-    0; the dummy target of the last row changes nothing."""
-    gen = torch.Generator().manual_seed(6)
-    logits = torch.randn(2, 5, 7, generator=gen)
-    ids = torch.randint(0, 7, (2, 5), generator=gen)
-    logp, entropy = next_token_logprobs_and_entropy(logits, ids, temperature=0.5)
-    ref = torch.log_softmax(logits[:, :-1] / 0.5, dim=-1)
-    want_logp = ref.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    want_entropy = -(ref.exp() * ref).sum(-1)
-    assert logp.shape == entropy.shape == (2, 5)
-    assert not logp[:, 0].any() and not entropy[:, 0].any()
-    torch.testing.assert_close(logp[:, 1:], want_logp)
-    torch.testing.assert_close(entropy[:, 1:], want_entropy)
 
 
 # -- two ranks over gloo ---------------------------------------------------------------------

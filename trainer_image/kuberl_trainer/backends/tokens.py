@@ -3,7 +3,8 @@
 A causal LM's ``logits[:, t]`` is the distribution of the *next* token, ``input_ids[:, t+1]``.
 The trainer stores everything aligned to ``input_ids`` positions (see ``base.py``), so the
 log-prob of token ``t`` comes from ``logits[:, t-1]`` and position 0, which nothing predicts,
-gets 0 (``vocab_logprobs.next_token_logprobs_and_entropy`` computes them).
+gets 0. The backends run packed rows, where the same shift stays inside each sequence
+(``packing.next_token_targets`` and ``packing.to_rows``).
 """
 
 from __future__ import annotations

@@ -261,19 +261,3 @@ def token_logprobs_and_entropy(logits: Tensor, targets: Tensor, *, vocab_start: 
     logp, entropy = _TokenStats.apply(flat, index, 1.0 / temperature, real,
                                       group if distributed else None)
     return logp.view(targets.shape), entropy.view(targets.shape)
-
-
-def next_token_logprobs_and_entropy(logits: Tensor, input_ids: Tensor, *, temperature: float,
-                                    vocab_size: int | None = None) -> tuple[Tensor, Tensor]:
-    """``[B, T]`` log-prob and entropy of each token of a causal LM's ``logits[B, T, V]``,
-    aligned to ``input_ids`` (see ``tokens.py``): column ``t >= 1`` from row ``t-1``'s
-    distribution, column 0 (nothing predicts it) 0.
-
-    Every row goes through, the last with a dummy target: the logits stay one contiguous
-    block (slicing off the last row would copy them all), and the dummy results are dropped.
-    """
-    targets = torch.nn.functional.pad(input_ids[:, 1:], (0, 1))
-    logp, entropy = token_logprobs_and_entropy(logits, targets, temperature=temperature,
-                                               vocab_size=vocab_size)
-    pad = torch.nn.functional.pad
-    return pad(logp[:, :-1], (1, 0)), pad(entropy[:, :-1], (1, 0))
