@@ -19,7 +19,6 @@ Exits non-zero when a check fails. Never part of `make test` (needs GPUs).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from gpu_common import make_spec, random_batch  # bench/ is on sys.path
-from megatron_backend_check import COMMON, families, hf_logprobs, my_rows, write_models
+from megatron_backend_check import COMMON, hf_logprobs, my_rows, run_family_checks
 
 SAMPLES = 16
 
@@ -89,28 +88,10 @@ def main() -> int:
                    help="training.maxTokensPerMicroBatch (default: unset)")
     p.add_argument("--out", default="/tmp/kuberl-fsdp-check")
     args = p.parse_args()
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    out = Path(args.out) / "models"
-    if rank == 0:
-        write_models(out)
-    dist.barrier()
-    rows = [check_family(name, out / name, args.max_tokens, world, rank)
-            for name in families()]
-    ok = all(passed(r) for r in rows)
-    if rank == 0:
-        print(f"\nfsdp backend check: {world} rank(s), maxTokensPerMicroBatch "
-              f"{args.max_tokens}, on {torch.cuda.get_device_name()}")
-        keys = list(rows[0])
-        print(" | ".join(keys))
-        for r in rows:
-            print(" | ".join(f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k])
-                             for k in keys))
-        print("PASS" if ok else "FAIL")
-    dist.destroy_process_group()
-    return 0 if ok else 1
+    return run_family_checks(
+        args.out, lambda name, path, world, rank: check_family(name, path, args.max_tokens,
+                                                               world, rank),
+        passed, f"fsdp backend check: maxTokensPerMicroBatch {args.max_tokens}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -143,26 +144,22 @@ def passed(row: dict[str, Any]) -> bool:
                 and row["logp down (-adv)"] < 0 and row["max |logp - HF|"] < 0.25)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--out", default="/tmp/kuberl-megatron-check")
-    args = p.parse_args()
+def run_family_checks(out: str, check: Callable[[str, Path, int, int], dict[str, Any]],
+                      passed: Callable[[dict[str, Any]], bool], title: str) -> int:
+    """Under torchrun: write the families' models once, ``check(name, dir, world, rank)``
+    each, print the rows as a table on rank 0 with ``title``; 0 when all passed."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    out = Path(args.out) / "models"
+    models = Path(out) / "models"
     if rank == 0:
-        write_models(out)
+        write_models(models)
     dist.barrier()
-    rows = [check_family(name, out / name, args, world, rank) for name in families()]
+    rows = [check(name, models / name, world, rank) for name in families()]
     ok = all(passed(r) for r in rows)
     if rank == 0:
-        dp = world // (args.tp * args.pp)
-        print(f"\nmegatron backend check: tp={args.tp} pp={args.pp} dp={dp} on "
-              f"{torch.cuda.get_device_name()}")
+        print(f"\n{title}, {world} rank(s), on {torch.cuda.get_device_name()}")
         keys = list(rows[0])
         print(" | ".join(keys))
         for r in rows:
@@ -171,6 +168,17 @@ def main() -> int:
         print("PASS" if ok else "FAIL")
     dist.destroy_process_group()
     return 0 if ok else 1
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--out", default="/tmp/kuberl-megatron-check")
+    args = p.parse_args()
+    return run_family_checks(
+        args.out, lambda name, path, world, rank: check_family(name, path, args, world, rank),
+        passed, f"megatron backend check: tp={args.tp} pp={args.pp}")
 
 
 if __name__ == "__main__":

@@ -75,8 +75,8 @@ def _padded(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int,
     # q, k and v in one scatter: one index_copy is far cheaper than three index_puts.
     qkv = torch.cat([q, k, v], dim=1)
     padded = qkv.new_zeros(n * max_seqlen, *qkv.shape[1:]).index_copy(0, slot, qkv)
-    pq, pk, pv = (x.transpose(1, 2) for x in
-                  padded.view(n, max_seqlen, -1, hn).split([heads, groups, groups], dim=2))
+    parts = torch.split(padded.view(n, max_seqlen, -1, hn), [heads, groups, groups], dim=2)
+    pq, pk, pv = (x.transpose(1, 2) for x in parts)
     out = F.scaled_dot_product_attention(pq, pk, pv, is_causal=True, scale=scale,
                                          enable_gqa=groups != heads)   # [n, h, s, hn]
     return out.transpose(1, 2).reshape(n * max_seqlen, heads, hn).index_select(0, slot)
