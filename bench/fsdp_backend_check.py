@@ -5,8 +5,9 @@ with tied embeddings, Qwen3, Llama 3), on a small random bf16 model:
    lengths: the largest difference on response tokens. The backend packs the rows and runs
    its variable-length attention; HF pads and masks.
 2. **Passes**: how many forward passes each rank ran for the step. With several ranks
-   (FSDP2) they must be equal, or the ranks' all-gathers would not pair up; a small
-   ``--max-tokens`` makes the ranks' own counts differ, so the split is exercised.
+   (FSDP2) they must be equal, or the ranks' all-gathers would not pair up. The batch is
+   sorted by length and dealt in contiguous shards (as the driver deals them), so with a
+   small ``--max-tokens`` the ranks' own counts differ and the split is exercised.
 3. **Training**: three optimizer steps with +-1 advantages move the log-probs of the
    positive tokens up and of the negative ones down.
 
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from gpu_common import make_spec, random_batch  # bench/ is on sys.path
-from megatron_backend_check import COMMON, hf_logprobs, my_rows, run_family_checks
+from megatron_backend_check import COMMON, hf_logprobs, run_family_checks
 
 SAMPLES = 16
 
@@ -40,13 +41,16 @@ def check_family(name: str, model_dir: Path, max_tokens: int | None, world: int,
     backend = FSDPBackend(spec, rank=rank, world_size=world, device="cuda")
     row: dict[str, Any] = {"family": name}
     batch = random_batch(SAMPLES, prompt=6, response=(3, 40), vocab=COMMON["vocab_size"])
+    # Shortest first: the driver deals fsdp ranks contiguous shards, so rank 0 gets the short
+    # samples and the last rank the long ones, and their own pass counts differ.
+    batch = batch.select(batch.attention_mask.sum(dim=1).argsort(stable=True))
     ours = backend.logprobs(batch)  # every rank the whole batch (a collective under FSDP2)
     if rank == 0:
         ref = hf_logprobs(model_dir, batch)
         row["max |logp - HF|"] = float((ours - ref).abs().max())
         row["mean |logp - HF|"] = float((ours - ref).abs().sum() / batch.loss_mask.sum())
 
-    shard = my_rows(backend, batch)
+    shard = batch.split(world)[rank]  # what the driver gives an fsdp rank
     own = len(_own_micros(backend, shard))
     passes = len(backend._micros(shard.to("cuda")))
     before = backend.logprobs(shard)

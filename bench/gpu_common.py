@@ -22,9 +22,11 @@ SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab (the HF confi
     "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936),
     "qwen2.5-1.5b": (1536, 28, 12, 2, 8960, 151936),
     "qwen2.5-3b": (2048, 36, 16, 2, 11008, 151936),
+    "qwen2.5-7b": (3584, 28, 28, 4, 18944, 152064),
     # Not a real model: the scripts' CPU dry runs (every code path in seconds, no GPU).
     "tiny": (64, 2, 4, 2, 128, 512),
 }
+UNTIED = {"qwen2.5-7b"}  # its own output layer, as the real checkpoint has
 # Parameters of the shapes users extrapolate to (Qwen2.5-7B / -32B model cards), for
 # seconds-per-sync estimates from a measured bandwidth.
 EXTRAPOLATE = {"qwen2.5-7b": 7.62e9, "qwen2.5-32b": 32.8e9}
@@ -78,7 +80,7 @@ def build_model(out: Path, shape: str) -> Path:
     torch.manual_seed(0)
     cfg = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
-                      tie_word_embeddings=True, max_position_embeddings=4096,
+                      tie_word_embeddings=shape not in UNTIED, max_position_embeddings=4096,
                       torch_dtype="bfloat16", eos_token_id=1, pad_token_id=0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # (3B: minutes on CPU)
         model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)

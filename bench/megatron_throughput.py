@@ -241,6 +241,9 @@ def tp(args: argparse.Namespace) -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     lo, hi = args.response
     lines = []
+    # TP=1 keeps a whole model's weights, gradients and optimizer shard on each GPU: at 7B
+    # that does not fit beside the activations, so --tp-only leaves it out.
+    sizes = (world,) if args.tp_only else (1, world)
     for shape in args.shapes:
         model_dir = Path(args.out) / shape / "model"
         if rank == 0:
@@ -251,9 +254,10 @@ def tp(args: argparse.Namespace) -> None:
         lengths = batch.attention_mask.sum(dim=1).tolist()
         flops = train_flops(param_count(model_dir), layers, hidden, lengths)
         logps, seconds = {}, {}
-        for size in (1, world):
+        for size in sizes:
             spec = make_spec(model_dir, backend="megatron", samples=args.samples,
-                             micro_batch=args.micro_batch, tp=size, gpus=world)
+                             micro_batch=args.micro_batch, tp=size, gpus=world,
+                             max_tokens=args.max_tokens)
             backend = build(spec, rank, world)
             dp_rank, dp_size, _ = backend.data_parallel_coords()
             logp = backend.logprobs(batch)
@@ -263,7 +267,8 @@ def tp(args: argparse.Namespace) -> None:
             seconds[size] = time_steps(backend, shard, args.repeats)
             release(backend)
         if rank == 0:
-            diff = (logps[world] - logps[1]).abs()
+            diff = ((logps[world] - logps[1]).abs() if len(sizes) == 2
+                    else torch.full((1,), float("nan")))
             lines.append((shape, sum(lengths), flops, seconds, float(diff.max()),
                           float(diff.sum() / batch.loss_mask.sum())))
     if rank == 0:
@@ -272,7 +277,7 @@ def tp(args: argparse.Namespace) -> None:
         print(f"{'shape':<14} {'layout':<12} {'s/step':>7} {'tokens/s':>9} {'MFU':>6} "
               f"{'max |dlogp|':>11} {'mean |dlogp|':>12}")
         for shape, tokens, flops, sec, dmax, dmean in lines:
-            for size in (1, world):
+            for size in sizes:
                 layout = f"tp{size} dp{world // size}"
                 mfu = flops / sec[size] / (peak_flops() * world)
                 extra = f"{dmax:>11.2e} {dmean:>12.2e}" if size == world else ""
@@ -295,6 +300,8 @@ def main() -> int:
                    help="training.maxTokensPerMicroBatch (default: unset, microBatchSize "
                    "rows of the longest sample)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tp-only", action="store_true",
+                   help="tp: time only TP = world size (no TP=1 comparison)")
     p.add_argument("--out", default="/tmp/kuberl-throughput")
     p.add_argument("--profile", action="store_true", help="also profile one step of each")
     p.add_argument("--sync-sites", action="store_true",
