@@ -10,6 +10,11 @@ How the policy is replicated across the ``world_size`` training ranks:
   flat shards) are built and tested for NCCL; on CPU models are small anyway, and DDP's
   all-reduce is the simplest correct choice.
 
+Micro-batches are packed (``backends/micro_batches.py``): each forward pass runs whole
+samples concatenated into one row, no padding, up to ``training.maxTokensPerMicroBatch``
+tokens; the HF models are loaded with the ``kuberl_varlen`` attention
+(``backends/varlen_attention.py``), which keeps attention inside each sample.
+
 The reference model (only when ``algorithm.klCoef > 0``) is built exactly like the policy,
 minus the optimizer, so at step 0 policy and reference give bitwise-equal log-probs (KL 0).
 
