@@ -9,13 +9,18 @@ import pytest
 import torch
 
 from kuberl_trainer.backends.base import TrainBatch
-from kuberl_trainer.backends.micro_batches import micro_batches, micro_bins, token_budget
+from kuberl_trainer.backends.micro_batches import micro_batches, split_bins, token_budget
+from kuberl_trainer.backends.packing import pack_bins
 
 
 def test_the_budget_defaults_to_micro_batch_size_rows_of_the_longest_sample() -> None:
     assert token_budget([3, 9, 4], 2, None) == 18
     assert token_budget([3, 9, 4], 2, 40) == 40
     assert token_budget([], 2, None) == 2
+
+
+def micro_bins(lengths: list[int], budget: int, at_least: int = 0) -> list[list[int]]:
+    return split_bins(pack_bins(lengths, budget), lengths, at_least)
 
 
 def test_bins_by_hand() -> None:
@@ -86,8 +91,16 @@ def test_an_empty_batch_has_no_micro_batches() -> None:
     assert micro_batches(batch_of([1], 4).slice(0, 0), micro_batch_size=2) == []
 
 
-@pytest.mark.parametrize("at_least", [4, 6])
-def test_micro_batches_split_to_the_count_asked(at_least: int) -> None:
+@pytest.mark.parametrize("agreed", [4, 6])
+def test_micro_batches_split_to_the_count_the_ranks_agree_on(agreed: int) -> None:
+    asked: list[int] = []
+
+    def agree(own: int) -> int:
+        asked.append(own)
+        return agreed
+
     micros = micro_batches(batch_of([3, 9, 4, 6, 3, 2], 12), micro_batch_size=1,
-                           max_tokens=10, at_least=at_least)
-    assert len(micros) == at_least
+                           max_tokens=10, agree=agree)
+    assert asked == [3]  # this rank's own count, asked once
+    assert len(micros) == agreed
+    assert sorted(r for m in micros for r in m.rows.tolist()) == list(range(6))

@@ -144,18 +144,15 @@ class FSDPBackend:
     def _micros(self, batch: TrainBatch, *, sft: bool = False) -> list[MicroBatch]:
         """``batch`` packed into micro-batches (``backends/micro_batches.py``). Under FSDP2
         every forward is a collective, so each rank runs as many as the busiest rank."""
-        micros = micro_batches(batch, micro_batch_size=self.micro_batch_size,
-                               max_tokens=self.spec.training.max_tokens_per_micro_batch,
-                               sft=sft)
-        if self.mode != "fsdp2":
-            return micros
-        count = torch.tensor(len(micros), device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        if int(count.item()) == len(micros):
-            return micros
         return micro_batches(batch, micro_batch_size=self.micro_batch_size,
                              max_tokens=self.spec.training.max_tokens_per_micro_batch,
-                             at_least=int(count.item()), sft=sft)
+                             agree=self._busiest if self.mode == "fsdp2" else None, sft=sft)
+
+    def _busiest(self, count: int) -> int:
+        """The largest of the ranks' ``count`` (collective)."""
+        total = torch.tensor(count, device=self.device)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        return int(total.item())
 
     def _forward(self, model: nn.Module, mb: MicroBatch) -> Tensor:
         """The model's per-position output over ``mb``'s packed row: ``[N, ...]`` (logits,

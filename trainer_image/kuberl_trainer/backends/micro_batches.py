@@ -9,12 +9,13 @@ padding). A sample longer than the budget runs alone.
 
 The budget bounds a forward pass's memory; it also decides how many passes a batch takes.
 Under FSDP every pass is a collective (each layer's all-gather), so every rank must run as
-many: ``at_least`` splits bins until a rank has the count the busiest rank needs.
+many: ``agree`` turns a rank's own bin count into the count all run (the busiest rank's),
+and bins are split until there are that many.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,12 +49,11 @@ def token_budget(lengths: Sequence[int], micro_batch_size: int, max_tokens: int 
     return max_tokens or micro_batch_size * max(max(lengths, default=1), 1)
 
 
-def micro_bins(lengths: Sequence[int], budget: int, at_least: int = 0) -> list[list[int]]:
-    """Bins of sample indices under ``budget`` (first-fit decreasing, ``pack_bins``), split
-    until there are ``at_least`` of them where the samples allow (one sample a bin at most).
-    A split halves the bin with the most samples (the first such bin on ties): no bin grows,
-    so none exceeds the budget it met."""
-    bins = pack_bins(lengths, budget)
+def split_bins(bins: list[list[int]], lengths: Sequence[int], at_least: int) -> list[list[int]]:
+    """``bins`` (of sample indices, e.g. ``pack_bins``'s) split until there are ``at_least``
+    where the samples allow (one sample a bin at most). A split halves the bin with the most
+    samples (the first such bin on ties): no bin grows, so none exceeds the budget it met."""
+    bins = [list(b) for b in bins]
     while len(bins) < min(at_least, len(lengths)):
         i = max(range(len(bins)), key=lambda b: (len(bins[b]), -b))
         # Deal the samples, longest first, alternately to the halves: their token counts
@@ -64,8 +64,10 @@ def micro_bins(lengths: Sequence[int], budget: int, at_least: int = 0) -> list[l
 
 
 def micro_batches(batch: TrainBatch, *, micro_batch_size: int, max_tokens: int | None = None,
-                  at_least: int = 0, sft: bool = False) -> list[MicroBatch]:
-    """``batch`` cut into packed micro-batches (see the module docstring).
+                  agree: Callable[[int], int] | None = None,
+                  sft: bool = False) -> list[MicroBatch]:
+    """``batch`` cut into packed micro-batches (see the module docstring); ``agree``: this
+    rank's bin count -> the count to run (a collective under FSDP2), None to keep its own.
 
     The layout is read on the host once and every micro-batch's indices go to the batch's
     device in one transfer (``pack_bins_to``): one host sync to build them all.
@@ -75,7 +77,9 @@ def micro_batches(batch: TrainBatch, *, micro_batch_size: int, max_tokens: int |
     host = torch.stack([batch.input_ids, batch.attention_mask.to(batch.input_ids.dtype)]).cpu()
     ids, mask = host[0], host[1]
     lengths = [int(n) for n in mask.sum(dim=1).tolist()]
-    bins = micro_bins(lengths, token_budget(lengths, micro_batch_size, max_tokens), at_least)
+    bins = pack_bins(lengths, token_budget(lengths, micro_batch_size, max_tokens))
+    if agree is not None:
+        bins = split_bins(bins, lengths, agree(len(bins)))
     out = []
     for rows, made in zip(bins, pack_bins_to(ids, mask, bins, batch.input_ids.device),
                           strict=True):

@@ -28,7 +28,7 @@ from kuberl_trainer.algos.objective import Objective
 from kuberl_trainer.backends.base import TrainBatch
 from kuberl_trainer.backends.fsdp import FSDPBackend, build_model
 from kuberl_trainer.backends.micro_batches import MicroBatch
-from kuberl_trainer.backends.packing import to_rows
+from kuberl_trainer.backends.packing import align_to_tokens, unpack
 from kuberl_trainer.backends.tokens import response_mask
 
 
@@ -85,8 +85,7 @@ class ValueBackend(FSDPBackend):
         """``[b, t]``: the estimate before token t is the score read after token t - 1 in
         the same sequence (0 at a sequence's start)."""
         scores = self._forward(model, mb)[:, 0].float()       # [N]: after each packed token
-        valid = mb.packed.position_ids.new_ones(scores.shape, dtype=torch.bool)
-        return to_rows(scores, valid, mb.packed, mb.batch.input_ids.shape[1])
+        return unpack(align_to_tokens(scores, mb.packed), mb.packed, mb.batch.input_ids.shape[1])
 
     def _micro_loss(self, mb: MicroBatch) -> tuple[Tensor, dict[str, Tensor], Tensor]:
         b = mb.batch
