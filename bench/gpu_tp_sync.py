@@ -173,7 +173,7 @@ def _colocated_rank(rank: int, world: int, port: int, model_dir: str, urls: list
         start = time.perf_counter()
         push_colocated(buckets(named, mb), rank=rank, world_size=world, gpu=(HOST, rank),
                        engine_urls=urls, engine_devices=devices, weight_version=str(i),
-                       poster=poster)
+                       poster=poster, dtype=named[0][1].dtype)
         seconds.append(time.perf_counter() - start)
     if poster is not None:
         poster.close()

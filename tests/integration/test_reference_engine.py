@@ -421,7 +421,7 @@ def test_colocated_syncs_reuse_rank_zeros_loop_and_session(
             push_colocated(bucketize(trainer_params(state, reference_model), 16 << 10),
                            rank=0, world_size=1, gpu=("127.0.0.1", 0), engine_urls=pair,
                            engine_devices=[[0], [0]], weight_version=f"colocated-{version}",
-                           poster=worker._colocated_poster(pair))
+                           poster=worker._colocated_poster(pair), dtype=torch.float32)
             sessions.append(poster.client._session)
             want = {n: tensor_sha256(t) for n, t in state.items()}
             assert asyncio.run(engine_sums(pair)) == [want, want]

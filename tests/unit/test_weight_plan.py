@@ -191,3 +191,36 @@ def test_a_flattened_bucket_is_received_as_views_of_one_buffer_in_order() -> Non
     with pytest.raises(ValueError, match="one dtype"):
         _flat_buffer([[1], [1]], [torch.bfloat16, torch.float32], "cpu")
 
+
+
+def test_a_colocated_bucket_is_cast_into_one_buffer_the_engine_reads_as_the_tensors() -> None:
+    """flatten_to + encode_flattened, decoded as the engine decodes a flattened_bucket entry:
+    the tensors come back in order, with their shapes, in the engines' dtype, as views of one
+    shared buffer (by reference: a write to the buffer shows on the engine's side), and the
+    byte offsets are SGLang's (each tensor's bytes, one after the other)."""
+    from kuberl_trainer.weight_sync.colocated import flatten_to
+
+    base = torch.randn(4, 6)
+    named = [("w", base), ("t", base[:, :3].T), ("b", torch.randn(5)), ("e", torch.empty(0, 2))]
+    flat, metadata = flatten_to(named, torch.bfloat16)
+    assert flat.dtype == torch.uint8 and flat.numel() == 2 * (24 + 12 + 5)
+    assert [(m.start_idx, m.end_idx, m.numel) for m in metadata] == [
+        (0, 48, 48), (48, 72, 24), (72, 82, 10), (82, 82, 0)]
+    decoded = codec.decode_named_tensors(codec.encode_flattened(flat, metadata), flattened=True)
+    assert [n for n, _ in decoded] == ["w", "t", "b", "e"]
+    for (_, want), (_, got) in zip(named, decoded, strict=True):
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        assert torch.equal(got, want.to(torch.bfloat16))
+    flat.view(torch.bfloat16)[:1].fill_(7.0)
+    assert decoded[0][1][0, 0].item() == 7.0
+
+
+def test_flattened_metadata_with_other_fields_is_refused() -> None:
+    """The namespaces encode_flattened writes are read only with exactly the six fields."""
+    import types
+
+    bad = {"flattened_tensor": torch.zeros(4, dtype=torch.uint8),
+           "metadata": [types.SimpleNamespace(name="w", shape=torch.Size([2]))]}
+    payload = codec._shared_pickle(bad)  # as encode_flattened pickles, short of two fields
+    with pytest.raises(ValueError, match="FlattenedTensorMetadata"):
+        codec.decode_named_tensors(payload, flattened=True)

@@ -193,16 +193,16 @@ class TrainWorker:
         if self._weights_off:
             self.onload(WEIGHTS)
         colocated = self.spec.placement == "colocate" and self.device == "cuda"
-        # Colocated engines read the tensors in place (IPC handles) and cast as they copy:
-        # the training dtype's own storage costs no memory, a cast copy would cost the model's
-        # size until the engines let go. Over the wire, the engines' dtype is fewer bytes.
+        # Colocated buckets come in the training dtype: each is cast to the engines' as it
+        # is flattened into one buffer (colocated.flatten_to), one copy instead of two. Over
+        # the wire, the engines' dtype is fewer bytes.
         buckets = itertools.islice(self.backend.named_tensor_buckets(
             bucket_bytes, None if colocated else self.sync_dtype()), max_buckets)
         if colocated:
-            # Trainer and engine share GPUs, and NCCL refuses two ranks on one device: pass
-            # CUDA IPC handles through /update_weights_from_tensor instead, as SGLang takes
-            # them, each engine TP rank's from the training rank on its GPU; the engine
-            # copies straight from the trainer's memory. Collective: every rank takes part.
+            # Trainer and engine share GPUs, and NCCL refuses two ranks on one device: pass a
+            # CUDA IPC handle per bucket through /update_weights_from_tensor instead, as
+            # SGLang takes them, each engine TP rank's from the training rank on its GPU; the
+            # engine copies straight from the trainer's memory. Collective: every rank.
             from kuberl_trainer.weight_sync.colocated import push_colocated
 
             tp = self.spec.rollout.gpus_per_engine
@@ -211,7 +211,7 @@ class TrainWorker:
                 gpu=(node_ip(), int(ray.get_gpu_ids()[0])), engine_urls=engine_urls,
                 engine_devices=[colocated_engine_devices(i, tp, self.spec.training.gpus_per_node)
                                 for i in range(len(engine_urls))],
-                weight_version=str(weight_version),
+                weight_version=str(weight_version), dtype=self.sync_dtype(),
                 poster=self._colocated_poster(engine_urls) if self.rank == 0 else None)
             return time.perf_counter() - started
         if self.rank != 0:

@@ -14,11 +14,12 @@ base64 text of a list of `(name, tensor)`:
   allows and resolves to its UUID-aware replacement once it has patched torch. CPU tensors
   travel as shared-memory file names (under the `file_system` sharing strategy), which is how
   the CPU tests drive this path.
-- **flattened bucket** (SGLang's `load_format: "flattened_bucket"`, what slime sends): the
-  shared format of ``{"flattened_tensor": t, "metadata": [FlattenedTensorMetadata, ...]}``;
-  `decode_named_tensors(..., flattened=True)` rebuilds the named tensors (views of the flat
-  tensor, by byte offsets when it is uint8 as SGLang 0.5.6 writes it, by element offsets for
-  an older single-dtype bucket).
+- **flattened bucket** (SGLang's `load_format: "flattened_bucket"`, what slime sends and
+  `encode_flattened` writes, the colocated sync's format): the shared format of
+  ``{"flattened_tensor": t, "metadata": [FlattenedTensorMetadata, ...]}``, one IPC handle for
+  the whole bucket; `decode_named_tensors(..., flattened=True)` rebuilds the named tensors
+  (views of the flat tensor, by byte offsets when it is uint8 as SGLang 0.5.6 writes it, by
+  element offsets for an older single-dtype bucket).
 - **copy** (`encode_named_tensors`): `torch.save` of CPU tensors, bytes in the body; for
   engines that do not share the trainer's machine.
 
@@ -31,10 +32,12 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import hashlib
 import io
 import os
 import pickle
+import types
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
@@ -78,6 +81,16 @@ def encode_shared(named: Sequence[tuple[str, torch.Tensor]]) -> str:
     """The tensors by reference (CUDA IPC handles; shared memory for CPU tensors): they must
     stay alive, unchanged, until the engine has loaded them."""
     return _shared_pickle([(name, t.detach()) for name, t in named])
+
+
+def encode_flattened(flat: torch.Tensor, metadata: Sequence[FlattenedTensorMetadata]) -> str:
+    """A flattened bucket by reference (``flat`` must stay alive, unchanged, until the engine
+    has loaded it). Each metadata entry travels as a ``types.SimpleNamespace`` of the six
+    fields: SGLang's unpickler admits the ``types`` module and its model runner copies those
+    fields into its own class, while naming SGLang's class would need SGLang in the trainer
+    (slime's payloads name it; the decoder below reads both)."""
+    metas = [types.SimpleNamespace(**dataclasses.asdict(m)) for m in metadata]
+    return _shared_pickle({"flattened_tensor": flat.detach(), "metadata": metas})
 
 
 def decode_named_tensors(data: str | bytes, *, flattened: bool = False
@@ -124,8 +137,10 @@ def _unflatten(loaded: Any) -> list[tuple[str, torch.Tensor]]:
     if not isinstance(loaded, dict) or set(loaded) != {"flattened_tensor", "metadata"}:
         raise ValueError("a flattened_bucket entry must decode to {flattened_tensor, metadata}")
     flat, metas = loaded["flattened_tensor"], loaded["metadata"]
-    if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or not all(
-            isinstance(m, FlattenedTensorMetadata) for m in metas):
+    if isinstance(metas, list):
+        metas = [_as_metadata(m) if isinstance(m, types.SimpleNamespace) else m for m in metas]
+    if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or not isinstance(
+            metas, list) or not all(isinstance(m, FlattenedTensorMetadata) for m in metas):
         raise ValueError("flattened_tensor must be a 1-D tensor and metadata a list of "
                          "FlattenedTensorMetadata")
     out = []
@@ -142,6 +157,15 @@ def _unflatten(loaded: Any) -> list[tuple[str, torch.Tensor]]:
             part = part.to(m.dtype)
         out.append((str(m.name), part.reshape(m.shape)))
     return out
+
+
+def _as_metadata(entry: types.SimpleNamespace) -> FlattenedTensorMetadata | None:
+    """A namespace of FlattenedTensorMetadata's fields (`encode_flattened`) as the class;
+    None (refused by the caller) when its fields are not exactly those."""
+    fields = {f.name for f in dataclasses.fields(FlattenedTensorMetadata)}
+    if set(vars(entry)) != fields:
+        return None
+    return FlattenedTensorMetadata(**vars(entry))
 
 
 def _is_torch_device(name: str) -> bool:
@@ -185,6 +209,8 @@ class _TensorUnpickler(pickle.Unpickler):
             return _rebuild_cuda_tensor
         if (module, name) == SGLANG_METADATA:
             return FlattenedTensorMetadata
+        if (module, name) == ("types", "SimpleNamespace"):  # encode_flattened's metadata
+            return types.SimpleNamespace
         allowed = (
             (module == "torch.multiprocessing.reductions" and name in _REBUILDS)
             or (module == "torch" and (name in ("Tensor", "Size", "device")

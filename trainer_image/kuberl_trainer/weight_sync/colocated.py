@@ -1,12 +1,19 @@
-"""The colocated update across training ranks: each engine TP rank gets handles to the copy of
+"""The colocated update across training ranks: each engine TP rank gets a handle to the copy of
 the weights on its own GPU, from the training rank there (routing.py).
 
 A collective over the trainers' default process group, bucket by bucket, since exporting a
-bucket is itself collective (FSDP gathers full tensors on every rank). Every rank serializes
-its bucket by reference (CUDA IPC handles naming the GPU by UUID, codec.encode_shared); rank 0
-gathers them, POSTs each engine its entries, and broadcasts the outcome. A rank keeps a bucket
-alive until rank 0 has broadcast that every engine has answered for it: with one bucket of
-lookahead (the last carries weight_version) that is at most two buckets per rank.
+bucket is itself collective (FSDP gathers full tensors on every rank). Every rank copies its
+bucket, cast to the engines' dtype, into one new flat buffer (`flatten_to`: one multi-tensor
+copy) and serializes that buffer by reference, as SGLang's `load_format: "flattened_bucket"`
+reads it (codec.encode_flattened: one CUDA IPC handle, naming the GPU by UUID, for the whole
+bucket). A handle per tensor cost the trainer an IPC event and the engine a handle to open
+and an event to wait on for each of a model's hundreds of tensors, far more time than the
+copy. Rank 0 gathers the entries, POSTs each engine its own, and broadcasts the outcome. A
+rank keeps a buffer alive until rank 0 has broadcast that every engine has answered for it:
+with one bucket of lookahead (the last carries weight_version) that is at most two buffers
+per rank. A new buffer per bucket, not a reused one: torch's IPC reference counting keeps a
+buffer's memory until the engine has let go of it, which a buffer written again could not
+wait for.
 
 Collective order, the same on every rank: status(pause), gather(0), gather(1), status(0),
 gather(2), status(1), ..., gather(n-1), status(n-2), status(n-1), status(continue). A failure
@@ -36,6 +43,7 @@ from kuberl_trainer.weight_sync.sender import (
     post_tensor_bucket,
 )
 from kuberl_wire import codec
+from kuberl_wire.protocol import FLATTENED
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 
@@ -83,18 +91,40 @@ class Poster:
 
     def post(self, entries: list[list[str]] | None, version: str | None) -> str | None:
         assert entries is not None  # rank 0 gathered them
-        return self.run(post_tensor_bucket(self.client, entries, weight_version=version))
+        return self.run(post_tensor_bucket(self.client, entries, weight_version=version,
+                                           load_format=FLATTENED))
 
     def close(self) -> None:
         self.loop.run_until_complete(self.client.close())
         self.loop.close()
 
 
+def flatten_to(bucket: NamedTensors, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, list[codec.FlattenedTensorMetadata]]:
+    """The bucket's tensors cast to ``dtype`` and copied, in order, into one new buffer (one
+    multi-tensor copy kernel, whatever the tensor count), as bytes, with SGLang's metadata:
+    byte offsets into the buffer (each a multiple of the dtype's size, so the engine views
+    them without copying) and each tensor's shape."""
+    numels = [t.numel() for _, t in bucket]
+    flat = torch.empty(sum(numels), dtype=dtype, device=bucket[0][1].device)
+    with torch.no_grad():
+        torch._foreach_copy_(list(flat.split(numels)), [t.reshape(-1) for _, t in bucket])
+    size, at = flat.element_size(), 0
+    metadata = []
+    for (name, tensor), numel in zip(bucket, numels, strict=True):
+        metadata.append(codec.FlattenedTensorMetadata(
+            name=name, shape=tensor.shape, dtype=dtype, start_idx=at * size,
+            end_idx=(at + numel) * size, numel=numel * size))
+        at += numel
+    return flat.view(torch.uint8), metadata
+
+
 def push_colocated(buckets: Iterable[NamedTensors], *, rank: int, world_size: int, gpu: Gpu,
                    engine_urls: Sequence[str], engine_devices: Sequence[Sequence[int]],
-                   weight_version: str, poster: Poster | None) -> None:
+                   weight_version: str, poster: Poster | None, dtype: torch.dtype) -> None:
     """Every training rank calls this with its own buckets (see the module docstring);
-    `poster`: rank 0's, for `engine_urls` and kept by the caller; None on the other ranks."""
+    `poster`: rank 0's, for `engine_urls` and kept by the caller; None on the other ranks;
+    `dtype`: the engines' (each bucket is cast to it as it is flattened)."""
     sources = colocated_sources(_all_gather(gpu, world_size),
                                 engine_gpus(engine_urls, engine_devices))
 
@@ -104,11 +134,13 @@ def push_colocated(buckets: Iterable[NamedTensors], *, rank: int, world_size: in
             raise RuntimeError(f"colocated weight update failed: {shared}")
 
     settle(poster.run(pause_and_flush(poster.client)) if poster else None)
-    held: deque[NamedTensors] = deque()
+    held: deque[torch.Tensor] = deque()  # the flat buffers the engines may still be reading
     pending: list[list[str]] | None = None  # the previous bucket's entries (rank 0)
     for index, bucket in enumerate(buckets):
-        held.append(bucket)
-        entries = _gather(codec.encode_shared(bucket), rank, world_size)
+        flat, metadata = flatten_to(bucket, dtype)
+        del bucket  # gathered full tensors (FSDP2) are freed once copied
+        held.append(flat)
+        entries = _gather(codec.encode_flattened(flat, metadata), rank, world_size)
         if index > 0:
             settle(poster.post(pending, None) if poster else None)
             held.popleft()

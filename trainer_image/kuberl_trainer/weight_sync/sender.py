@@ -386,12 +386,15 @@ class DistributedWeightSender:
 
 
 async def post_tensor_bucket(client: EngineClient, entries: Sequence[Sequence[str]], *,
-                             weight_version: str | None) -> None:
+                             weight_version: str | None, load_format: str | None = None
+                             ) -> None:
     """One bucket of a colocated update: engine i gets ``entries[i]``, its serialized tensors
     for each of its TP ranks (entry r read by TP rank r, handles to tensors on that rank's
-    GPU). ``weight_version`` on the last bucket only. Call inside `paused`."""
+    GPU). ``weight_version`` on the last bucket only; ``load_format``: the entries' format
+    (None: named tensors; ``flattened_bucket``). Call inside `paused`."""
     bodies = [protocol.update_weights_from_tensor(list(per_rank), weight_version=weight_version,
-                                                  flush_cache=False) for per_rank in entries]
+                                                  flush_cache=False, load_format=load_format)
+              for per_rank in entries]
     # in_step: engines may still be reading the bucket by reference when another answers an
     # error, so it must stay alive (not be raised past) until every engine answered.
     await client.post_all("/update_weights_from_tensor", bodies, per_engine=True, in_step=True)
