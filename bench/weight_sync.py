@@ -138,9 +138,10 @@ def in_thread(fn: Callable[..., Any], *args: Any, timeout_s: float,
 
 
 class Engine:
-    """The reference engine as a child process on the second GPU, logging to a file."""
+    """The reference engine as a child process on the second GPU, logging to a file
+    (``kind`` "cpu": on the CPU, for a smoke run of a benchmark)."""
 
-    def __init__(self, model_dir: Path, device: str, log: Path) -> None:
+    def __init__(self, model_dir: Path, device: str, log: Path, kind: str = "cuda") -> None:
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.log = log
@@ -149,7 +150,7 @@ class Engine:
         paths = [str(ROOT / sub) for sub in ("operator", "trainer_image", "rollout_image", "wire")]
         env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         cmd = [sys.executable, "-m", "kuberl_rollout.reference", "--model-path", str(model_dir),
-               "--host", HOST, "--port", str(self.port), "--device", "cuda",
+               "--host", HOST, "--port", str(self.port), "--device", kind,
                "--dtype", "bfloat16", "--weight-sync-timeout", str(GROUP_TIMEOUT_S)]
         with log.open("wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

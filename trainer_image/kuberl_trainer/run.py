@@ -21,7 +21,6 @@ from kuberl_trainer import preflight
 from kuberl_trainer.progress import Progress
 
 LOG = logging.getLogger("kuberl.run")
-BUCKET_BYTES = 64 << 20  # weight-sync bucket: big enough to amortise a round trip, bounded RAM
 
 
 @dataclass

@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 LOG = logging.getLogger("kuberl.run")
 ENGINE_START_TIMEOUT_S = 600.0
 LOG_TAIL_LINES = 20  # of a dead engine's log, with the error that names it
+# Weight-sync bucket: each costs a round trip and the engine's per-bucket work, so fewer is
+# faster (bench/RESULTS.md, weight sync); each also holds up to three buckets on the trainer's
+# GPU and one receive buffer on the engine's.
+BUCKET_BYTES = 64 << 20
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its exceptions' headers
 
 
@@ -166,7 +170,7 @@ class Session:
                            tensorboard_dir=self.opts.tensorboard,
                            wandb_project=self.opts.wandb_project, run_name=self.job.name),
             checkpointer=self, reporter=_Watchers(progress, self),
-            bucket_bytes=1 << 26, eval_interval=self.spec.schedule.eval_interval,
+            bucket_bytes=BUCKET_BYTES, eval_interval=self.spec.schedule.eval_interval,
             memory=memory,
             fleet=self.fleet)
         # (the engines' own metrics beside the loop's: their ports are unknown to the chart)
