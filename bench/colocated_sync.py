@@ -14,7 +14,8 @@ run, for each bucket size:
 
 Both syncs include pausing generation, flushing the cache and continuing (SGLang's order);
 `control` times those three requests alone, and `engine` is the engine's own logged time per
-update summed over a sync's buckets. Before each sync the trainer's weights are negated, so the
+update summed over a sync's buckets; a last table times the trainer's parts of a flat sync
+alone. Before each sync the trainer's weights are negated, so the
 engine must get every byte; after the last round every variant's sync is checked: the engine's
 /get_weights_checksum must equal the trainer's bf16 weights' for every name (exit 1 otherwise).
 
@@ -111,6 +112,33 @@ class Bench:
             times.append(time.perf_counter() - start)
         return statistics.median(times), flat.numel() * flat.element_size()
 
+    def parts_s(self, bucket_bytes: int) -> dict[str, float]:
+        """The trainer's side of a flat sync, each part alone (median of 5, GPU work
+        included): exporting the buckets, flattening them, serializing the buffers, and
+        torch's collection of IPC memory the engine has let go of."""
+        from kuberl_trainer.weight_sync.colocated import flatten_to
+        from kuberl_wire import codec
+
+        def clock(fn: Callable[[], Any]) -> float:
+            times = []
+            for _ in range(5):
+                synchronize()
+                start = time.perf_counter()
+                fn()
+                synchronize()
+                times.append(time.perf_counter() - start)
+            return statistics.median(times)
+
+        buckets = list(self.backend.named_tensor_buckets(bucket_bytes))
+        flats = [flatten_to(b, torch.bfloat16) for b in buckets]
+        return {
+            "export": clock(lambda: list(self.backend.named_tensor_buckets(bucket_bytes))),
+            "flatten": clock(lambda: [flatten_to(b, torch.bfloat16) for b in buckets]),
+            "encode": clock(lambda: [codec.encode_flattened(*f) for f in flats]),
+            "ipc_collect": clock(torch.cuda.ipc_collect if torch.cuda.is_initialized()
+                                 else lambda: None),
+        }
+
     def exact(self, version: str) -> bool:
         get = self.poster.client.request
         sums = self.run(get(self.engine.url, "GET", "/get_weights_checksum", timeout_s=900))
@@ -200,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = measure(bench, args.bucket_mb, args.repeats)
         control = statistics.median(bench.control_s() for _ in range(10))
         copies, nbytes = bench.copies_s()
+        parts = {mb: bench.parts_s(mb << 20) for mb in args.bucket_mb}
         bench.poster.close()
     finally:
         engine.stop()
@@ -213,10 +242,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['seconds'] * 1e3:.1f} | {row['engine_s'] * 1e3:.1f} | "
               f"{(row['seconds'] - control) * 1e3:.1f} | {copies / row['seconds']:.2f} | "
               f"{row['exact']} |")
+    print("\nthe trainer's side of a flat sync, each part alone (ms)\n")
+    print("| bucket MB | export | flatten | encode | ipc_collect |")
+    print("|---|---|---|---|---|")
+    for mb, part in parts.items():
+        print(f"| {mb} | " + " | ".join(f"{part[k] * 1e3:.2f}" for k in
+                                       ("export", "flatten", "encode", "ipc_collect")) + " |")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "colocated_sync.json").write_text(json.dumps(
         {"card": card(), "shape": args.shape, "bytes": nbytes, "control_s": control,
-         "copies_s": copies, "rows": rows}, indent=1))
+         "copies_s": copies, "parts_s": parts, "rows": rows}, indent=1))
     return 0 if all(row["exact"] for row in rows) else 1
 
 
