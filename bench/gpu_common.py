@@ -94,9 +94,11 @@ def build_model(out: Path, shape: str) -> Path:
 
 def make_spec(model_dir: Path | str, *, backend: str, samples: int, micro_batch: int,
               tp: int = 1, pp: int = 1, gpus: int = 1, lr: float = 1e-6,
-              max_tokens: int | None = None, **algorithm: Any) -> Any:
+              max_tokens: int | None = None, fused_kernels: str = "none",
+              **algorithm: Any) -> Any:
     """An RLJobSpec whose one rollout of ``samples`` is one optimizer step; ``max_tokens``:
-    training.maxTokensPerMicroBatch (the data's length limits shrink to fit it)."""
+    training.maxTokensPerMicroBatch (the data's length limits shrink to fit it);
+    ``fused_kernels``: training.fusedKernels."""
     from kuberl_api.spec import RLJobSpec
 
     budget = {} if max_tokens is None else {"maxTokensPerMicroBatch": max_tokens}
@@ -107,7 +109,8 @@ def make_spec(model_dir: Path | str, *, backend: str, samples: int, micro_batch:
         "data": {"prompts": "/unused.jsonl", "rolloutBatchSize": samples,
                  "nSamplesPerPrompt": 1, **lengths},
         "training": {"backend": backend, "gpusPerNode": gpus, "microBatchSize": micro_batch,
-                     "parallelism": {"tp": tp, "pp": pp}, **budget},
+                     "parallelism": {"tp": tp, "pp": pp}, "fusedKernels": fused_kernels,
+                     **budget},
         "algorithm": {"lr": lr, **algorithm},
     })
 

@@ -116,20 +116,9 @@ def build(spec: Any, rank: int = 0, world: int = 1, device: str = "cuda") -> Any
     return make_backend(spec, rank=rank, world_size=world, device=device)
 
 
-LIGER = "+liger"
-
-
-def with_liger(backend: Any) -> None:
-    """Liger Kernel's Triton RoPE, RMSNorm and SwiGLU in the fsdp backend's HF models (an
-    experiment: the trainer does not apply them). Liger patches module-level functions of
-    the model's family, so a run with it belongs in a process of its own (``--no-anchor``)."""
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-    for model in (backend.module, backend.ref):
-        if model is not None:
-            _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True,
-                                            cross_entropy=False,
-                                            fused_linear_cross_entropy=False)
+LIGER = "+liger"  # fsdp with training.fusedKernels liger; Liger patches module-level
+# functions of the model's family, so a run with it belongs in a process of its own
+# (``--no-anchor``)
 
 
 def release(backend: Any) -> None:
@@ -170,10 +159,9 @@ def backends(args: argparse.Namespace) -> None:
         for kind in args.backends:
             name, liger = kind.removesuffix(LIGER), kind.endswith(LIGER)
             spec = make_spec(model_dir, backend=name, samples=args.samples,
-                             micro_batch=args.micro_batch, max_tokens=args.max_tokens)
+                             micro_batch=args.micro_batch, max_tokens=args.max_tokens,
+                             fused_kernels="liger" if liger else "none")
             backend = build(spec, device=args.device)
-            if liger:
-                with_liger(backend)
             seconds = time_steps(backend, batch, args.repeats)
             if args.profile:
                 profile_step(backend, batch, f"{shape} {kind}")
@@ -310,7 +298,7 @@ def main() -> int:
     p.add_argument("--backends", default=["fsdp", "megatron"],
                    type=lambda s: [x for x in s.split(",") if x],
                    help="backends: which to train (comma list of fsdp, megatron, fsdp+liger: "
-                   "fsdp with Liger Kernel's RoPE, RMSNorm and SwiGLU, alone with --no-anchor)")
+                   "fsdp with training.fusedKernels liger, alone with --no-anchor)")
     p.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=True,
                    help="backends: also time the bare HF loop (hf_anchor.py) on the same card")
     p.add_argument("--anchor-seq", type=int, default=2048, help="tokens per anchor row")

@@ -563,6 +563,11 @@ OFFLOAD_COLOCATED_ONLY = ("training.offload applies to placement: colocate only 
                           "engines have GPUs of their own): leave it at its defaults")
 
 
+LIGER_FSDP_GPU = ("fusedKernels liger applies to backend fsdp on GPUs (Liger Kernel's Triton "
+                  "kernels in its HF models): set backend fsdp and gpusPerNode of at least "
+                  "1, or fusedKernels none")
+
+
 class TrainingSpec(ApiModel):
     model_config = {
         "json_schema_extra": cel_rules(
@@ -580,6 +585,8 @@ class TrainingSpec(ApiModel):
                 "fsdp to train on CPU)", ".gpusPerNode"),
             cel("self.parallelism.tp <= (self.gpusPerNode == 0 ? 1 : self.gpusPerNode)",
                 "parallelism.tp must fit on one node (at most gpusPerNode)", ".parallelism.tp"),
+            cel("self.fusedKernels != 'liger' || (self.backend == 'fsdp' && "
+                "self.gpusPerNode > 0)", LIGER_FSDP_GPU, ".fusedKernels"),
         )
     }
 
@@ -598,6 +605,10 @@ class TrainingSpec(ApiModel):
         description="Tokens one forward pass packs (prompts + responses, no padding), "
         "instead of the budget microBatchSize gives: bigger passes, fewer of them. At least "
         "data.maxPromptLen + data.maxResponseLen, so that any sample fits.")
+    fused_kernels: Literal["none", "liger"] = Field(
+        "none", description="Kernels of the fsdp backend's policy and reference models: "
+        "none (PyTorch's own ops) or liger (Liger Kernel's Triton RoPE, RMSNorm and SwiGLU, "
+        "for the model families Liger supports; backend fsdp on GPUs only).")
     global_batch_size: int | None = Field(
         None, ge=1, le=MAX_GLOBAL_BATCH,
         description="Samples per optimizer step; default: one step per rollout "
@@ -638,6 +649,9 @@ class TrainingSpec(ApiModel):
         check(p.tp <= max(self.gpus_per_node, 1), "parallelism.tp", p.tp,
               f"tensor parallelism must fit on one node: tp must be at most gpusPerNode "
               f"({self.gpus_per_node})")
+        check(self.fused_kernels != "liger" or (self.backend == "fsdp"
+                                                 and self.gpus_per_node > 0),
+              "fusedKernels", self.fused_kernels, LIGER_FSDP_GPU)
         return self
 
 

@@ -21,7 +21,7 @@ def test_image_extras_pin_the_rendered_ray_version() -> None:
 
 
 def test_dockerfiles_install_the_distribution_like_ci() -> None:
-    for name, extra in (("Dockerfile.trainer", "trainer,megatron"),
+    for name, extra in (("Dockerfile.trainer", "trainer,megatron,kernels"),
                         ("Dockerfile.rollout", "rollout")):
         text = (ROOT / name).read_text()
         assert f'pip install ".[{extra}]"' in text, name
@@ -35,3 +35,12 @@ def test_megatron_extra_pins_one_release() -> None:
         "optional-dependencies"]
     assert [d for d in extras["megatron"] if d.startswith("megatron-core")] == [
         "megatron-core==0.16.1"]
+
+
+def test_kernels_extra_pins_the_checked_liger_release() -> None:
+    """training.fusedKernels: liger needs Liger Kernel in the trainer image, at the release
+    whose kernels were checked against the plain path (its patch table moves between
+    releases)."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert extras["kernels"] == ["liger-kernel==0.8.5"]

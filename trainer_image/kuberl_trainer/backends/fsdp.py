@@ -43,6 +43,7 @@ from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.algos.objective import Objective
 from kuberl_trainer.backends.base import TrainBatch, sft_step_parts
 from kuberl_trainer.backends.buckets import bucketize
+from kuberl_trainer.backends.fused_kernels import NONE, apply_fused_kernels
 from kuberl_trainer.backends.hf_files import (
     MODEL_DIR,
     copy_tokenizer,
@@ -99,16 +100,20 @@ class FSDPBackend:
     # What a subclass (the PPO value model, backends/value.py) builds differently.
 
     def _build_trainable(self) -> PreTrainedModel:
-        return build_model(self.spec.model.path, self.device, self.mode, trainable=True)
+        return build_model(self.spec.model.path, self.device, self.mode, trainable=True,
+                           fused_kernels=self.spec.training.fused_kernels)
 
     def _build_reference(self) -> PreTrainedModel | None:
         """The frozen model: the teacher in on-policy distillation, else the policy's starting
         point, when a KL term needs it."""
+        kernels = self.spec.training.fused_kernels
         if self.algo.teacher_path is not None:
-            return build_model(self.algo.teacher_path, self.device, self.mode, trainable=False)
+            return build_model(self.algo.teacher_path, self.device, self.mode, trainable=False,
+                               fused_kernels=kernels)
         if self.algo.kl_coef <= 0:
             return None
-        return build_model(self.spec.model.path, self.device, self.mode, trainable=False)
+        return build_model(self.spec.model.path, self.device, self.mode, trainable=False,
+                           fused_kernels=kernels)
 
     def _lr(self) -> float:
         return self.algo.lr
@@ -475,13 +480,16 @@ def rank_batch_size(global_batch: int, world_size: int, micro_batch: int) -> int
 
 
 def build_model(path: str, device: torch.device, mode: Mode, *, trainable: bool,
-                auto_class: Any = AutoModelForCausalLM, **kwargs: Any) -> PreTrainedModel:
+                auto_class: Any = AutoModelForCausalLM, fused_kernels: str = NONE,
+                **kwargs: Any) -> PreTrainedModel:
     """Load the HF model (a causal LM unless ``auto_class`` says otherwise) in float32 (the
-    master weights) and place it for ``mode``. Its attention runs packed rows
-    (``varlen_attention``), which is all the backend gives it."""
+    master weights), with ``fused_kernels`` (``fused_kernels.py``), and place it for
+    ``mode``. Its attention runs packed rows (``varlen_attention``), which is all the
+    backend gives it."""
     model: PreTrainedModel = auto_class.from_pretrained(
         path, local_files_only=True, dtype=torch.float32,
         attn_implementation=register_hf_attention(), **kwargs)
+    apply_fused_kernels(model, fused_kernels)
     model.train(False)  # eval mode, no dropout ever: see the module docstring
     if not trainable:
         model.requires_grad_(False)
