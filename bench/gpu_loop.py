@@ -49,7 +49,8 @@ def manifest(out: Path, args: argparse.Namespace) -> dict[str, Any]:
         "reward": {"type": "exact"},
         "algorithm": {"lr": 1e-6},
         "training": {"backend": args.backend, "gpusPerNode": 1,
-                     "microBatchSize": args.micro_batch},
+                     "microBatchSize": args.micro_batch,
+                     "fusedKernels": getattr(args, "fused_kernels", "none")},
         # bf16, as SGLang serves this model; both backends send in the engine's dtype
         # (engine_command.engine_dtype), so the checksum check compares identical bytes.
         "rollout": {"engine": "reference", "gpusPerEngine": 1,
@@ -84,6 +85,8 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--backend", default="fsdp", choices=["fsdp", "megatron"])
     p.add_argument("--engine-tp", type=int, default=1, help="one engine of this TP size")
+    p.add_argument("--fused-kernels", default="none", choices=["none", "liger"],
+                   help="training.fusedKernels (fsdp on GPUs)")
     p.add_argument("--engine-nodes", type=int, default=1,
                    help="(disaggregated) the nodes that engine spans")
     p.add_argument("--kill-engine-at-sync", type=int, default=None, metavar="VERSION",
@@ -93,8 +96,8 @@ def main() -> int:
                         "batches, fsdp on CPU and a CPU reference engine")
     args = p.parse_args()
     if args.cpu:
-        if args.backend != "fsdp" or args.engine_tp != 1:
-            p.error("--cpu runs the fsdp backend and a TP=1 engine only")
+        if args.backend != "fsdp" or args.engine_tp != 1 or args.fused_kernels != "none":
+            p.error("--cpu runs the fsdp backend without fused kernels and a TP=1 engine only")
         if args.shape == p.get_default("shape"):
             args.shape = "tiny"
         args.prompts, args.samples, args.response_len = 4, 2, 8
@@ -175,7 +178,8 @@ def report(run_dir: Path, args: argparse.Namespace, verdict: SyncCheck) -> None:
     samples = args.prompts * args.samples
     gen_tokens = mean("response_length_mean") * samples
     train_tokens = gen_tokens + 6 * samples
-    print(f"\n{args.shape}, backend {args.backend}, {args.placement}, engine TP "
+    print(f"\n{args.shape}, backend {args.backend} (fusedKernels {args.fused_kernels}), "
+          f"{args.placement}, engine TP "
           f"{args.engine_tp} over {args.engine_nodes} node(s), "
           f"GPU: {card()}, "
           f"{samples} samples/step, steps {len(rows)} (first excluded)")
