@@ -107,8 +107,9 @@ def flatten_to(bucket: NamedTensors, dtype: torch.dtype
     them without copying) and each tensor's shape."""
     numels = [t.numel() for _, t in bucket]
     flat = torch.empty(sum(numels), dtype=dtype, device=bucket[0][1].device)
+    parts = list(torch.split(flat, numels))
     with torch.no_grad():
-        torch._foreach_copy_(list(flat.split(numels)), [t.reshape(-1) for _, t in bucket])
+        torch._foreach_copy_(parts, [t.reshape(-1) for _, t in bucket])
     size, at = flat.element_size(), 0
     metadata = []
     for (name, tensor), numel in zip(bucket, numels, strict=True):
