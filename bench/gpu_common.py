@@ -157,3 +157,62 @@ def gpu_memory_used_gib() -> list[float]:
     out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,"
                           "nounits"], capture_output=True, text=True, check=True).stdout
     return [int(x) / 1024 for x in out.split()]
+
+
+# Where a profiled step's GPU time goes, by kernel name (first match wins). Liger's Triton
+# kernels keep their Python names (_rms_norm_forward_kernel, _swiglu_..., _triton_rope);
+# torch.compile's (the trainer's chunked log-prob kernel) start with triton_.
+KERNEL_CATEGORIES = (
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|wgmma"),
+    ("liger", r"^_(rms_norm|swiglu|triton_rope|rope|layer_norm)"),
+    ("compiled (triton_)", r"^triton_"),
+    ("optimizer & foreach", r"adam|multi_tensor|foreach"),
+    ("copies & casts", r"copy|cast|memcpy|memset|fill"),
+    ("nccl", r"nccl"),
+)
+
+
+def kernel_breakdown(prof: Any, wall_s: float) -> str:
+    """A table of one profiled step's GPU time by KERNEL_CATEGORIES ("other": the rest,
+    mostly elementwise and reductions), in ms and % of the step's wall time, and the time
+    no kernel ran (the GPU waiting for the host)."""
+    import re
+
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name.lower()
+        kind = next((k for k, pattern in KERNEL_CATEGORIES if re.search(pattern, name)),
+                    "other")
+        totals[kind] = totals.get(kind, 0.0) + event.self_device_time_total / 1e3  # us -> ms
+    wall = wall_s * 1e3
+    busy = sum(totals.values())
+    lines = ["| kernels | ms | % of step |", "|---|---|---|"]
+    for kind, ms in sorted(totals.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {kind} | {ms:.1f} | {100 * ms / wall:.1f} |")
+    lines.append(f"| GPU idle (step - kernels) | {max(wall - busy, 0.0):.1f} | "
+                 f"{100 * max(wall - busy, 0.0) / wall:.1f} |")
+    lines.append(f"| step (wall) | {wall:.1f} | 100 |")
+    return "\n".join(lines)
+
+
+def profiled(step: Any, title: str) -> None:
+    """Run ``step()`` once under torch.profiler and print kernel_breakdown."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    def sync() -> None:
+        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            torch.cuda.synchronize()
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        wall = time.perf_counter() - start
+    print(f"\n--- where the GPU time goes: {title} (one step, under the profiler)\n"
+          f"{kernel_breakdown(prof, wall)}", flush=True)

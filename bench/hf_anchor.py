@@ -30,7 +30,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_common import SHAPES, build_model, peak_flops, train_flops  # bench/ on sys.path
+from gpu_common import (  # bench/ on sys.path
+    SHAPES,
+    build_model,
+    peak_flops,
+    profiled,
+    train_flops,
+)
 
 
 @dataclass
@@ -73,7 +79,8 @@ def _adamw(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer
 
 def run_anchor(model_dir: Path, *, rows: int, params: int | None = None, seq: int = 2048,
                micro_rows: int = 4, repeats: int = 3, warmup: int = 1,
-               device: str = "cuda", lr: float = 1e-6, seed: int = 0) -> AnchorResult:
+               device: str = "cuda", lr: float = 1e-6, seed: int = 0,
+               profile: bool = False) -> AnchorResult:
     """Median seconds of ``repeats`` optimizer steps (after ``warmup``) over ``rows`` random
     rows of ``seq`` tokens of the model at ``model_dir`` (the random-weight model the
     benchmark writes, so the same weights as the backends'); ``params``: its parameter count
@@ -93,7 +100,7 @@ def run_anchor(model_dir: Path, *, rows: int, params: int | None = None, seq: in
     # Token ids from 2 up (0 and 1 are pad and eos in the bench tokenizer): every token real.
     ids = torch.randint(2, model.config.vocab_size, (rows, seq), generator=gen).to(dev)
     try:
-        seconds, peak = _measure(model, optimizer, ids, micro_rows, repeats, warmup)
+        seconds, peak = _measure(model, optimizer, ids, micro_rows, repeats, warmup, profile)
     finally:
         del model, optimizer, ids  # the next benchmark on this card needs the memory
         gc.collect()
@@ -104,8 +111,10 @@ def run_anchor(model_dir: Path, *, rows: int, params: int | None = None, seq: in
 
 
 def _measure(model: Any, optimizer: torch.optim.Optimizer, ids: torch.Tensor,
-             micro_rows: int, repeats: int, warmup: int) -> tuple[float, float]:
-    """(median seconds per step, peak GiB allocated while timing) of the loop itself."""
+             micro_rows: int, repeats: int, warmup: int,
+             profile: bool = False) -> tuple[float, float]:
+    """(median seconds per step, peak GiB allocated while timing) of the loop itself;
+    ``profile``: also where one step's GPU time goes (after the warm-up, before timing)."""
     dev, rows = ids.device, len(ids)
 
     def step() -> None:
@@ -119,6 +128,8 @@ def _measure(model: Any, optimizer: torch.optim.Optimizer, ids: torch.Tensor,
 
     for _ in range(warmup):
         step()
+    if profile:
+        profiled(step, "bare HF loop")
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     seconds = []

@@ -39,6 +39,7 @@ from gpu_common import (
     card,
     make_spec,
     peak_flops,
+    profiled,
     random_batch,
     train_flops,
 )
@@ -94,8 +95,10 @@ def profile_step(backend: Any, batch: Any, title: str) -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                  with_stack=True) as prof:
         backend.train_step(batch)
-        torch.cuda.synchronize()
+        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            torch.cuda.synchronize()
     table = prof.key_averages()
+    profiled(lambda: backend.train_step(batch), title)
     print(f"\n--- profile: {title}")
     print(table.table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60))
     print(table.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
@@ -182,7 +185,7 @@ def backends(args: argparse.Namespace) -> None:
                 try:
                     anchor = run_anchor(model_dir, params=params, rows=n, seq=args.anchor_seq,
                                         micro_rows=micro, repeats=args.repeats,
-                                        device=args.device)
+                                        device=args.device, profile=args.profile)
                 except torch.OutOfMemoryError:
                     if micro == 1:
                         raise

@@ -83,3 +83,11 @@ def test_spec_rejects_bad_schedule_values() -> None:
         spec(lrDecayStyle="exponential")
     with pytest.raises(ValueError, match="lrWarmupSteps"):
         spec(lrWarmupSteps=-1)
+
+
+def test_cpu_parameters_get_the_per_parameter_loop() -> None:
+    """The loop (numerically identical across parameter layouts) wherever the fused CUDA
+    kernel does not apply; plain CUDA tensors get fused=True (checked on GPUs:
+    bench/fsdp_backend_check.py, bench/gpu_loop.py)."""
+    opt = build_optimizer([torch.nn.Parameter(torch.zeros(2))], 1e-3, OptimConfig())
+    assert opt.defaults["foreach"] is False and not opt.defaults["fused"]
