@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kuberl_api.base import ApiModel, cel
-from kuberl_api.spec import RLJobSpec
+from kuberl_api.base import ApiModel, FieldError, cel
+from kuberl_api.spec import KUEUE_QUEUE_LABEL, RLJobSpec
 from kuberl_api.status import RLJobStatus
 
 GROUP = "kuberl.dev"
@@ -27,7 +27,8 @@ NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 # would silently not apply, so they are refused. The rest (suspend, deadlines, TTL,
 # backoffLimit, heartbeatTimeoutSeconds) are read by the operator and may change any time.
 IMMUTABLE_SECTIONS = ("model", "data", "reward", "algorithm", "training", "rollout",
-                      "critic", "placement", "mode", "schedule", "checkpoint", "network")
+                      "critic", "placement", "mode", "schedule", "checkpoint", "network",
+                      "scheduling")
 # Phases in which nothing has run yet, so the spec may still change freely.
 EDITABLE_PHASES = ("Pending",)
 
@@ -64,6 +65,17 @@ class ObjectMeta(BaseModel):
     namespace: str | None = Field(None, max_length=63)
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("labels")
+    @classmethod
+    def _no_queue_label(cls, labels: dict[str, str]) -> dict[str, str]:
+        # The RLJob's labels are copied onto its children; this one would queue the RayJob
+        # without the suspend that makes Kueue admit it as one gang.
+        if KUEUE_QUEUE_LABEL in labels:
+            raise FieldError(f"labels.{KUEUE_QUEUE_LABEL}", labels[KUEUE_QUEUE_LABEL],
+                             "kuberl sets this label on the RayJob from "
+                             "spec.scheduling.queueName: set that field instead")
+        return labels
 
 
 class RLJob(ApiModel):

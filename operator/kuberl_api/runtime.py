@@ -32,3 +32,13 @@ ENV_ATTEMPT: Final = "KUBERL_ATTEMPT"
 RESOURCE_TRAIN: Final = "kuberl_train"
 RESOURCE_ROLLOUT: Final = "kuberl_rollout"
 RESOURCE_CRITIC: Final = "kuberl_critic"
+
+# Stopping gracefully (preemption, suspend, a node drain): the head's preStop hook runs
+# `kuberl graceful-stop head`, which signals the training driver (its pid in DRIVER_PID_FILE) and
+# waits while it saves a checkpoint; the train and critic pods' hook, `kuberl graceful-stop
+# worker`, holds those pods (whose ranks write the checkpoint) until the driver's metrics port on
+# the head closes. KubeRay stops no Ray job itself before it deletes a suspended RayJob's pods.
+DRIVER_PID_FILE: Final = "/tmp/kuberl-driver.pid"
+GRACEFUL_STOP: Final = ("kuberl", "graceful-stop")
+# What the hooks leave of the grace period for Ray itself to stop after them.
+GRACEFUL_STOP_MARGIN_SECONDS: Final = 10

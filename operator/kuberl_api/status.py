@@ -8,16 +8,19 @@ from pydantic import Field
 
 from kuberl_api.base import ApiModel
 
-Phase = Literal["Pending", "Provisioning", "Running", "Restarting", "Suspended", "Succeeded",
-                "Failed"]
-PHASES: tuple[Phase, ...] = ("Pending", "Provisioning", "Running", "Restarting", "Suspended",
-                             "Succeeded", "Failed")
+# Pending covers waiting in a Kueue queue (condition Queued); Preempted is waiting for Kueue to
+# admit the job again after it evicted a running attempt.
+Phase = Literal["Pending", "Provisioning", "Running", "Restarting", "Preempted", "Suspended",
+                "Succeeded", "Failed"]
+PHASES: tuple[Phase, ...] = ("Pending", "Provisioning", "Running", "Restarting", "Preempted",
+                             "Suspended", "Succeeded", "Failed")
 TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
 
-ConditionType = Literal["Accepted", "ClusterReady", "Training", "Stalled", "Suspended",
-                        "Succeeded", "Failed"]
-CONDITION_TYPES: tuple[ConditionType, ...] = ("Accepted", "ClusterReady", "Training", "Stalled",
-                                              "Suspended", "Succeeded", "Failed")
+ConditionType = Literal["Accepted", "Queued", "ClusterReady", "Training", "Stalled",
+                        "Preempted", "Suspended", "Succeeded", "Failed"]
+CONDITION_TYPES: tuple[ConditionType, ...] = ("Accepted", "Queued", "ClusterReady", "Training",
+                                              "Stalled", "Preempted", "Suspended", "Succeeded",
+                                              "Failed")
 
 
 class Condition(ApiModel):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -63,6 +64,10 @@ class Observed:
 
     rayjobs: tuple[Mapping[str, Any], ...] = ()
     raycluster: Mapping[str, Any] | None = None
+    # With spec.scheduling.queueName: Kueue's Workload of the current RayJob (None: none yet).
+    workload: Mapping[str, Any] | None = None
+    # The API server's message when spec.scheduling.priorityClassName names no PriorityClass.
+    priority_class_problem: str | None = None
 
 
 @dataclass(frozen=True)
@@ -290,7 +295,9 @@ def decide(body: Mapping[str, Any], observed: Observed, now: datetime,
     except InvalidRLJob as exc:
         return _invalid(b, exc)
 
+    accepted_digests = dict(b.digests)
     refused = _check_immutable(b, job)
+    edited = bool(accepted_digests) and accepted_digests != b.digests
     attempts = _attempts(b.name, observed, b.ray_job_name)
     current_attempt = max(attempts) if attempts else None
     current = attempts.get(current_attempt) if current_attempt is not None else None
@@ -314,11 +321,13 @@ def decide(body: Mapping[str, Any], observed: Observed, now: datetime,
               f"activeDeadlineSeconds ({job.spec.active_deadline_seconds}s since "
               f"{b.start_time}) exceeded", live_current, delete=True)
     elif live_current is None:
-        if _never_ran(b) or b.old_phase == "Suspended":
-            _start(b, job, current_attempt, refused)
+        if _never_ran(b) or b.old_phase == "Suspended" or _queued_never_admitted(b):
+            _start(b, job, current_attempt, refused, observed)
         else:
             _restart_or_fail(b, job, current_attempt or 0, None, "RayJobLost",
                              f"RayJob {b.ray_job_name} disappeared", refused, stalled=True)
+    elif _dig(live_current, "spec", "suspend") is True and not _finished(live_current):
+        _queued(b, job, current_attempt or 0, live_current, observed.workload, edited)
     else:
         _track(b, job, current_attempt or 0, live_current, observed.raycluster, tun, refused)
     if b.phase in TERMINAL_PHASES and b.old_phase not in TERMINAL_PHASES:
@@ -382,6 +391,18 @@ def _never_ran(b: _Builder) -> bool:
     return b.old_phase in (None, "Pending") and b.ray_job_name is None
 
 
+def _queued_never_admitted(b: _Builder) -> bool:
+    """A first attempt that waited in a Kueue queue and never ran (its RayJob is gone: deleted
+    while queued, or replaced after an edit): starting again costs no restart."""
+    queued = b.old_condition("Queued")
+    return (b.old_phase == "Pending" and queued is not None
+            and queued.get("status") == "True")
+
+
+def _finished(rayjob: Mapping[str, Any]) -> bool:
+    return bool(_dig(rayjob, "status", "jobStatus") == "SUCCEEDED")
+
+
 def _deadline_exceeded(b: _Builder, job: RLJob) -> bool:
     limit = job.spec.active_deadline_seconds
     started = parse_time(b.start_time)
@@ -394,12 +415,22 @@ def _deadline_exceeded(b: _Builder, job: RLJob) -> bool:
 
 # ---- phases
 
-def _start(b: _Builder, job: RLJob, last_attempt: int | None, refused: list[str]) -> None:
+def _start(b: _Builder, job: RLJob, last_attempt: int | None, refused: list[str],
+           observed: Observed) -> None:
     resuming = b.old_phase == "Suspended"
     if refused:  # only reachable when resuming: never run a spec that was refused
         b.set("Suspended", True, "ResumeBlocked",
               "resume is held until the refused spec change is reverted")
         b.phase = "Suspended"
+        return
+    if observed.priority_class_problem:  # the pods would be refused: create nothing yet
+        message = (f"spec.scheduling.priorityClassName: {observed.priority_class_problem}; "
+                   "nothing is created until it exists")
+        old = b.old_condition("Accepted")
+        if old is None or old.get("message") != message:
+            b.events.append(Event("Warning", "PriorityClassNotFound", message))
+        b.set("Accepted", False, "PriorityClassNotFound", message)
+        b.phase = b.phase or "Pending"
         return
     attempt = 0 if last_attempt is None else last_attempt + 1
     if attempt >= names.MAX_ATTEMPTS:
@@ -408,19 +439,35 @@ def _start(b: _Builder, job: RLJob, last_attempt: int | None, refused: list[str]
     name = names.rayjob(job.name, attempt)
     b.actions.append(CreateAttempt(attempt, b.restarts))
     b.ray_job_name = name
-    b.start_time = fmt_time(b.now)  # activeDeadlineSeconds counts from the (re)start
+    queue = job.spec.scheduling.queue_name
+    # activeDeadlineSeconds counts from the (re)start; with a queue, from the admission.
+    b.start_time = None if queue else fmt_time(b.now)
+    _submitted(b, job, name)
+    b.set("Preempted", False, "NotPreempted")
     b.set("ClusterReady", False, "Provisioning", f"RayJob {name} created")
     b.set("Training", False, "Provisioning", "waiting for the Ray cluster")
     b.set("Stalled", False, "Progressing")
     b.set("Succeeded", False, "Running")
     b.set("Failed", False, "Running")
+    phase = "Pending" if queue else "Provisioning"
     if resuming:
         b.set("Suspended", False, "Resumed", f"resumed from the last checkpoint as {name}")
-        b.to_phase("Provisioning", Event("Normal", "Resumed",
-                                         f"resumed from the last checkpoint as RayJob {name}"))
+        b.to_phase(phase, Event("Normal", "Resumed",
+                                f"resumed from the last checkpoint as RayJob {name}"))
     else:
         b.set("Suspended", False, "NotSuspended")
-        b.to_phase("Provisioning", Event("Normal", "Created", f"created RayJob {name}"))
+        where = f" in LocalQueue {queue}" if queue else ""
+        b.to_phase(phase, Event("Normal", "Created", f"created RayJob {name}{where}"))
+
+
+def _submitted(b: _Builder, job: RLJob, name: str) -> None:
+    """Queued as a new RayJob is created: True with a queue (Kueue admits it), else False."""
+    queue = job.spec.scheduling.queue_name
+    if queue:
+        b.set("Queued", True, "Submitted", f"RayJob {name} created suspended in LocalQueue "
+              f"{queue}; waiting for Kueue to admit it")
+    else:
+        b.set("Queued", False, "NoQueue", "spec.scheduling.queueName is not set")
 
 
 def _suspend(b: _Builder, current: Mapping[str, Any] | None) -> None:
@@ -519,14 +566,122 @@ def _restart_or_fail(b: _Builder, job: RLJob, attempt: int, current: Mapping[str
     if current is not None:
         b.actions.append(DeleteRayJob(str(_dig(current, "metadata", "name"))))
     checkpoint = _dig(b.old, "progress", "lastCheckpoint", "step")
-    origin = f"checkpoint step {checkpoint}" if checkpoint is not None else "the last checkpoint"
+    origin = (f"checkpoint step {checkpoint}" if checkpoint is not None
+              else "the start (no checkpoint reported yet)")
     b.ray_job_name = new
+    _submitted(b, job, new)
     b.set("ClusterReady", False, "Restarting", f"RayJob {new} created")
     b.set("Training", False, "Restarting", message)
     b.phase = "Restarting"
     b.events.append(Event("Warning", "Restarting",
                           f"{message}; restarting from {origin} as RayJob {new} "
                           f"(restart {b.restarts} of {limit})"))
+
+
+# ---- waiting in a Kueue queue
+
+_REASON = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")  # metav1.Condition's
+
+
+def _queued(b: _Builder, job: RLJob, attempt: int, rayjob: Mapping[str, Any],
+            workload: Mapping[str, Any] | None, edited: bool) -> None:
+    """The current RayJob is suspended: Kueue has not admitted it yet, or has evicted it
+    (preemption). Nothing runs, so there is no head or heartbeat to check; the operator waits
+    and never touches `suspend` (Kueue owns it)."""
+    rname = str(_dig(rayjob, "metadata", "name"))
+    conds = _dig(workload, "status", "conditions")
+    evicted = _cond(conds, "Evicted")
+    old_queued = b.old_condition("Queued")
+    was_admitted = b.old.get("rayJobName") == rname and (
+        b.old_phase == "Preempted"
+        or (old_queued is not None and old_queued.get("reason") == "Admitted"))
+    was_admitted = was_admitted or (evicted is not None and evicted.get("status") == "True")
+    if edited and not was_admitted and b.old_phase == "Pending":
+        _requeue_edited(b, job, attempt, rname)
+        return
+    reason, message = _queue_state(workload, job.spec.scheduling.queue_name or "", rname)
+    b.set("Queued", True, reason, message)
+    b.set("ClusterReady", False, "Queued", f"RayJob {rname} is suspended until Kueue admits it")
+    b.set("Training", False, "Queued", message)
+    b.set("Stalled", False, "Queued")
+    b.keep("Suspended", "NotSuspended")
+    b.keep("Succeeded", "Running")
+    b.keep("Failed", "Running")
+    if not was_admitted:
+        b.keep("Preempted", "NotPreempted")
+        b.phase = "Restarting" if b.old_phase == "Restarting" else "Pending"
+        return
+    preempted = _cond(conds, "Preempted")
+    cause = next((c for c in (preempted, evicted) if c is not None and c.get("status") == "True"),
+                 None)
+    why = str((cause or {}).get("message") or f"Kueue suspended RayJob {rname}")
+    checkpoint = _dig(b.old, "progress", "lastCheckpoint", "step")
+    resume = (f"the trainer resumes from its newest checkpoint (step {checkpoint} or later)"
+              if checkpoint is not None else
+              "the trainer resumes from the checkpoint it saves as it stops, if any")
+    b.set("Preempted", True, _reason((cause or {}).get("reason"), "Evicted"),
+          f"{why}; {resume} once Kueue admits RayJob {rname} again")
+    b.to_phase("Preempted", Event("Warning", "Preempted", f"Kueue evicted RayJob {rname}: "
+                                  f"{why}; {resume} when admitted again (no restart counted)"))
+
+
+def _requeue_edited(b: _Builder, job: RLJob, attempt: int, rname: str) -> None:
+    """The spec changed while the job waited for its first admission: the queued RayJob was
+    rendered from the old one, so it is replaced (at the back of the queue)."""
+    if attempt + 1 >= names.MAX_ATTEMPTS:
+        _fail(b, "AttemptsExhausted", f"{names.MAX_ATTEMPTS} RayJob attempts used", None)
+        return
+    new = names.rayjob(job.name, attempt + 1)
+    b.actions.append(CreateAttempt(attempt + 1, b.restarts))
+    b.actions.append(DeleteRayJob(rname))
+    b.ray_job_name = new
+    _submitted(b, job, new)
+    b.phase = "Pending"
+    b.events.append(Event("Normal", "Requeued", f"the spec changed while queued: RayJob {new} "
+                          f"replaces {rname} in LocalQueue {job.spec.scheduling.queue_name}"))
+
+
+def _queue_state(workload: Mapping[str, Any] | None, queue: str, rname: str) -> tuple[str, str]:
+    """(reason, message) of Queued=True: Kueue's own words from the Workload when it has any."""
+    if workload is None:
+        return ("WaitingForWorkload", f"RayJob {rname} is suspended in LocalQueue {queue}; Kueue "
+                "has made no Workload for it yet (is Kueue running, with the ray.io/rayjob "
+                "integration enabled?)")
+    wname = _dig(workload, "metadata", "name")
+    reserved = _cond(_dig(workload, "status", "conditions"), "QuotaReserved")
+    if reserved is not None and reserved.get("status") == "True":
+        return "QuotaReserved", (f"Workload {wname} holds quota; waiting for its admission "
+                                 "checks")
+    if reserved is not None and reserved.get("message"):
+        return _reason(reserved.get("reason"), "Pending"), f"{reserved['message']} ({wname})"
+    return "Pending", f"Workload {wname} is waiting in LocalQueue {queue}"
+
+
+def _reason(value: object, default: str) -> str:
+    return value if isinstance(value, str) and _REASON.match(value) else default
+
+
+def _admitted(b: _Builder, job: RLJob, rname: str) -> None:
+    """The current RayJob runs (not suspended): with a queue, Kueue admitted it."""
+    if not job.spec.scheduling.queue_name:
+        b.set("Queued", False, "NoQueue", "spec.scheduling.queueName is not set")
+        b.keep("Preempted", "NotPreempted")
+        return
+    old = b.old_condition("Queued")
+    if (old is not None and old.get("reason") == "Admitted"
+            and b.old.get("rayJobName") == rname):
+        b.keep("Queued", "Admitted")
+        b.keep("Preempted", "NotPreempted")
+        return
+    b.set("Queued", False, "Admitted", f"Kueue admitted RayJob {rname}")
+    if b.old_phase == "Preempted":
+        b.start_time = fmt_time(b.now)  # like a Job's activeDeadlineSeconds after a suspension
+        b.set("Preempted", False, "Readmitted", f"Kueue admitted RayJob {rname} again")
+        b.events.append(Event("Normal", "Readmitted", f"Kueue admitted RayJob {rname} again; "
+                              "the trainer resumes from its newest checkpoint"))
+    else:
+        b.keep("Preempted", "NotPreempted")
+        b.events.append(Event("Normal", "Admitted", f"Kueue admitted RayJob {rname}"))
 
 
 # ---- a running attempt
@@ -538,6 +693,7 @@ def _track(b: _Builder, job: RLJob, attempt: int, rayjob: Mapping[str, Any],
     ds = rstatus.get("jobDeploymentStatus") or ""
     rname = str(_dig(rayjob, "metadata", "name"))
     detail = "; ".join(str(x) for x in (rstatus.get("reason"), rstatus.get("message")) if x)
+    _admitted(b, job, rname)
     b.start_time = b.start_time or fmt_time(b.now)  # a crash may have lost the first patch
     suspended = b.old_condition("Suspended")
     if suspended is None or suspended.get("status") != "False":  # else keep "Resumed"

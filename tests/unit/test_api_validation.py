@@ -298,6 +298,12 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
      "spec.training.fusedKernels", "applies to backend fsdp on GPUs"),
     ("fused-kernels-unknown", set_("training.fusedKernels", "te"),
      "spec.training.fusedKernels", ""),
+    ("queue-name-not-a-label-value", set_("scheduling.queueName", "Team_A"),
+     "spec.scheduling.queueName", ""),
+    ("priority-class-not-a-name", set_("scheduling.priorityClassName", "Gold!"),
+     "spec.scheduling.priorityClassName", ""),
+    ("grace-period-too-short-to-save", set_("scheduling.terminationGracePeriodSeconds", 5),
+     "spec.scheduling.terminationGracePeriodSeconds", ""),
     ("model-outside-mount", set_("model.storage", {"pvc": "models", "mountPath": "/mnt/m"}),
      "spec.model.path", "mountPath"),
     ("storage-without-mount", set_("model.storage", {"pvc": "models"}),
@@ -731,6 +737,7 @@ def _running(obj: dict[str, Any], phase: str) -> dict[str, Any]:
     ("training", set_("training.nodes", 2)),
     ("algorithm", set_("algorithm.lr", 1e-5)),
     ("data", set_("data.rolloutBatchSize", 64)),
+    ("scheduling", set_("scheduling.queueName", "other-team")),
 ])
 def test_immutable_once_running(section: str, edit: Any) -> None:
     old = _running(base(), "Running")
@@ -747,3 +754,14 @@ def test_immutable_once_running(section: str, edit: Any) -> None:
                                   set_("ttlSecondsAfterFinished", 60)])
 def test_operational_fields_stay_mutable(edit: Any) -> None:
     assert admit(SCHEMA, _running(_manifest(edit), "Running"), _running(base(), "Running")) == []
+
+
+def test_kueue_queue_label_on_the_rljob_is_refused_for_the_field() -> None:
+    """The RLJob's labels are copied onto the RayJob: Kueue's queue label there would queue it
+    without the suspend that makes Kueue admit it as a gang."""
+    manifest = base()
+    manifest["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
+    with pytest.raises(InvalidRLJob) as err:
+        parse(manifest)
+    assert "spec.scheduling.queueName" in str(err.value)
+    assert "metadata.labels.kueue.x-k8s.io/queue-name" in str(err.value)

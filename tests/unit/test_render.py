@@ -588,3 +588,44 @@ def test_shared_critic_rides_the_training_pods(make_rljob: MakeJob) -> None:
     with pytest.raises(InvalidRLJob, match=r"spec\.critic: critic applies to "
                                             r"advantageEstimator: ppo only"):
         make_rljob(spec={**DISAGG, "critic": {"placement": "dedicated"}})
+
+
+# --- scheduling: Kueue, priority, stopping gracefully ---------------------------------------
+
+def test_without_a_queue_the_rayjob_starts_at_once(make_rljob: MakeJob) -> None:
+    rj = rayjob_of(make_rljob())
+    assert "suspend" not in rj["spec"]
+    assert "kueue.x-k8s.io/queue-name" not in rj["metadata"]["labels"]
+
+
+def test_a_queued_rayjob_is_created_suspended_with_kueues_label(make_rljob: MakeJob) -> None:
+    job = make_rljob(spec={"scheduling": {"queueName": "team-a"}})
+    rj = rayjob_of(job)
+    assert rj["spec"]["suspend"] is True
+    assert rj["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    # only the RayJob is queued: the ConfigMap and RBAC objects carry no queue label
+    others = [o for o in render_children(job, 0) if o["kind"] != "RayJob"]
+    assert all("kueue.x-k8s.io/queue-name" not in o["metadata"].get("labels", {})
+               for o in others)
+
+
+def test_priority_class_on_every_pod(make_rljob: MakeJob) -> None:
+    job = make_rljob(spec={**DISAGG, "scheduling": {"priorityClassName": "research-high"}})
+    assert {g: p.get("priorityClassName") for g, p in pods(job).items()} == {
+        "head": "research-high", "train": "research-high", "rollout": "research-high"}
+    assert all("priorityClassName" not in p for p in pods(make_rljob(spec=DISAGG)).values())
+
+
+def test_pods_holding_the_checkpoint_stop_gracefully(make_rljob: MakeJob) -> None:
+    """Head and train pods get the grace period and a preStop hook that lets the driver save a
+    checkpoint; engines (rollout pods) hold no training state and stop at once."""
+    job = make_rljob(spec={**DISAGG, "scheduling": {"terminationGracePeriodSeconds": 600}})
+    specs = pods(job)
+    assert specs["head"]["terminationGracePeriodSeconds"] == 600
+    assert specs["train"]["terminationGracePeriodSeconds"] == 600
+    assert "terminationGracePeriodSeconds" not in specs["rollout"]
+    hooks = {g: container(p).get("lifecycle", {}).get("preStop", {}).get("exec", {})
+             .get("command") for g, p in specs.items()}
+    assert hooks == {"head": ["kuberl", "graceful-stop", "head", "--within", "590"],
+                     "train": ["kuberl", "graceful-stop", "worker", "--within", "590"],
+                     "rollout": None}

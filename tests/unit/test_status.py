@@ -78,7 +78,7 @@ def running_status(attempt: int = 0, phase: str = "Running", restarts: int = 0,
 
 def rayjob(attempt: int = 0, js: str = "", ds: str = "", cluster: str | None = None,
            restarts: int | None = None, deleting: bool = False, started: str | None = None,
-           **status: Any) -> dict[str, Any]:
+           suspend: bool | None = None, **status: Any) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": names.rayjob(JOB, attempt), "namespace": "ns",
                             "labels": {names.LABEL_JOB: JOB, names.LABEL_ATTEMPT: str(attempt)}}
     if restarts is not None:
@@ -90,7 +90,10 @@ def rayjob(attempt: int = 0, js: str = "", ds: str = "", cluster: str | None = N
         st["rayClusterName"] = cluster
     if started:
         st["rayJobInfo"] = {"startTime": started}
-    return {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": meta, "status": st}
+    out = {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": meta, "status": st}
+    if suspend is not None:
+        out["spec"] = {"suspend": suspend}
+    return out
 
 
 def raycluster(head: bool = True, head_since: str | None = None, ready: int = 2,
@@ -357,6 +360,126 @@ ROWS = [
         phase="Running", actions=[DeleteRayJob(RJ0)]),
 ]
 
+# ---- Kueue: spec.scheduling.queueName (the RayJob is created suspended; Kueue owns suspend)
+
+QUEUED = {"queueName": "team-a"}
+
+
+def workload(*conds: tuple[str, str, str, str]) -> dict[str, Any]:
+    return {"metadata": {"name": "rayjob-math-r0-1a2b3", "creationTimestamp": ago(60)},
+            "status": {"conditions": [
+                {"type": t, "status": st, "reason": r, "message": m,
+                 "lastTransitionTime": ago(30)} for t, st, r, m in conds]}}
+
+
+PENDING_WL = workload(("QuotaReserved", "False", "Pending",
+                       "couldn't assign flavors to pod set head: insufficient unused quota for "
+                       "nvidia.com/gpu in flavor gpu, 8 more needed"))
+EVICTED_WL = workload(("QuotaReserved", "False", "Pending", "evicted"),
+                      ("Evicted", "True", "Preempted",
+                       "Preempted to accommodate a workload (UID: u-9) due to prioritization "
+                       "in the ClusterQueue"),
+                      ("Preempted", "True", "InClusterQueue", "Preempted to accommodate a "
+                       "workload (UID: u-9) due to prioritization in the ClusterQueue"))
+
+
+def queued_status(phase: str = "Pending", attempt: int = 0, queued: str = "True",
+                  reason: str = "Submitted", **extra: Any) -> dict[str, Any]:
+    st = running_status(attempt, phase=phase,
+                        **{"specDigests": digests(scheduling=QUEUED), **extra})
+    st["conditions"].append(cond("Queued", queued, reason))
+    if phase == "Pending":
+        st.pop("startTime")
+    return st
+
+
+QUEUE_ROWS = [
+    Row("queued job: the RayJob is created suspended, phase Pending, no deadline clock yet",
+        body(spec=spec(scheduling=QUEUED)), Observed(),
+        phase="Pending", conditions={"Queued": ("True", "Submitted"),
+                                     "Preempted": ("False", "NotPreempted")},
+        actions=[CreateAttempt(0, 0)], events=["Created"],
+        extra={"rayJobName": RJ0, "startTime": None}),
+    Row("waiting for quota: Queued carries Kueue's reason and message",
+        body(queued_status(), spec=spec(scheduling=QUEUED)),
+        Observed(rayjobs=(rayjob(0, "", "Suspended", suspend=True),), workload=PENDING_WL),
+        phase="Pending", conditions={"Queued": ("True", "Pending"),
+                                     "ClusterReady": ("False", "Queued"),
+                                     "Training": ("False", "Queued")},
+        actions=[], events=[], extra={"startTime": None}),
+    Row("no Workload yet (Kueue absent or slow): said so, nothing else done",
+        body(queued_status(), spec=spec(scheduling=QUEUED)),
+        Observed(rayjobs=(rayjob(0, "", "Suspended", suspend=True),)),
+        phase="Pending", conditions={"Queued": ("True", "WaitingForWorkload")}, actions=[]),
+    Row("admitted: Queued=False Admitted, the deadline clock starts, provisioning as usual",
+        body(queued_status(), spec=spec(scheduling=QUEUED, activeDeadlineSeconds=60)),
+        Observed(rayjobs=(rayjob(0, "", "Initializing", suspend=False),)),
+        phase="Provisioning", conditions={"Queued": ("False", "Admitted")},
+        actions=[], events=["Admitted"], extra={"startTime": fmt_time(NOW)}),
+    Row("preempted while running: Preempted phase and condition, no restart counted",
+        body(queued_status("Running", queued="False", reason="Admitted",
+                           progress={"lastCheckpoint": {"step": 40, "path": "/c/40"}}),
+             spec=spec(scheduling=QUEUED)),
+        Observed(rayjobs=(rayjob(0, "FAILED", "Suspending", suspend=True),), workload=EVICTED_WL),
+        phase="Preempted", conditions={"Preempted": ("True", "InClusterQueue"),
+                                       "Queued": ("True", "Pending"),
+                                       "Stalled": ("False", "Queued")},
+        actions=[], events=["Preempted"], extra={"restarts": 0, "rayJobName": RJ0}),
+    Row("preempted, seen only through the Workload (admission and eviction between passes)",
+        body(queued_status(), spec=spec(scheduling=QUEUED)),
+        Observed(rayjobs=(rayjob(0, "", "Suspended", suspend=True),), workload=EVICTED_WL),
+        phase="Preempted", conditions={"Preempted": ("True", "InClusterQueue")},
+        actions=[], events=["Preempted"]),
+    Row("still preempted: no second event",
+        body(queued_status("Preempted", queued="True", reason="Pending"),
+             spec=spec(scheduling=QUEUED)),
+        Observed(rayjobs=(rayjob(0, "", "Suspended", suspend=True),), workload=EVICTED_WL),
+        phase="Preempted", actions=[], events=[]),
+    Row("readmitted after preemption: same RayJob resumes, Preempted=False, no restart",
+        body(queued_status("Preempted", queued="True", reason="Pending"),
+             spec=spec(scheduling=QUEUED)),
+        Observed(rayjobs=(rayjob(0, "", "Initializing", suspend=False),)),
+        phase="Provisioning", conditions={"Preempted": ("False", "Readmitted"),
+                                          "Queued": ("False", "Admitted")},
+        actions=[], events=["Readmitted"], extra={"restarts": 0, "startTime": fmt_time(NOW)}),
+    Row("spec edited while queued: the queued RayJob is replaced, no restart counted",
+        body(queued_status(specDigests=digests(scheduling=QUEUED, backoffLimit=2)),
+             spec=spec(scheduling=QUEUED, training={"nodes": 2})),
+        Observed(rayjobs=(rayjob(0, "", "Suspended", suspend=True),), workload=PENDING_WL),
+        phase="Pending", conditions={"Queued": ("True", "Submitted")},
+        actions=[CreateAttempt(1, 0), DeleteRayJob(RJ0)], events=["Requeued"],
+        extra={"rayJobName": RJ1, "restarts": 0}),
+    Row("queued RayJob deleted before admission: submitted again, no restart counted",
+        body(queued_status(), spec=spec(scheduling=QUEUED)), Observed(),
+        phase="Pending", actions=[CreateAttempt(1, 0)], extra={"restarts": 0}),
+    Row("a restart goes through the queue again",
+        body(queued_status("Running", queued="False", reason="Admitted",
+                           progress={"lastHeartbeatTime": ago(400)}),
+             spec=spec(scheduling=QUEUED)),
+        Observed(rayjobs=(RUNNING_RJ0,), raycluster=raycluster()),
+        phase="Restarting", conditions={"Queued": ("True", "Submitted")},
+        actions=[CreateAttempt(1, 1), DeleteRayJob(RJ0)], events=["Restarting"]),
+    Row("the restarted attempt waits in the queue: phase stays Restarting",
+        body(queued_status("Restarting", attempt=1, restarts=1), spec=spec(scheduling=QUEUED)),
+        Observed(rayjobs=(rayjob(1, "", "Suspended", suspend=True, restarts=1),),
+                 workload=PENDING_WL),
+        phase="Restarting", conditions={"Queued": ("True", "Pending")}, actions=[]),
+    Row("unknown PriorityClass: Accepted=False with the API server's message, nothing created",
+        body(spec=spec(scheduling={"priorityClassName": "gold"})),
+        Observed(priority_class_problem='priorityclasses.scheduling.k8s.io "gold" not found'),
+        phase="Pending", conditions={"Accepted": ("False", "PriorityClassNotFound")},
+        actions=[], events=["PriorityClassNotFound"], extra={"rayJobName": None}),
+    Row("no queue: Queued=False NoQueue once running",
+        body(running_status(phase="Provisioning")),
+        Observed(rayjobs=(rayjob(0, "RUNNING", "Running", cluster="c0", started=ago(5)),),
+                 raycluster=raycluster()),
+        phase="Running", conditions={"Queued": ("False", "NoQueue"),
+                                     "Preempted": ("False", "NotPreempted")},
+        events=["Running"]),
+]
+ROWS += QUEUE_ROWS
+
+
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
 def test_decide(row: Row) -> None:
@@ -373,7 +496,8 @@ def test_decide(row: Row) -> None:
     for key, value in row.extra.items():
         assert d.status.get(key) == value, key
     assert [c["type"] for c in d.status["conditions"]] == [
-        "Accepted", "ClusterReady", "Training", "Stalled", "Suspended", "Succeeded", "Failed"]
+        "Accepted", "Queued", "ClusterReady", "Training", "Stalled", "Preempted", "Suspended",
+        "Succeeded", "Failed"]
     assert "progress" not in d.status, "the operator never writes progress"
 
 

@@ -67,4 +67,9 @@ The operator's permissions, shared by the cluster-wide ClusterRole and the per-n
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+# Kueue (spec.scheduling.queueName): the Workload of a queued RayJob says why it waits or was
+# preempted. Read only; the operator never writes Kueue's objects.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "list", "watch"]
 {{- end }}

@@ -145,17 +145,40 @@ def head_template(job: RLJob, attempt: int) -> dict[str, Any]:
         "resources": quantities(HEAD_CPU, HEAD_MEMORY, {}),
         "volumeMounts": vols.mounts,
         "ports": head_ports(),
+        "lifecycle": graceful_stop_hook(job, "head"),
     }
     return {
         "metadata": {"labels": names.pod_labels(job.name, names.GROUP_HEAD, attempt)},
         "spec": {
             "serviceAccountName": names.service_account(job.name),
             "restartPolicy": RESTART_POLICY,
+            **scheduling_fields(job, holds_state=True),
             **vols.pod_security(),
             "containers": [container],
             "volumes": vols.volumes,
         },
     }
+
+
+def graceful_stop_hook(job: RLJob, role: str) -> dict[str, Any]:
+    """The preStop hook that lets the driver save a checkpoint before Ray is stopped (see
+    runtime.GRACEFUL_STOP): it may use the grace period less Ray's own margin."""
+    within = (job.spec.scheduling.termination_grace_period_seconds
+              - runtime.GRACEFUL_STOP_MARGIN_SECONDS)
+    command = [*runtime.GRACEFUL_STOP, role, "--within", str(within)]
+    return {"preStop": {"exec": {"command": command}}}
+
+
+def scheduling_fields(job: RLJob, holds_state: bool) -> dict[str, Any]:
+    """Pod priority (Kueue and kube-scheduler order and preempt by it) and, for the pods the
+    checkpoint needs (head, train, critic), the grace period it is written in."""
+    sched = job.spec.scheduling
+    out: dict[str, Any] = {}
+    if sched.priority_class_name:
+        out["priorityClassName"] = sched.priority_class_name
+    if holds_state:
+        out["terminationGracePeriodSeconds"] = sched.termination_grace_period_seconds
+    return out
 
 
 def anti_affinity(job: RLJob, group: WorkerGroup) -> dict[str, Any]:
@@ -207,6 +230,8 @@ def worker_container(job: RLJob, group: WorkerGroup, attempt: int,
     }
     if gpu and group.weight_sync_listener:
         container["ports"] = [nccl.weight_sync_port(network)]
+    if group.mounts_checkpoints:
+        container["lifecycle"] = graceful_stop_hook(job, "worker")
     security = nccl.security_context(network) if gpu else None
     if security:
         container["securityContext"] = security
@@ -226,6 +251,7 @@ def worker_template(job: RLJob, group: WorkerGroup, attempt: int) -> dict[str, A
     if group.gpus_per_pod:
         spec.update(nccl.host_network_fields(job.spec.network))
     spec.update(placement(job, group))
+    spec.update(scheduling_fields(job, holds_state=group.mounts_checkpoints))
     spec.update(vols.pod_security())
     spec["containers"] = [worker_container(job, group, attempt, vols.mounts)]
     spec["volumes"] = vols.volumes

@@ -6,6 +6,7 @@ from typing import Any
 
 from kuberl_api import runtime
 from kuberl_api.rljob import RLJob
+from kuberl_api.spec import KUEUE_QUEUE_LABEL
 from kuberl_operator.render import names
 from kuberl_operator.render.layout import WorkerGroup, worker_groups
 from kuberl_operator.render.meta import object_meta
@@ -75,23 +76,26 @@ def rayjob(job: RLJob, attempt: int = 0) -> dict[str, Any]:
     - shutdownAfterJobFinishes true, ttlSecondsAfterFinished 0: the GPUs go back as soon as the
       job ends; the RayJob (and its status, which the operator reads) stays, and the driver's
       log stays in the submitter Job. RLJob.spec.ttlSecondsAfterFinished deletes the rest.
-    - suspend, deletionStrategy, clusterSelector, managedBy: not used. Suspending an RLJob
-      deletes its RayJob; the rules-style deletionStrategy can't be combined with
-      shutdownAfterJobFinishes anyway.
+    - suspend: true only with a Kueue queue (spec.scheduling.queueName), with Kueue's queue
+      label: Kueue admits the suspended RayJob as one gang by unsuspending it, and suspends it
+      again to preempt it. The operator sets it at creation only and never again (it never
+      fights Kueue over it). Suspending an RLJob deletes its RayJob instead.
+    - deletionStrategy, clusterSelector, managedBy: not used. The rules-style deletionStrategy
+      can't be combined with shutdownAfterJobFinishes anyway.
     - submissionMode K8sJobMode (the default, stated so it is visible): a submitter Job runs
       `ray job submit` and tails the log; the entrypoint itself runs on the head.
     """
-    return {
-        "apiVersion": RAYJOB_API_VERSION,
-        "kind": "RayJob",
-        "metadata": object_meta(job, names.rayjob(job.name, attempt), names.COMPONENT_RAYJOB,
-                                attempt),
-        "spec": {
-            "entrypoint": ENTRYPOINT,
-            "submissionMode": "K8sJobMode",
-            "shutdownAfterJobFinishes": True,
-            "ttlSecondsAfterFinished": 0,
-            "backoffLimit": 0,
-            "rayClusterSpec": ray_cluster_spec(job, attempt),
-        },
+    meta = object_meta(job, names.rayjob(job.name, attempt), names.COMPONENT_RAYJOB, attempt)
+    spec: dict[str, Any] = {
+        "entrypoint": ENTRYPOINT,
+        "submissionMode": "K8sJobMode",
+        "shutdownAfterJobFinishes": True,
+        "ttlSecondsAfterFinished": 0,
+        "backoffLimit": 0,
+        "rayClusterSpec": ray_cluster_spec(job, attempt),
     }
+    queue = job.spec.scheduling.queue_name
+    if queue:
+        meta["labels"][KUEUE_QUEUE_LABEL] = queue
+        spec["suspend"] = True
+    return {"apiVersion": RAYJOB_API_VERSION, "kind": "RayJob", "metadata": meta, "spec": spec}
