@@ -4,6 +4,7 @@
     kuberl validate RLJOB.yaml      check a manifest the way the operator will
     kuberl render RLJOB.yaml        print every child object the operator would create
     kuberl run RLJOB.yaml           run the job on local Ray (the training loop)
+    kuberl graceful-stop ROLE       the Ray pods' preStop hook: let the driver save first
 
 Heavy packages (kopf, ray, torch) are imported only by the subcommand that needs them, so
 `kuberl validate` and `kuberl render` start fast and work with the base install.
@@ -68,6 +69,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return result
 
 
+def _cmd_graceful_stop(args: argparse.Namespace) -> int:
+    from kuberl_cli.graceful_stop import main as graceful_stop
+
+    return graceful_stop(args.role, args.within)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kuberl", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also log to Weights & Biases (needs wandb installed and logged in)")
     run.add_argument("--seed", type=int, default=0, help="seed for data order and sampling")
     run.set_defaults(func=_cmd_run)
+
+    stop = sub.add_parser("graceful-stop", help="preStop hook of the Ray pods: the head asks "
+                          "the driver to save a checkpoint and waits; train pods wait for it")
+    stop.add_argument("role", choices=["head", "worker"])
+    stop.add_argument("--within", type=float, default=60.0,
+                      help="seconds to wait at most (the grace period less Ray's margin)")
+    stop.set_defaults(func=_cmd_graceful_stop)
     return parser
 
 

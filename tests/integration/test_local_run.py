@@ -439,6 +439,41 @@ def test_resume_replays_the_uninterrupted_run(tiny: Path, tmp_path: Path, name: 
             assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-5), key
 
 
+def test_sigterm_saves_at_a_safe_point_and_the_resumed_run_replays_the_whole_one(
+        tiny: Path, tmp_path: Path) -> None:
+    """What a preempted head does (its preStop hook sends the driver SIGTERM): stop where the
+    state is consistent (a rollout in flight is dropped, a step in training finishes), save,
+    exit 143 (never 0: a stop must not read as success); the next run resumes there and trains
+    exactly what the uninterrupted run trained."""
+    from kuberl_trainer.checkpoint import latest
+
+    spec = {"schedule": {"numRollouts": 6}}  # no saveInterval: the stop's save is the only one
+    assert kuberl_run(manifest(tiny, tmp_path, "whole", **spec), tmp_path / "a").returncode == 0
+    job, out = manifest(tiny, tmp_path, "stopped", **spec), tmp_path / "b"
+    proc = subprocess.Popen([*KUBERL, "run", str(job), "--output-dir", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=job.parent, env=ENV)
+    deadline = time.monotonic() + 300
+    while not ((out / "metrics.jsonl").exists() and len(metrics(out)) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr[-3000:]
+    assert "stopping (SIGTERM): saving a checkpoint" in stderr
+    trained = len(metrics(out))
+    saved = latest(out / "checkpoints")
+    assert saved is not None and saved[0] == trained < 6, (saved, trained)
+    res = kuberl_run(job, out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = metrics(tmp_path / "a"), metrics(out)
+    assert [r["step"] for r in b] == list(range(6))
+    for ra, rb in zip(a[trained:], b[trained:], strict=True):
+        assert ra["prompts_sha"] == rb["prompts_sha"]
+        for key in ("reward_mean", "pg_loss", "entropy"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-5), key
+
+
 @pytest.mark.parametrize(("edit", "expect"), [
     (lambda t: {"data": {"prompts": str(t / "missing.jsonl")}}, "spec.data.prompts"),
     (lambda t: {"data": {"inputKey": "question"}}, "question"),

@@ -66,9 +66,11 @@ async def _run(parts: Parts, start: int, total: int, weight_version: int, max_st
     loop = asyncio.get_running_loop()
     try:
         for step in range(start, total):
+            parts.stop.check()  # (told to stop: the rollouts not trained on are redrawn)
             t0 = time.perf_counter()
             rollout, submitted = await _next(ready, producer)
             t1 = time.perf_counter()
+            parts.stop.check()
             trained_from = weight_version
             stats = await loop.run_in_executor(pool, train_on, parts, rollout)
             weight_version += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kuberl_trainer.actors import EngineGroup, TrainGroup
@@ -13,6 +13,7 @@ from kuberl_trainer.fleet import Fleet
 from kuberl_trainer.memory_handoff import MemoryHandoff
 from kuberl_trainer.metrics_log import MetricsLog
 from kuberl_trainer.rollout import DataPosition, Rollout, RolloutManager
+from kuberl_trainer.stopping import GracefulStop
 
 
 class Checkpointer(Protocol):
@@ -44,6 +45,7 @@ class Parts:
     fleet: Fleet  # replaces engines that die
     eval_interval: int | None = None
     critic: Critic | None = None  # PPO's value model
+    stop: GracefulStop = field(default_factory=GracefulStop)  # SIGTERM: stop at a safe point
 
 
 def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
@@ -53,8 +55,10 @@ def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
     for step in range(start, total):
         t0 = time.perf_counter()
         # -> batch; colocated, once sampled, the GPUs pass from the engines to the trainers
-        rollout = parts.aio.run_until_complete(parts.rollout.generate(step))
+        # (abandoned when the head is told to stop: nothing has changed the weights yet)
+        rollout = parts.stop.abandonable(parts.aio, parts.rollout.generate(step))
         t1 = time.perf_counter()
+        parts.stop.check()
         stats = train_on(parts, rollout)
         weight_version += 1
         # A checkpoint while the trainers hold their GPUs (colocated, every byte of their

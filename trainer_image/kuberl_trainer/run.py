@@ -8,17 +8,16 @@ checkpoints and metrics go under --output-dir.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
-import os
-import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from kuberl_api import RLJob
+from kuberl_api import RLJob, runtime
 from kuberl_trainer import preflight
 from kuberl_trainer.progress import Progress
+from kuberl_trainer.stopping import GracefulStop, PidFile, StopRequested
 
 LOG = logging.getLogger("kuberl.run")
 
@@ -66,10 +65,22 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
     session = Session(job, opts, checked)
     if opts.log_dir is not None:
         print(f"logs: {opts.log_dir}/ (engines, training workers)", flush=True)
-    stop = _install_sigterm()
+    # Kubernetes stops pods with SIGTERM (the head's preStop hook finds the driver by its pid
+    # file): stop at a safe point, save, and exit with SIGTERM's status, never 0 (a stop that
+    # read as success would end the RLJob). Installed once Ray has started: a local Ray head
+    # sets its own handler (exit at once), and before the first step there is nothing to save.
+    stop = GracefulStop()
+    pid_file = PidFile(runtime.DRIVER_PID_FILE) if opts.in_cluster else contextlib.nullcontext()
     try:
-        session.start()
-        session.train(Progress(job.spec.schedule.num_rollouts))
+        with pid_file:
+            session.start()
+            stop.install()
+            session.train(Progress(job.spec.schedule.num_rollouts), stop)
+    except StopRequested:
+        print(f"stopping (SIGTERM): saving a checkpoint after step {session.step}",
+              file=sys.stderr)
+        session.save_now()
+        return STOPPED
     except KeyboardInterrupt:
         print("\ninterrupted: saving a checkpoint before exiting", file=sys.stderr)
         session.save_now()
@@ -79,12 +90,8 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
         return 1
     finally:
         session.close()
-        signal.signal(signal.SIGTERM, stop)
+        stop.uninstall()
     return 0
 
 
-def _install_sigterm() -> Any:
-    """Kubernetes stops pods with SIGTERM: treat it like Ctrl-C (save, then exit)."""
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-    return signal.signal(signal.SIGTERM, handler) if os.name == "posix" else None
+STOPPED = 143  # 128 + SIGTERM, as a shell reports a process that SIGTERM ended

@@ -33,6 +33,7 @@ from kuberl_trainer.progress import Progress
 from kuberl_trainer.reporter import StatusReporter
 from kuberl_trainer.rollout import DataPosition, RolloutManager
 from kuberl_trainer.router import Router
+from kuberl_trainer.stopping import GracefulStop
 
 if TYPE_CHECKING:
     from kuberl_trainer.run import Options
@@ -155,7 +156,7 @@ class Session:
         LOG.info("resumed from %s (step %d)", path, step)
         return True
 
-    def train(self, progress: Progress) -> None:
+    def train(self, progress: Progress, stop: GracefulStop | None = None) -> None:
         assert self.trainers is not None and self.engines is not None
         tokenizer = AutoTokenizer.from_pretrained(self.checked.tokenizer_path)
         memory = self.memory
@@ -174,7 +175,7 @@ class Session:
             checkpointer=self, reporter=_Watchers(progress, self),
             bucket_bytes=BUCKET_BYTES, eval_interval=self.spec.schedule.eval_interval,
             memory=memory,
-            fleet=self.fleet)
+            fleet=self.fleet, stop=stop or GracefulStop())
         # (the engines' own metrics beside the loop's: their ports are unknown to the chart)
         parts.log.serve_also(EngineMetrics(self.client.live))
         progress.bar.n = self.step
