@@ -1,7 +1,8 @@
 """A real Prometheus (Debian's package, unpacked by e2e/build.sh) for the e2e tests.
 
 It scrapes static targets every second, so a test can ask, through the same HTTP API Grafana
-and alerting rules use, what a user's dashboard would show::
+and alerting rules use, what a user's dashboard would show (and load rule files, whose alerts
+`rules()` reports)::
 
     with Prometheus.start(tmp_path, {"kuberl-operator": ["127.0.0.1:9090"]}) as prom:
         prom.wait_target_up("kuberl-operator")
@@ -36,12 +37,28 @@ def _free_port() -> int:
         return port
 
 
-def scrape_config(jobs: Mapping[str, Sequence[str]]) -> dict[str, Any]:
-    return {
+def scrape_config(jobs: Mapping[str, Sequence[str]],
+                  labels: Mapping[str, Mapping[str, str]] | None = None,
+                  rule_files: Sequence[Path] = ()) -> dict[str, Any]:
+    """`labels`: per job, target labels (what a PodMonitor's relabelling would attach, e.g.
+    namespace and rljob); `rule_files`: alerting/recording rules Prometheus evaluates (every
+    SCRAPE_INTERVAL, like the scrapes)."""
+    config: dict[str, Any] = {
         "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
-        "scrape_configs": [{"job_name": job, "static_configs": [{"targets": list(targets)}]}
-                           for job, targets in jobs.items()],
+        "scrape_configs": [{"job_name": job, "static_configs": [
+            {"targets": list(targets), **({"labels": dict(labels[job])}
+                                          if labels and job in labels else {})}]}
+            for job, targets in jobs.items()],
     }
+    if rule_files:
+        config["rule_files"] = [str(f) for f in rule_files]
+    return config
+
+
+def promtool(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Debian's promtool of the e2e cache (e2e/build.sh), e.g. `promtool("test", "rules", f)`."""
+    return subprocess.run([str(binaries().dirs["prometheus"] / "promtool"), *args],
+                          capture_output=True, text=True, timeout=timeout)
 
 
 class Prometheus:
@@ -50,13 +67,16 @@ class Prometheus:
         self.url = f"http://127.0.0.1:{port}"
 
     @classmethod
-    def start(cls, workdir: Path, jobs: Mapping[str, Sequence[str]]) -> Prometheus:
+    def start(cls, workdir: Path, jobs: Mapping[str, Sequence[str]],
+              labels: Mapping[str, Mapping[str, str]] | None = None,
+              rule_files: Sequence[Path] = ()) -> Prometheus:
         bin_dir = binaries().dirs["prometheus"]
         workdir.mkdir(parents=True, exist_ok=True)
         config = workdir / "prometheus.yml"
-        config.write_text(yaml.safe_dump(scrape_config(jobs), sort_keys=False))
-        check = subprocess.run([str(bin_dir / "promtool"), "check", "config", str(config)],
-                               capture_output=True, text=True, timeout=60)
+        config.write_text(yaml.safe_dump(scrape_config(jobs, labels, rule_files),
+                                         sort_keys=False))
+        # (checks the rule files too)
+        check = promtool("check", "config", str(config), timeout=60)
         if check.returncode != 0:
             raise RuntimeError(f"promtool refused {config}: {check.stdout}{check.stderr}")
         port = _free_port()
@@ -111,6 +131,12 @@ class Prometheus:
         assert data["resultType"] == "vector", data
         result: list[dict[str, Any]] = data["result"]
         return result
+
+    def rules(self) -> list[dict[str, Any]]:
+        """Every loaded rule with its state: health ("ok" | "err" | "unknown"), lastError,
+        and for an alert its active alerts (labels, state "pending" | "firing")."""
+        groups: list[dict[str, Any]] = self.api("rules")["groups"]
+        return [rule for group in groups for rule in group["rules"]]
 
     def targets(self, job: str) -> list[dict[str, Any]]:
         active: list[dict[str, Any]] = self.api("targets", state="active")["activeTargets"]
