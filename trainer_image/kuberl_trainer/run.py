@@ -79,7 +79,7 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
     except StopRequested:
         print(f"stopping (SIGTERM): saving a checkpoint after step {session.step}",
               file=sys.stderr)
-        session.save_now()
+        session.save_and_report()
         return STOPPED
     except KeyboardInterrupt:
         print("\ninterrupted: saving a checkpoint before exiting", file=sys.stderr)

@@ -237,6 +237,19 @@ class Session:
                 self._room_to_save()
                 self.save(self.step, self.weight_version)
 
+    def save_and_report(self) -> None:
+        """Save as the job stops (SIGTERM), and tell the RLJob where: the operator's Preempted
+        condition and the next attempt read it."""
+        self.save_now()
+        latest = ckpt.latest(self.opts.checkpoint_dir)
+        if self.status is None or latest is None:
+            return
+        try:
+            self.status.report(step=self.step, total_steps=self.spec.schedule.num_rollouts,
+                               reward_mean=None, checkpoint=(latest[0], str(latest[1])))
+        except Exception as exc:  # best effort: the checkpoint is on disk either way
+            LOG.warning("could not report the checkpoint to the RLJob status: %s", exc)
+
     def _room_to_save(self) -> None:
         """Colocated, the engines hold their pool between steps and a save brings the
         trainers' whole state back: at the end of a run (done, interrupted) the engines
