@@ -4,7 +4,12 @@ enough for kopf and for our assertions.
 kmock 0.8 stores request bodies verbatim. On top of it this adds what a real API server does
 and the operator relies on: uid/resourceVersion/generation/creationTimestamp on create,
 generateName (Events use it), `/status` subresource semantics (status only through /status;
-a spec change bumps generation), and garbage collection of objects whose owners are gone.
+a spec change bumps generation), garbage collection of objects whose owners are gone, and
+server-side apply, simplified: an apply patch (`application/apply-patch+yaml`) creates the
+object if missing, else merges the applied fields in (a real server also removes the fields
+the manager applied before and omits now, and detects conflicts; the e2e tier has one). Writes
+naming a `fieldManager` leave a minimal `metadata.managedFields` entry (manager, operation,
+the top-level field paths it sent), so tests can tell who wrote what.
 Plus two test hooks: `hold(predicate)` parks matching requests until released, to kill the
 operator at an exact point of a create sequence; `mute(resource, *types)` silences watch events
 of a resource, as a watch that goes idle without closing does, so that a test controls exactly
@@ -50,6 +55,50 @@ class Hold:
         self.gate.set()
 
 
+APPLY_PATCH = "application/apply-patch+yaml"
+# Metadata the server owns; never part of a manager's fields.
+_SERVER_METADATA = ("uid", "resourceVersion", "generation", "creationTimestamp",
+                    "managedFields", "deletionTimestamp")
+
+
+def _is_apply(request: Any) -> bool:
+    return str((request.headers or {}).get("Content-Type", "")).startswith(APPLY_PATCH)
+
+
+def _field_set(value: Any) -> Any:
+    """FieldsV1, roughly: nested {"f:key": ...}; lists and scalars are leaves."""
+    if isinstance(value, dict):
+        return {f"f:{k}": _field_set(v) for k, v in value.items()}
+    return {}
+
+
+def _managed(request: Any, existing: list[dict[str, Any]], sent: dict[str, Any],
+             api_version: str) -> list[dict[str, Any]] | None:
+    """managedFields after this write: its manager's entry (one per manager, operation and
+    subresource) replaced by what this request sent; None if it names no manager."""
+    manager = (request.params or {}).get("fieldManager")
+    if not manager:
+        return None
+    operation = "Apply" if _is_apply(request) else "Update"
+    sent = copy.deepcopy(sent)
+    meta = sent.get("metadata")
+    if isinstance(meta, dict):
+        for key in ("name", "namespace", *_SERVER_METADATA):
+            meta.pop(key, None)
+        if not meta:
+            sent.pop("metadata")
+    for key in ("apiVersion", "kind"):
+        sent.pop(key, None)
+    entry = {"manager": manager, "operation": operation, "apiVersion": api_version,
+             "time": _now(), "fieldsType": "FieldsV1", "fieldsV1": _field_set(sent)}
+    if request.subresource:
+        entry["subresource"] = request.subresource
+    same = (manager, operation, request.subresource)
+    kept = [e for e in existing
+            if (e.get("manager"), e.get("operation"), e.get("subresource")) != same]
+    return [*kept, entry]
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -86,6 +135,9 @@ class Emulator(kmock.KubernetesEmulator):
         return resource in self.resources and "status" in self.resources[resource].subresources
 
     def _enrich(self, request: Any) -> Any:
+        if (request.action == enums.action.UPDATE and _is_apply(request)
+                and self._current(request) is None):
+            request = attrs.evolve(request, action=enums.action.CREATE)  # apply creates
         if request.action == enums.action.CREATE and isinstance(request.data, dict):
             data = copy.deepcopy(request.data)
             meta = data.setdefault("metadata", {})
@@ -98,6 +150,9 @@ class Emulator(kmock.KubernetesEmulator):
             meta.setdefault("creationTimestamp", _now())
             meta.setdefault("generation", 1)
             meta["resourceVersion"] = str(next(self._rv))
+            managed = _managed(request, [], request.data, str(data.get("apiVersion", "")))
+            if managed is not None:
+                meta["managedFields"] = managed
             if self._has_status(request.resource):
                 data.pop("status", None)
             return attrs.evolve(request, data=data)
@@ -113,9 +168,16 @@ class Emulator(kmock.KubernetesEmulator):
                 elif request.subresource is None:
                     data.pop("status", None)
             meta = data.get("metadata") or {}
-            if request.subresource is None and "spec" in data:
-                meta["generation"] = obj.raw.get("metadata", {}).get("generation", 1) + 1
+            current = obj.raw.get("metadata", {})
+            if request.subresource is None and "spec" in data and not (
+                    _is_apply(request) and _merged(obj.raw.get("spec"), data["spec"])
+                    == obj.raw.get("spec")):  # an apply that changes nothing is no new spec
+                meta["generation"] = current.get("generation", 1) + 1
             meta["resourceVersion"] = str(next(self._rv))
+            managed = _managed(request, list(current.get("managedFields") or []),
+                               request.data, str(obj.raw.get("apiVersion", "")))
+            if managed is not None:
+                meta["managedFields"] = managed
             data["metadata"] = meta
             return attrs.evolve(request, data=data)
         return request
@@ -191,6 +253,20 @@ class Emulator(kmock.KubernetesEmulator):
                     yield event
         finally:
             await bus.unmark(mark)
+
+
+def _merged(old: Any, new: Any) -> Any:
+    """`new` merged into `old` as the emulator stores an update (dicts merge, the rest is
+    replaced; None deletes)."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return new
+    out = dict(old)
+    for key, value in new.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merged(old.get(key), value)
+    return out
 
 
 _VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}

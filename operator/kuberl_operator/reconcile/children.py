@@ -1,9 +1,20 @@
-"""Adopt and apply children: owner references, then an idempotent create-or-patch.
+"""Adopt and apply children: owner references, then server-side apply as the operator's field
+manager (kube.FIELD_MANAGER).
 
-Create first, and on 409 (it exists) get + merge-patch it: a restarted operator (or two racing
-passes) converges on one object per name, never a duplicate. An object of that name that a
-different owner controls is never taken over; the pass fails and is retried (this happens when
-an RLJob is deleted and recreated under the same name before GC removed the old children).
+Server-side apply, not create-then-merge-patch: we own exactly the fields we send, so the
+fields another controller sets (KubeRay's defaults, Kueue's `spec.suspend`, its labels) are
+never overwritten, a field we stop rendering is removed, and drift shows in managedFields.
+
+The RayJob's `spec.suspend` is the exception: with a queue it is created suspended and Kueue
+then flips it. Applying it would fight Kueue; and an Apply that owned it and later left it out
+would *remove* it (the RayJob would run unadmitted). So the RayJob is created with a POST (its
+fields, suspend included, belong to our Update entry, which a later Apply never removes) and,
+when it exists already, applied without `spec.suspend`. Other children are applied directly.
+
+An object of that name that a different owner controls is never taken over, nor one being
+deleted; the pass fails and is retried (this happens when an RLJob is deleted and recreated
+under the same name before GC removed the old children). A restarted operator (or two racing
+passes) converges on one object per name, never a duplicate.
 """
 
 from __future__ import annotations
@@ -14,8 +25,8 @@ from typing import Any
 
 from kuberl_operator.reconcile.kube import Conflict, Kube, kind_of
 
-# Server-managed or never-ours top-level keys, left out of the patch.
-_NOT_PATCHED = ("apiVersion", "kind", "metadata", "status")
+# Metadata we set on a child; anything else there is the server's or another controller's.
+_OUR_METADATA = ("name", "namespace", "labels", "annotations", "ownerReferences")
 
 
 class ChildConflict(RuntimeError):
@@ -53,32 +64,53 @@ def adopt(child: Mapping[str, Any], owner: Mapping[str, Any]) -> dict[str, Any]:
 
 
 async def apply(kube: Kube, obj: Mapping[str, Any]) -> dict[str, Any]:
-    """Create `obj`, or patch the existing one of that name into shape."""
-    kind = kind_of(obj)
-    meta = obj["metadata"]
-    namespace, name = meta["namespace"], meta["name"]
+    """Create `obj`, or apply it onto the existing object of that name."""
+    if obj.get("kind") == "RayJob":
+        return await _apply_rayjob(kube, obj)
+    await _existing_ours(kube, obj)  # None (absent) or ours: apply creates or updates it
+    return await kube.apply(_url(obj), applied(obj))
+
+
+async def _apply_rayjob(kube: Kube, obj: Mapping[str, Any]) -> dict[str, Any]:
+    """POST first: a new RayJob's `spec.suspend` is then ours by an Update, never by Apply."""
+    kind, meta = kind_of(obj), obj["metadata"]
     try:
-        return await kube.create(kind.collection(namespace), obj)
+        return await kube.create(kind.collection(meta["namespace"]), applied(obj))
     except Conflict:
         pass
-    existing = await kube.get(kind.url(namespace, name))
-    if existing is None:  # deleted in between: one more create; a second 409 escalates
-        return await kube.create(kind.collection(namespace), obj)
-    current = existing.get("metadata") or {}
+    if await _existing_ours(kube, obj) is None:  # deleted in between: one more create; a
+        return await kube.create(kind.collection(meta["namespace"]), applied(obj))  # 409 escalates
+    body = applied(obj)
+    (body.get("spec") or {}).pop("suspend", None)  # Kueue's from now on
+    return await kube.apply(_url(obj), body)
+
+
+async def _existing_ours(kube: Kube, obj: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The object of that name, None if there is none; ChildConflict unless it is ours (or
+    no one's) and not being deleted."""
+    meta = obj["metadata"]
+    what = f"{obj['kind']} {meta['namespace']}/{meta['name']}"
+    existing = await kube.get(_url(obj))
+    if existing is None:
+        return None
+    if (existing.get("metadata") or {}).get("deletionTimestamp"):
+        raise ChildConflict(f"{what} is being deleted; retrying later")
     ours = {r["uid"] for r in meta.get("ownerReferences") or []}
-    if current.get("deletionTimestamp"):
-        raise ChildConflict(f"{obj['kind']} {namespace}/{name} is being deleted; retrying later")
     controller = _controller_uid(existing)
     if controller is not None and controller not in ours:
-        raise ChildConflict(f"{obj['kind']} {namespace}/{name} exists and is controlled by "
-                            f"another owner (uid {controller})")
-    patch: dict[str, Any] = {k: v for k, v in obj.items() if k not in _NOT_PATCHED}
-    patch["metadata"] = {
-        "labels": meta.get("labels") or {},
-        "annotations": meta.get("annotations") or {},
-        "ownerReferences": meta.get("ownerReferences") or [],
-    }
-    patched = await kube.patch(kind.url(namespace, name), patch)
-    if patched is None:
-        raise ChildConflict(f"{obj['kind']} {namespace}/{name} vanished while patching")
-    return patched
+        raise ChildConflict(f"{what} exists and is controlled by another owner (uid {controller})")
+    return existing
+
+
+def applied(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """The apply configuration of `obj`: our fields only (never status, nor server metadata
+    such as uid or resourceVersion, which would make the apply a precondition)."""
+    out = {k: copy.deepcopy(v) for k, v in obj.items() if k not in ("metadata", "status")}
+    meta = obj["metadata"]
+    out["metadata"] = {k: copy.deepcopy(meta[k]) for k in _OUR_METADATA if meta.get(k)}
+    return out
+
+
+def _url(obj: Mapping[str, Any]) -> str:
+    meta = obj["metadata"]
+    return kind_of(obj).url(meta["namespace"], meta["name"])

@@ -35,12 +35,22 @@ def register(registry: kopf.OperatorRegistry, config: Config, metrics: Metrics) 
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # kopf's own credentials, for its watches only; the Controller's reads and writes go
+        # through the `kubernetes` client (Kube), which finds the same ones the same way.
         # In a pod: the service account; elsewhere: $KUBECONFIG or ~/.kube/config.
         return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-        ctl = Controller(Kube(settings, LOGGER), config, metrics, LOGGER)
+        net = settings.networking
+        backoffs = ([float(net.error_backoffs)] if isinstance(net.error_backoffs, int | float)
+                    else [float(b) for b in net.error_backoffs])  # kopf's retries, reused
+        timeout = (float(net.connect_timeout or 5), float(net.request_timeout or 30))
+        # Loading credentials reads files (and may run a kubeconfig's exec plugin): off the loop.
+        kube = await asyncio.to_thread(Kube.from_environment, LOGGER,
+                                       backoffs=backoffs, timeout=timeout)
+        state["kube"] = kube
+        ctl = Controller(kube, config, metrics, LOGGER)
         state["controller"] = ctl
         state["resync"] = asyncio.create_task(ctl.resync_forever(), name="kuberl resync")
         LOGGER.info("kuberl operator started: namespaces %s, resync %ss, head grace %ss",
@@ -54,6 +64,8 @@ def register(registry: kopf.OperatorRegistry, config: Config, metrics: Metrics) 
             resync.cancel()
         if "controller" in state:
             await controller().close()
+        if "kube" in state:
+            state.pop("kube").close()
 
     @kopf.on.probe(id="rljobs", registry=registry)
     def probe(**_: Any) -> int:
