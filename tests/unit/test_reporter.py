@@ -1,14 +1,18 @@
-"""The trainer's heartbeat: a merge patch of status.progress on its own RLJob, with its token."""
+"""The trainer's heartbeat: a merge patch of status.progress on its own RLJob, with its token,
+through the `kubernetes` client; checked against a real HTTP server (no mock of the client)."""
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
+import pytest
+
 from kuberl_api.status import Progress
-from kuberl_trainer.reporter import StatusReporter
+from kuberl_trainer.reporter import ReportError, StatusReporter
 
 
 def test_report_patches_only_progress() -> None:
@@ -87,3 +91,41 @@ def test_event_names_the_rljob_by_uid_and_posts_a_core_event() -> None:
     assert (event["type"], event["reason"]) == ("Warning", "EngineReplaced")
     assert "exited with code -9" in event["message"]
     assert event["metadata"] == {"generateName": "job.", "namespace": "team-a"}
+
+
+def test_refused_report_is_an_oserror_with_the_status() -> None:
+    """Training goes on through a lost heartbeat: the session catches OSError. A report the
+    Role refuses (another RLJob's status) is one, with the API server's status code."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_PATCH(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"kind": "Status", "status": "Failure", "reason": "Forbidden",
+                               "code": 403, "message": "rljobs/status is forbidden"}).encode()
+            self.send_response(403)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.handle_request, daemon=True).start()
+    reporter = StatusReporter(f"http://127.0.0.1:{server.server_port}", "tok", "team-a", "other")
+    try:
+        with pytest.raises(ReportError) as refused:
+            reporter.report(step=1, total_steps=10, reward_mean=0.0)
+    finally:
+        server.server_close()
+    assert isinstance(refused.value, OSError) and refused.value.code == 403
+
+
+def test_unreachable_api_server_is_an_oserror() -> None:
+    with socket.socket() as s:  # a port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    reporter = StatusReporter(f"http://127.0.0.1:{port}", "tok", "team-a", "job", timeout=2)
+    with pytest.raises(OSError):
+        reporter.report(step=1, total_steps=10, reward_mean=None)

@@ -6,43 +6,65 @@ checkpoint, engines replaced — which the operator reads (and never writes) to 
 Training/Stalled. What happens to the run on the way (an engine replaced) it posts as Events on
 the RLJob (`kubectl describe rljob`): the Role lets it create Events, nothing more.
 Locally (`kuberl run` without --in-cluster) the reporter is off.
+
+Through the `kubernetes` client, not hand-written HTTP: in a pod its in-cluster configuration
+re-reads the projected ServiceAccount token as the kubelet rotates it (a bound token read once
+expires within the hour, and a long run would go silent, then be restarted as Stalled).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import ssl
-import urllib.request
+import urllib.error
+from collections.abc import Callable
 from datetime import UTC, datetime
-from pathlib import Path
+from email.message import Message
 from typing import Any
+
+import urllib3
+from kubernetes import client, config
 
 from kuberl_api.rljob import GROUP, KIND, PLURAL, VERSION
 from kuberl_api.runtime import ENV_JOB_NAME, ENV_JOB_NAMESPACE
 
-SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 EVENT_SOURCE = "kuberl-trainer"
+MERGE_PATCH = "application/merge-patch+json"
+
+
+class ReportError(urllib.error.HTTPError):
+    """The API server refused a report. An HTTPError (so an OSError, with `.code`), as the
+    reporter raised before it used the client: callers that catch OSError to keep training
+    through a lost heartbeat go on doing so."""
+
+    def __init__(self, url: str, status: int, reason: str) -> None:
+        super().__init__(url, status, reason, Message(), None)
 
 
 class StatusReporter:
     def __init__(self, server: str, token: str, namespace: str, name: str,
                  ca_file: str | None = None, timeout: float = 10.0) -> None:
-        self.job_url = f"{server}/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}"
-        self.url = f"{self.job_url}/status"
-        self.events_url = f"{server}/api/v1/namespaces/{namespace}/events"
-        self.namespace, self.name = namespace, name
-        self.token, self.timeout = token, timeout
-        self._uid: str | None = None  # the RLJob's, which an Event names (see event)
-        self.context = ssl.create_default_context(cafile=ca_file) if ca_file else None
+        """A reporter logged in with a fixed bearer token (`kubectl create token`, tests)."""
+        cfg = client.Configuration(host=server, api_key={"BearerToken": token},
+                                   api_key_prefix={"BearerToken": "Bearer"})
+        cfg.ssl_ca_cert = ca_file
+        self._setup(cfg, namespace, name, timeout)
 
     @classmethod
-    def in_cluster(cls) -> StatusReporter:
-        host = os.environ["KUBERNETES_SERVICE_HOST"]
-        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        return cls(f"https://{host}:{port}", (SA_DIR / "token").read_text().strip(),
-                   os.environ[ENV_JOB_NAMESPACE], os.environ[ENV_JOB_NAME],
-                   ca_file=str(SA_DIR / "ca.crt"))
+    def in_cluster(cls, timeout: float = 10.0) -> StatusReporter:
+        """The head pod's ServiceAccount, its token refreshed as it rotates."""
+        cfg = client.Configuration()
+        config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+        reporter = cls.__new__(cls)
+        reporter._setup(cfg, os.environ[ENV_JOB_NAMESPACE], os.environ[ENV_JOB_NAME], timeout)
+        return reporter
+
+    def _setup(self, cfg: client.Configuration, namespace: str, name: str,
+               timeout: float) -> None:
+        api = client.ApiClient(cfg)
+        self.custom = client.CustomObjectsApi(api)
+        self.core = client.CoreV1Api(api)
+        self.namespace, self.name, self.timeout = namespace, name, timeout
+        self._uid: str | None = None  # the RLJob's, which an Event names (see event)
 
     def report(self, *, step: int, total_steps: int, reward_mean: float | None,
                checkpoint: tuple[int, str] | None = None, engine_restarts: int = 0) -> None:
@@ -55,33 +77,39 @@ class StatusReporter:
             progress["rewardMean"] = round(float(reward_mean), 6)
         if checkpoint is not None:
             progress["lastCheckpoint"] = {"step": checkpoint[0], "path": checkpoint[1]}
-        self._patch({"status": {"progress": progress}})
+        # A merge patch of status only: the Role allows nothing else, and a merge patch leaves
+        # the operator's conditions and phase alone.
+        self._guard("status", lambda: self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, self.namespace, PLURAL, self.name, {"status": {"progress": progress}},
+            _content_type=MERGE_PATCH, _request_timeout=self.timeout))
 
     def event(self, reason: str, message: str, type_: str = "Warning") -> None:
         """A core/v1 Event on the RLJob. It names the RLJob's uid, as `kubectl describe`
         selects its events by uid."""
         if self._uid is None:
-            self._uid = str(self._call(self.job_url, "GET")["metadata"]["uid"])
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        self._call(self.events_url, "POST", {
-            "apiVersion": "v1", "kind": "Event",
-            "metadata": {"generateName": f"{self.name}.", "namespace": self.namespace},
-            "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
-                               "name": self.name, "namespace": self.namespace,
-                               "uid": self._uid},
-            "reason": reason, "message": message, "type": type_,
-            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
-            "source": {"component": EVENT_SOURCE},
-        })
+            job = self._guard("rljob", lambda: self.custom.get_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, self.name,
+                _request_timeout=self.timeout))
+            self._uid = str(job["metadata"]["uid"])
+        now = datetime.now(UTC).replace(microsecond=0)
+        body = client.CoreV1Event(
+            api_version="v1", kind="Event",
+            metadata=client.V1ObjectMeta(generate_name=f"{self.name}.",
+                                         namespace=self.namespace),
+            involved_object=client.V1ObjectReference(
+                api_version=f"{GROUP}/{VERSION}", kind=KIND, name=self.name,
+                namespace=self.namespace, uid=self._uid),
+            reason=reason, message=message, type=type_, first_timestamp=now,
+            last_timestamp=now, count=1, source=client.V1EventSource(component=EVENT_SOURCE))
+        self._guard("events", lambda: self.core.create_namespaced_event(
+            self.namespace, body, _request_timeout=self.timeout))
 
-    def _patch(self, body: dict[str, Any]) -> None:
-        self._call(self.url, "PATCH", body, "application/merge-patch+json")
-
-    def _call(self, url: str, method: str, body: dict[str, Any] | None = None,
-              content_type: str = "application/json") -> Any:
-        req = urllib.request.Request(
-            url, data=json.dumps(body).encode() if body is not None else None, method=method,
-            headers={"Authorization": f"Bearer {self.token}", "Content-Type": content_type})
-        with urllib.request.urlopen(req, timeout=self.timeout, context=self.context) as resp:
-            text = resp.read()
-        return json.loads(text) if text else None
+    def _guard(self, what: str, call: Callable[[], Any]) -> Any:
+        """The client's errors as OSErrors (see ReportError); a lost connection is one too."""
+        try:
+            return call()
+        except client.ApiException as exc:
+            raise ReportError(f"{self.namespace}/{self.name} {what}", int(exc.status or 0),
+                              str(exc.reason)) from exc
+        except urllib3.exceptions.HTTPError as exc:
+            raise ConnectionError(f"{self.namespace}/{self.name} {what}: {exc}") from exc
