@@ -4,8 +4,9 @@
         [--resync-seconds 30] [--head-lost-grace-seconds 120] [--no-scanning] [-v]
 
 Every flag has a KUBERL_* environment variable (see kuberl_operator.settings). Credentials:
-the pod's service account, else $KUBECONFIG / ~/.kube/config. Run one replica (Deployment
-strategy Recreate): the operator runs standalone, without kopf's peering.
+the pod's service account, else $KUBECONFIG / ~/.kube/config, found alike by kopf (for its
+watches) and by the `kubernetes` client (every read and write: reconcile.kube). Run one
+replica (Deployment strategy Recreate): the operator runs standalone, without kopf's peering.
 """
 
 from __future__ import annotations
