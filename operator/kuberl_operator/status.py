@@ -68,6 +68,8 @@ class Observed:
     workload: Mapping[str, Any] | None = None
     # The API server's message when spec.scheduling.priorityClassName names no PriorityClass.
     priority_class_problem: str | None = None
+    # The current attempt's pods, read while its cluster is not ready (see pod_problems).
+    pods: tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -329,7 +331,7 @@ def decide(body: Mapping[str, Any], observed: Observed, now: datetime,
     elif _dig(live_current, "spec", "suspend") is True and not _finished(live_current):
         _queued(b, job, current_attempt or 0, live_current, observed.workload, edited)
     else:
-        _track(b, job, current_attempt or 0, live_current, observed.raycluster, tun, refused)
+        _track(b, job, current_attempt or 0, live_current, observed, tun, refused)
     if b.phase in TERMINAL_PHASES and b.old_phase not in TERMINAL_PHASES:
         # The pass that finishes the job schedules its TTL: nothing else is due to wake the
         # operator for it (the watch event of its own status patch may never come, and the
@@ -687,7 +689,7 @@ def _admitted(b: _Builder, job: RLJob, rname: str) -> None:
 # ---- a running attempt
 
 def _track(b: _Builder, job: RLJob, attempt: int, rayjob: Mapping[str, Any],
-           cluster: Mapping[str, Any] | None, tun: Tunables, refused: list[str]) -> None:
+           observed: Observed, tun: Tunables, refused: list[str]) -> None:
     rstatus = _dig(rayjob, "status") or {}
     js = rstatus.get("jobStatus") or ""
     ds = rstatus.get("jobDeploymentStatus") or ""
@@ -716,13 +718,17 @@ def _track(b: _Builder, job: RLJob, attempt: int, rayjob: Mapping[str, Any],
                          refused, stalled=False)
         return
 
-    health = _cluster_health(b, rayjob, cluster, rname)
+    health = _cluster_health(b, rayjob, observed.raycluster, rname)
+    _pod_causes(b, observed.pods)
     if js != "RUNNING":
         b.set("Training", False, "Provisioning", f"Ray job status {js or 'not reported'} "
               f"(deployment {ds or 'not reported'})")
-        if b.old_phase == "Restarting":  # Stalled stays as the restart set it until it runs
+        if b.old_phase in ("Restarting", "Provisioning") and b.restarts:
+            # A restarted attempt: Restarting until KubeRay takes the new RayJob up, then
+            # Provisioning like a first one. Stalled stays as the restart set it (the reason
+            # it restarted) until the attempt runs.
             b.keep("Stalled", "Progressing")
-            b.phase = "Restarting"
+            b.phase = "Provisioning" if ds else "Restarting"
         else:
             b.set("Stalled", False, "Progressing")
             b.to_phase("Provisioning")
@@ -796,6 +802,58 @@ def _cluster_health(b: _Builder, rayjob: Mapping[str, Any], cluster: Mapping[str
           f"RayJob {rname}: deployment {rstatus.get('jobDeploymentStatus') or 'pending'}"
           + (f", {workers}" if desired else ""))
     return None
+
+
+# Why a pod does not come up, as the kubelet or scheduler says it: (reason, condition reason).
+_WAITING_REASONS = {
+    "ErrImagePull": "ImagePullFailed", "ImagePullBackOff": "ImagePullFailed",
+    "InvalidImageName": "ImagePullFailed", "CreateContainerConfigError": "PodConfigError",
+    "CreateContainerError": "PodConfigError", "CrashLoopBackOff": "ContainerFailed",
+    "RunContainerError": "ContainerFailed",
+}
+MAX_POD_CAUSES = 3
+
+
+def pod_problems(pods: tuple[Mapping[str, Any], ...]) -> list[tuple[str, str]]:
+    """(condition reason, "pod NAME: what is wrong") for pods that cannot come up: unschedulable
+    (a missing PVC, no node that fits), an image that cannot be pulled, a container config the
+    kubelet refuses (a missing Secret or ConfigMap), a container that keeps crashing. KubeRay
+    reports only "head pod not ready"; the cause is on the pods."""
+    out = []
+    for pod in pods:
+        name = _dig(pod, "metadata", "name")
+        scheduled = _cond(_dig(pod, "status", "conditions"), "PodScheduled")
+        if scheduled is not None and scheduled.get("status") == "False" and \
+                scheduled.get("reason") == "Unschedulable":
+            out.append(("PodUnschedulable", f"pod {name}: unschedulable: "
+                        f"{scheduled.get('message') or 'no reason given'}"))
+            continue
+        for cs in _dig(pod, "status", "containerStatuses") or []:
+            waiting = _dig(cs, "state", "waiting") or {}
+            reason = waiting.get("reason")
+            if reason in _WAITING_REASONS:
+                out.append((_WAITING_REASONS[reason], f"pod {name}: {reason}: "
+                            f"{waiting.get('message') or cs.get('image') or ''}".rstrip(": ")))
+                break
+    return out
+
+
+def _pod_causes(b: _Builder, pods: tuple[Mapping[str, Any], ...]) -> None:
+    """Put the pods' own reasons into ClusterReady while the cluster is not ready, with one
+    Warning Event each time they change."""
+    ready = b.conditions.get("ClusterReady", {})
+    if ready.get("status") != "False":
+        return
+    problems = pod_problems(pods)
+    if not problems:
+        return
+    shown = "; ".join(m for _, m in problems[:MAX_POD_CAUSES])
+    more = len(problems) - MAX_POD_CAUSES
+    message = shown + (f" (and {more} more)" if more > 0 else "")
+    old = b.old_condition("ClusterReady")
+    if old is None or old.get("message") != message:
+        b.events.append(Event("Warning", problems[0][0], message))
+    b.set("ClusterReady", False, problems[0][0], message)
 
 
 def _heartbeat_stale(b: _Builder, job: RLJob, rayjob: Mapping[str, Any], rname: str) -> str | None:

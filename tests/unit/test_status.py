@@ -251,11 +251,23 @@ ROWS = [
         Observed(rayjobs=(rayjob(0, "", "ValidationFailed", reason="ValidationFailed"),)),
         phase="Failed", conditions={"Failed": ("True", "RayJobValidationFailed")},
         events=["RayJobValidationFailed"]),
-    Row("restarted attempt provisioning: stays Restarting, Stalled kept",
+    Row("restarted attempt not taken up by KubeRay yet: stays Restarting, Stalled kept",
+        body(running_status(1, phase="Restarting", restarts=1, conditions=[
+            cond("Stalled", "True", "HeartbeatTimeout")])),
+        Observed(rayjobs=(rayjob(1, "", "", restarts=1),)),
+        phase="Restarting", conditions={"Stalled": ("True", "HeartbeatTimeout")}, actions=[]),
+    Row("restarted attempt provisioning: Provisioning, Stalled kept until it runs",
         body(running_status(1, phase="Restarting", restarts=1, conditions=[
             cond("Stalled", "True", "HeartbeatTimeout")])),
         Observed(rayjobs=(rayjob(1, "", "Initializing", restarts=1),)),
-        phase="Restarting", conditions={"Stalled": ("True", "HeartbeatTimeout")}, actions=[]),
+        phase="Provisioning", conditions={"Stalled": ("True", "HeartbeatTimeout")},
+        actions=[]),
+    Row("restart without a checkpoint says it starts over, not 'from the last checkpoint'",
+        body(running_status(progress={"lastHeartbeatTime": ago(400)})),
+        Observed(rayjobs=(RUNNING_RJ0,), raycluster=raycluster()),
+        phase="Restarting", actions=[CreateAttempt(1, 1), DeleteRayJob(RJ0)],
+        events=["Restarting"],
+        extra={"_message": "restarting from the start (no checkpoint reported yet)"}),
     Row("restarted attempt runs: Running, Stalled cleared",
         body(running_status(1, phase="Restarting", restarts=1, conditions=[
             cond("Stalled", "True", "HeartbeatTimeout")])),
@@ -480,6 +492,57 @@ QUEUE_ROWS = [
 ROWS += QUEUE_ROWS
 
 
+def pod(name: str, unschedulable: str | None = None, waiting: str | None = None,
+        message: str = "") -> dict[str, Any]:
+    st: dict[str, Any] = {"phase": "Pending", "conditions": []}
+    if unschedulable:
+        st["conditions"].append({"type": "PodScheduled", "status": "False",
+                                 "reason": "Unschedulable", "message": unschedulable})
+    if waiting:
+        st["containerStatuses"] = [{"name": "ray-head", "image": "ghcr.io/x:1",
+                                    "state": {"waiting": {"reason": waiting,
+                                                          "message": message}}}]
+    return {"metadata": {"name": name}, "status": st}
+
+
+NO_PVC = ('0/7 nodes are available: persistentvolumeclaim "models" not found. preemption: '
+          '0/7 nodes are available: 7 Preemption is not helpful for scheduling.')
+POD_ROWS = [
+    Row("a pod that cannot be scheduled: its reason is ClusterReady's, with an Event",
+        body(running_status(phase="Provisioning")),
+        Observed(rayjobs=(rayjob(0, "", "Initializing", cluster="c0"),),
+                 raycluster=raycluster(head=False, ready=0),
+                 pods=(pod("math-r0-head-x", unschedulable=NO_PVC), pod("math-r0-train-y"))),
+        phase="Provisioning", conditions={"ClusterReady": ("False", "PodUnschedulable")},
+        events=["PodUnschedulable"]),
+    Row("the same cause already reported: no second Event",
+        body(running_status(phase="Provisioning", conditions=[
+            {**cond("ClusterReady", "False", "PodUnschedulable"),
+             "message": f"pod math-r0-head-x: unschedulable: {NO_PVC}"}])),
+        Observed(rayjobs=(rayjob(0, "", "Initializing", cluster="c0"),),
+                 raycluster=raycluster(head=False, ready=0),
+                 pods=(pod("math-r0-head-x", unschedulable=NO_PVC),)),
+        phase="Provisioning", conditions={"ClusterReady": ("False", "PodUnschedulable")},
+        events=[]),
+    Row("an image that cannot be pulled",
+        body(running_status(phase="Provisioning")),
+        Observed(rayjobs=(rayjob(0, "", "Initializing", cluster="c0"),),
+                 raycluster=raycluster(head=False, ready=0),
+                 pods=(pod("math-r0-head-x", waiting="ImagePullBackOff",
+                           message='Back-off pulling image "ghcr.io/x:1"'),)),
+        phase="Provisioning", conditions={"ClusterReady": ("False", "ImagePullFailed")},
+        events=["ImagePullFailed"],
+        extra={"_message": "pod math-r0-head-x: ImagePullBackOff: Back-off pulling image"}),
+    Row("pods still starting (no cause): the cluster's own reason stays",
+        body(running_status(phase="Provisioning")),
+        Observed(rayjobs=(rayjob(0, "", "Initializing", cluster="c0"),),
+                 raycluster=raycluster(ready=0), pods=(pod("math-r0-head-x"),)),
+        phase="Provisioning", conditions={"ClusterReady": ("False", "WorkersNotReady")},
+        events=[]),
+]
+ROWS += POD_ROWS
+
+
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
 def test_decide(row: Row) -> None:
@@ -494,6 +557,9 @@ def test_decide(row: Row) -> None:
     if row.events or not row.actions:
         assert [e.reason for e in d.events] == row.events
     for key, value in row.extra.items():
+        if key == "_message":  # words the events must say
+            assert any(value in e.message for e in d.events), d.events
+            continue
         assert d.status.get(key) == value, key
     assert [c["type"] for c in d.status["conditions"]] == [
         "Accepted", "Queued", "ClusterReady", "Training", "Stalled", "Preempted", "Suspended",

@@ -67,6 +67,11 @@ The operator's permissions, shared by the cluster-wide ClusterRole and the per-n
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+# Pods of an attempt whose cluster is not up: their own reasons (a missing PVC, an image that
+# cannot be pulled) go into the RLJob's ClusterReady condition.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list"]
 # Kueue (spec.scheduling.queueName): the Workload of a queued RayJob says why it waits or was
 # preempted. Read only; the operator never writes Kueue's objects.
 - apiGroups: ["kueue.x-k8s.io"]

@@ -1,5 +1,6 @@
-"""Read what the decision needs: the RLJob's RayJobs, the current attempt's RayCluster and,
-with a Kueue queue, its Workload (and whether the job's PriorityClass exists).
+"""Read what the decision needs: the RLJob's RayJobs, the current attempt's RayCluster (and its
+pods while it is not ready), with a Kueue queue its Workload, and whether the job's
+PriorityClass exists.
 
 Direct reads (not a watch cache): right after creating attempt N+1 a cache may not have it yet,
 and "the current RayJob is missing" is a decision (a restart), so it must be authoritative.
@@ -18,6 +19,7 @@ from kuberl_operator.status import Observed, attempt_of
 # Kueue's Workload API (v1beta2, its storage version since v0.15), and the label by which
 # Kueue ties a Workload to the job it was made for.
 WORKLOAD = Kind("kueue.x-k8s.io/v1beta2", "workloads")
+POD = Kind("v1", "pods")
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 PRIORITY_CLASSES = "/apis/scheduling.k8s.io/v1/priorityclasses"
 FORBIDDEN = 403
@@ -32,13 +34,19 @@ async def observe(kube: Kube, job: Mapping[str, Any]) -> Observed:
     current = max(rayjobs, key=lambda rj: attempt_of(name, rj) or 0, default=None)
     cluster_name = ((current or {}).get("status") or {}).get("rayClusterName")
     cluster = await kube.get(RAYCLUSTER.url(namespace, cluster_name)) if cluster_name else None
+    pods: list[dict[str, Any]] = []
+    if current is not None and ((cluster or {}).get("status") or {}).get("state") != "ready":
+        # (only while it is not up: the reasons a pod does not come up are on the pods)
+        attempt = attempt_of(name, current)
+        pods = await kube.list(POD.collection(namespace),
+                               {**names.selector(name), names.LABEL_ATTEMPT: str(attempt)})
     scheduling = (job.get("spec") or {}).get("scheduling") or {}
     workload = None
     if scheduling.get("queueName") and current is not None:
         workload = await _workload(kube, namespace, str(current["metadata"].get("uid")))
     missing = await _missing_priority_class(kube, scheduling.get("priorityClassName"))
     return Observed(rayjobs=rayjobs, raycluster=cluster, workload=workload,
-                    priority_class_problem=missing)
+                    priority_class_problem=missing, pods=tuple(pods))
 
 
 async def _workload(kube: Kube, namespace: str, rayjob_uid: str) -> Mapping[str, Any] | None:
