@@ -1,0 +1,298 @@
+"""The chart's observability pack against real data: the Grafana dashboard
+(helm/kuberl/dashboards/kuberl.json) and the alert rules (helm/kuberl/rules/kuberl-alerts.yaml).
+
+- `promtool test rules` (Debian's promtool from e2e/build.sh's cache) runs the alerts' unit
+  tests on recorded series (e2e/promtool/kuberl-alerts.test.yaml): each alert fires when it
+  should, with its labels and annotations, and not when it should not; and those tests fail for
+  alerts that never fire (so they test something).
+- A real Prometheus scrapes the real operator (reconciling a real RLJob on the e2e control
+  plane) and a real trainer-metrics endpoint: the trainer's own exporter (`MetricsLog` with
+  `prometheus_port`, the engines' metrics through `EngineMetrics` from a reference engine's
+  /metrics), fed step records built by the trainer's own metric functions, labelled as the
+  chart's PodMonitor labels a Ray head's series (namespace, rljob). Every PromQL expression of
+  the dashboard (template variables substituted as Grafana does) must return data; every
+  expression of the rule file must evaluate, every selector in it must select series, and with
+  its comparisons made `bool` it must return data (the operator's and the trainer's labels
+  join). Prometheus loads the rule file too: every rule evaluates without error, and the engine
+  restarts the trainer recorded fire KuberlEngineRestartsClimbing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from cluster import Cluster
+from polling import wait_for
+from prometheus import Prometheus, promtool
+from promql import Query, as_bool, dashboard_queries, rule_queries, selectors, substitute
+from rljobs import JobWatch, Operator, cpu_job, free_port, kubectl_apply, unique
+
+from kuberl_rollout.reference.metrics import CONTENT_TYPE, EngineMetrics as ReferenceMetrics
+from kuberl_trainer.backends.step_metrics import StepMetrics
+from kuberl_trainer.data import Sample
+from kuberl_trainer.engine_metrics import EngineMetrics
+from kuberl_trainer.metrics_log import MetricsLog
+from kuberl_trainer.rollout import Response, engine_throughput
+from kuberl_trainer.staleness import overlap_times, staleness_metrics
+
+pytestmark = pytest.mark.e2e
+
+E2E = Path(__file__).resolve().parent
+CHART = E2E.parent / "helm" / "kuberl"
+DASHBOARD = CHART / "dashboards" / "kuberl.json"
+RULES = CHART / "rules" / "kuberl-alerts.yaml"
+RULE_TESTS = E2E / "promtool" / "kuberl-alerts.test.yaml"
+RATE_INTERVAL = "1m"  # Grafana's $__rate_interval (4 scrapes at least; these are 1 s apart)
+ENGINE_RESTARTS = 3  # what the trainer records: KuberlEngineRestartsClimbing's default
+
+
+# --------------------------------------------------------------------------- promtool
+
+
+def test_alert_rules_pass_their_promtool_unit_tests() -> None:
+    check = promtool("check", "rules", str(RULES))
+    assert check.returncode == 0, check.stdout + check.stderr
+    done = promtool("test", "rules", str(RULE_TESTS))
+    assert done.returncode == 0 and "SUCCESS" in done.stdout, done.stdout + done.stderr
+
+
+def test_promtool_unit_tests_fail_for_alerts_that_never_fire(tmp_path: Path) -> None:
+    """The unit tests are not vacuous: with every alert's expression replaced by one that
+    never fires, each alert's expected firing fails."""
+    rules = yaml.safe_load(RULES.read_text())
+    alerts = [r["alert"] for g in rules["groups"] for r in g["rules"]]
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            rule["expr"] = "vector(1) == 0"
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
+    tests = yaml.safe_load(RULE_TESTS.read_text())
+    tests["rule_files"] = ["rules.yaml"]
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests))
+    done = promtool("test", "rules", str(tmp_path / "tests.yaml"))
+    report = done.stdout + done.stderr
+    assert done.returncode != 0, report
+    for alert in alerts:
+        assert f"alertname: {alert}," in report, (alert, report)
+
+
+# ----------------------------------------------------------------- a trainer's endpoint
+
+
+class EngineStandIn:
+    """A reference engine's GET /metrics (its real EngineMetrics), without the model: the
+    trainer's EngineMetrics collector reads it at each scrape, as it reads a live engine."""
+
+    def __init__(self) -> None:
+        self.metrics = ReferenceMetrics("/models/tiny", running=lambda: 3, queued=lambda: 1)
+        exposition = self.metrics.exposition
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = exposition()
+                self.send_response(200 if self.path == "/metrics" else 404)
+                self.send_header("Content-Type", CONTENT_TYPE)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def generate(self, n: int) -> None:
+        self.metrics.finished([{"meta_info": {"prompt_tokens": 40, "completion_tokens": 64}}
+                               for _ in range(n)])
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def step_record(step: int, engine: str) -> dict[str, Any]:
+    """One async step's record as the loop writes it (async_loop.py), its parts from the
+    trainer's own functions where they are pure: the backend's StepMetrics, the rollout's
+    engine throughput, staleness and overlap; the rollout's reward statistics as
+    RolloutManager._metrics names them."""
+    stats = StepMetrics()
+    stats.add_micro(tokens=torch.tensor(512.0), loss=torch.tensor(0.25),
+                    stats={"kl": torch.tensor(0.01), "clip_fraction": torch.tensor(0.1)})
+    stats.add_step(1.5, 1e-6)
+    sample = Sample("1+1?", "2", 0, 0)
+    responses = [Response(sample, [1, 2], list(range(64)), [0.0] * 64, "2", False,
+                          str(step), engine, 0.5 + 0.1 * i, i) for i in range(4)]
+    rollout = {"reward_mean": 0.1 * step, "reward_std": 0.2, "score_mean": 0.1 * step,
+               "response_length_mean": 64.0, "truncated_fraction": 0.0,
+               **engine_throughput(responses)}
+    return {"step": step, **rollout, **stats.summary(), "weight_version": step + 1,
+            **staleness_metrics(step, [str(step - 1)], step - 1),
+            "time_generate_s": 2.0, "engine_restarts_total": min(step, ENGINE_RESTARTS),
+            **overlap_times(train_s=1.5, sync_s=0.3, step_s=2.2, trainers_idle_s=0.4,
+                            engines_idle_s=0.1, generating_s=2.0),
+            "eval_gsm8k_reward": 0.5}
+
+
+class Trainer:
+    """The trainer's metrics endpoint, recording a step a second from `start` until stopped."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.engine = EngineStandIn()
+        self.port = free_port()
+        self.log = MetricsLog(out_dir, prometheus_port=self.port)
+        self.log.serve_also(EngineMetrics(lambda: [self.engine.url]))
+        self.steps = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.engine.generate(4)
+            self.log.write(step_record(self.steps, self.engine.url))
+            self.steps += 1
+            self._stop.wait(1.0)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # (MetricsLog's prometheus_client server thread has no stop: a daemon, it ends with
+        # the session; nothing records on it any more)
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.log.close()
+        self.engine.stop()
+
+
+# ------------------------------------------------------------------ against real data
+
+
+@pytest.fixture(scope="module")
+def observed(k8s_cluster: Cluster, operator: Operator, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[tuple[Prometheus, str, str]]:
+    """(Prometheus, namespace, RLJob): a real RLJob reconciled by the real operator, the
+    trainer endpoint of that job, both scraped every second, the rule file loaded."""
+    ns, job = operator.ns, unique("obs")
+    kubectl_apply(k8s_cluster, cpu_job(job, ns), check=True)
+    watch = JobWatch(k8s_cluster, operator, ns, job)
+    wait_for(f"RLJob {job} has a phase", lambda: watch.status().get("phase"), timeout=60,
+             detail=watch.detail)
+    workdir = tmp_path_factory.mktemp("observability")
+    rules = workdir / "kuberl-alerts.yaml"
+    shutil.copy(RULES, rules)
+    try:
+        with Trainer(workdir / "trainer") as trainer, Prometheus.start(
+                workdir / "prometheus",
+                {"kuberl-operator": [f"127.0.0.1:{operator.metrics_port}"],
+                 "kuberl-trainer": [f"127.0.0.1:{trainer.port}"]},
+                # what the chart's PodMonitor attaches to a Ray head's series
+                labels={"kuberl-trainer": {"namespace": ns, "rljob": job,
+                                           "pod": f"{job}-r0-head", "attempt": "0"}},
+                rule_files=[rules]) as prom:
+            prom.wait_target_up("kuberl-operator")
+            prom.wait_target_up("kuberl-trainer")
+            trainer.start()  # (scraped from its first step: increase() sees every restart)
+            # Enough scrapes for rate() and changes(), and the restarts recorded.
+            wait_for("the trainer's engine restarts in Prometheus", lambda: prom.query(
+                f'kuberl_engine_restarts_total{{rljob="{job}"}} >= {ENGINE_RESTARTS}'),
+                timeout=60, detail=prom.tail)
+            wait_for("4 scrapes of the trainer", lambda: prom.query(
+                f'count_over_time(kuberl_train_step{{rljob="{job}"}}[1m]) >= 4'),
+                timeout=30, detail=prom.tail)
+            yield prom, ns, job
+    finally:
+        k8s_cluster.kubectl("delete", "rljob", job, "-n", ns, "--wait=false", check=False)
+
+
+def dashboard_variables(ns: str, job: str) -> dict[str, str]:
+    return {"namespace": ns, "rljob": job, "__rate_interval": RATE_INTERVAL,
+            "__interval": "1s", "__range": "5m", "datasource": "prometheus"}
+
+
+def failures(queries: list[Query], check: Callable[[Query], str | None]) -> list[str]:
+    out = []
+    for q in queries:
+        try:
+            problem = check(q)
+        except Exception as exc:  # a refused query: Prometheus' error names the problem
+            problem = f"refused: {exc}"
+        if problem:
+            out.append(f"{q.where}: {problem}\n    {q.expr}")
+    return out
+
+
+def test_every_dashboard_query_returns_data(observed: tuple[Prometheus, str, str]) -> None:
+    prom, ns, job = observed
+    queries = dashboard_queries(DASHBOARD)
+    assert len(queries) >= 30, [q.where for q in queries]
+    variables = dashboard_variables(ns, job)
+
+    def returns_data(q: Query) -> str | None:
+        expr = substitute(q.expr, variables)
+        if not prom.query(expr):
+            empty = [s for s in selectors(expr) if not prom.query(s)]
+            return f"no data (selectors without series: {empty})"
+        return None
+
+    assert not failures(queries, returns_data), "\n".join(failures(queries, returns_data))
+
+
+def test_every_alert_expression_evaluates_on_real_series(
+        observed: tuple[Prometheus, str, str]) -> None:
+    prom = observed[0]
+    queries = rule_queries(RULES)
+
+    def evaluates(q: Query) -> str | None:
+        prom.query(q.expr)  # parses and evaluates (the condition may well be false)
+        empty = [s for s in selectors(q.expr) if not prom.query(s)]
+        if empty:
+            return f"selectors without series: {empty}"
+        if not prom.query(as_bool(q.expr)):
+            return f"no data with its comparisons made bool: {as_bool(q.expr)}"
+        return None
+
+    problems = failures(queries, evaluates)
+    assert not problems, "\n".join(problems)
+
+
+def test_prometheus_evaluates_the_rules_and_fires_on_engine_restarts(
+        observed: tuple[Prometheus, str, str]) -> None:
+    prom, ns, job = observed
+    expected = {q.where.removeprefix("alert ") for q in rule_queries(RULES)}
+
+    def evaluated() -> list[dict[str, Any]] | None:
+        rules = prom.rules()
+        return rules if rules and all(r.get("health") == "ok" for r in rules) else None
+
+    rules = wait_for("every rule evaluated without error", evaluated, timeout=30,
+                     detail=lambda: json.dumps(prom.rules(), indent=1))
+    assert {r["name"] for r in rules} == expected
+
+    def firing() -> list[dict[str, Any]]:
+        rule = next(r for r in prom.rules() if r["name"] == "KuberlEngineRestartsClimbing")
+        return [a for a in rule.get("alerts", []) if a["state"] == "firing"]
+
+    alerts = wait_for("KuberlEngineRestartsClimbing firing", firing, timeout=30,
+                      detail=lambda: json.dumps(prom.rules(), indent=1))
+    assert [(a["labels"]["namespace"], a["labels"]["rljob"], a["labels"]["severity"])
+            for a in alerts] == [(ns, job, "warning")], alerts
+    assert alerts[0]["annotations"]["summary"] == (
+        f"RLJob {ns}/{job} replaced {ENGINE_RESTARTS} engines in the last hour.")
+    # Nothing else fires for a healthy job that is minutes old.
+    others = [(r["name"], a["labels"]) for r in prom.rules() if r["name"] not in (
+        "KuberlEngineRestartsClimbing",) for a in r.get("alerts", [])
+        if a["state"] == "firing"]
+    assert not others, others
