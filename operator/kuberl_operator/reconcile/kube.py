@@ -146,6 +146,7 @@ class Kube:
                          backoffs: Sequence[float] = BACKOFFS,
                          timeout: tuple[float, float] = TIMEOUT) -> Kube:
         api = client.ApiClient(load_configuration(concurrency))
+        api.user_agent = FIELD_MANAGER  # who did it, in the API server's audit log
         return cls(api, logger, concurrency=concurrency, backoffs=backoffs, timeout=timeout)
 
     def close(self) -> None:
