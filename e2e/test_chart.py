@@ -1,4 +1,5 @@
-"""The Helm chart (helm/kuberl) against the real control plane: lint, render, install, RBAC.
+"""The Helm chart (helm/kuberl) against the real control plane: lint, render, install, RBAC,
+and the observability pack (dashboard, alerts) rendered from the chart's own files.
 
 What a user relies on: `helm lint` is clean in both RBAC modes; `helm install` creates a
 one-replica Recreate Deployment that runs non-root on a read-only root filesystem and becomes
@@ -20,10 +21,13 @@ import pytest
 import yaml
 from cluster import Cluster
 from polling import wait_for
+from prometheus import promtool
 
 pytestmark = pytest.mark.e2e
 
 CHART = Path(__file__).resolve().parent.parent / "helm" / "kuberl"
+DASHBOARD = CHART / "dashboards" / "kuberl.json"
+RULES = CHART / "rules" / "kuberl-alerts.yaml"
 
 # (verb, resource) pairs the operator uses on the namespaces it watches.
 OPERATOR_NEEDS = [
@@ -39,6 +43,13 @@ OPERATOR_MUST_NOT = [
     ("update", "rljobs.kuberl.dev"), ("patch", "rljobs.kuberl.dev"),  # the user's spec
     ("create", "pods"), ("delete", "pods"), ("get", "secrets"), ("create", "deployments.apps"),
 ]
+
+
+# The observability pack on (docs/observability.md): monitors, alerts, dashboard.
+OBSERVABILITY = ["--set", "metrics.serviceMonitor.enabled=true",
+                 "--set", "metrics.podMonitor.enabled=true",
+                 "--set", "metrics.prometheusRule.enabled=true",
+                 "--set", "metrics.grafanaDashboard.enabled=true"]
 
 
 def helm(cluster: Cluster, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -71,7 +82,9 @@ def namespaces(k8s_cluster: Cluster) -> Iterator[list[str]]:
     [],
     ["--set", "watchNamespaces={ml,team-a}", "--set", "metrics.serviceMonitor.enabled=true",
      "--set", "metrics.podMonitor.enabled=true"],
-], ids=["cluster-wide", "namespaced-with-monitors"])
+    [*OBSERVABILITY, "--set", "metrics.prometheusRule.alerts.KuberlRLJobStalled.for=1h",
+     "--set", "metrics.prometheusRule.alerts.KuberlEngineRestartsClimbing.threshold=10"],
+], ids=["cluster-wide", "namespaced-with-monitors", "observability"])
 def test_chart_lints_clean(k8s_cluster: Cluster, values: list[str]) -> None:
     done = helm(k8s_cluster, "lint", "--strict", str(CHART), *values)
     assert "0 chart(s) failed" in done.stdout
@@ -93,6 +106,75 @@ def test_namespaced_mode_grants_nothing_cluster_wide(k8s_cluster: Cluster) -> No
     env = {e["name"]: e.get("value") for e in
            deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["KUBERL_NAMESPACES"] == "ml,team-a" and env["KUBERL_SCANNING"] == "false"
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def test_observability_pack_is_off_by_default(k8s_cluster: Cluster) -> None:
+    docs = rendered(k8s_cluster)
+    assert not by_kind(docs, "PrometheusRule")
+    assert not [d for d in by_kind(docs, "ConfigMap")
+                if "grafana_dashboard" in d["metadata"].get("labels", {})]
+
+
+def test_observability_pack_renders_the_chart_files(k8s_cluster: Cluster) -> None:
+    """The dashboard ConfigMap carries the sidecar's label and the JSON file as is; the
+    PrometheusRule with default values is the rule file that promtool tests, group for group
+    (values.yaml's alert defaults cannot drift from it); the PodMonitor labels a head's series
+    with the RLJob the dashboard and alerts select on."""
+    docs = rendered(k8s_cluster, *OBSERVABILITY)
+    [dashboard] = [d for d in by_kind(docs, "ConfigMap")
+                   if d["metadata"].get("labels", {}).get("grafana_dashboard") == "1"]
+    assert dashboard["metadata"]["namespace"] == "kuberl-system"
+    assert json.loads(dashboard["data"]["kuberl.json"]) == json.loads(DASHBOARD.read_text())
+    [rule] = by_kind(docs, "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
+    [pod_monitor] = by_kind(docs, "PodMonitor")
+    relabel = pod_monitor["spec"]["podMetricsEndpoints"][0]["relabelings"]
+    assert {"sourceLabels": ["__meta_kubernetes_pod_label_kuberl_dev_rljob"],
+            "targetLabel": "rljob"} in relabel
+    # The sidecar's label, the ConfigMap's namespace and folder annotation are settable.
+    [moved] = [d for d in by_kind(rendered(
+        k8s_cluster, *OBSERVABILITY, "--set", "metrics.grafanaDashboard.namespace=monitoring",
+        "--set", "metrics.grafanaDashboard.label=dashboards",
+        "--set", "metrics.grafanaDashboard.labelValue=kuberl",
+        "--set", "metrics.grafanaDashboard.annotations.grafana_folder=ML"), "ConfigMap")
+        if d["metadata"].get("labels", {}).get("dashboards") == "kuberl"]
+    assert moved["metadata"]["namespace"] == "monitoring"
+    assert moved["metadata"]["annotations"] == {"grafana_folder": "ML"}
+
+
+def test_alert_thresholds_come_from_values(k8s_cluster: Cluster, tmp_path: Path) -> None:
+    docs = rendered(
+        k8s_cluster, *OBSERVABILITY,
+        "--set", "metrics.prometheusRule.alerts.KuberlEngineRestartsClimbing.threshold=10",
+        "--set", "metrics.prometheusRule.alerts.KuberlTrainerHeartbeatOld.for=45m",
+        "--set", "metrics.prometheusRule.alerts.KuberlRLJobFailed.severity=critical",
+        "--set", "metrics.prometheusRule.alerts.KuberlRLJobStalled.enabled=false",
+        "--set", "metrics.prometheusRule.alertLabels.team=ml",
+        "--set", "metrics.prometheusRule.labels.release=kube-prometheus-stack")
+    [rule] = by_kind(docs, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert "KuberlRLJobStalled" not in alerts
+    assert alerts["KuberlEngineRestartsClimbing"]["expr"].endswith(">= 10")
+    assert alerts["KuberlTrainerHeartbeatOld"]["for"] == "45m"
+    assert alerts["KuberlRLJobFailed"]["labels"] == {"severity": "critical", "team": "ml"}
+    assert all(r["labels"]["team"] == "ml" for r in alerts.values())
+    # What the PrometheusRule holds is a rule file Prometheus accepts.
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    check = promtool("check", "rules", str(tmp_path / "rules.yaml"))
+    assert check.returncode == 0, check.stdout + check.stderr
+    # A threshold for an alert without one is refused, naming the key.
+    done = helm(k8s_cluster, "template", "kuberl", str(CHART), "--kube-version", "1.37.2",
+                *OBSERVABILITY, "--set",
+                "metrics.prometheusRule.alerts.KuberlTrainerHeartbeatOld.threshold=3",
+                check=False)
+    assert done.returncode != 0
+    assert "metrics.prometheusRule.alerts.KuberlTrainerHeartbeatOld.threshold" in done.stderr
 
 
 def wait_available(cluster: Cluster, ns: str, name: str, timeout: float = 90) -> dict[str, Any]:
