@@ -13,8 +13,9 @@
   the dashboard (template variables substituted as Grafana does) must return data; every
   expression of the rule file must evaluate, every selector in it must select series, and with
   its comparisons made `bool` it must return data (the operator's and the trainer's labels
-  join). Prometheus loads the rule file too: every rule evaluates without error, and the engine
-  restarts the trainer recorded fire KuberlEngineRestartsClimbing.
+  join). Prometheus loads the rule file too: every rule evaluates without error, the engine
+  restarts the trainer recorded fire KuberlEngineRestartsClimbing, and a second RLJob that
+  really fails (backoffLimit 0, KubeRay failing its RayJob) fires KuberlRLJobFailed.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import shutil
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -180,13 +182,24 @@ class Trainer:
 # ------------------------------------------------------------------ against real data
 
 
+@dataclass(frozen=True)
+class Observed:
+    prom: Prometheus
+    ns: str
+    job: str  # reconciled by the operator, with a trainer endpoint
+    failing: str  # reconciled by the operator; fails (below)
+
+
 @pytest.fixture(scope="module")
 def observed(k8s_cluster: Cluster, operator: Operator, tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[tuple[Prometheus, str, str]]:
-    """(Prometheus, namespace, RLJob): a real RLJob reconciled by the real operator, the
-    trainer endpoint of that job, both scraped every second, the rule file loaded."""
-    ns, job = operator.ns, unique("obs")
+             ) -> Iterator[Observed]:
+    """A real RLJob reconciled by the real operator and the trainer endpoint of that job, both
+    scraped every second, the rule file loaded; and a second RLJob with backoffLimit 0 that
+    fails for real: KubeRay fails its RayJob ~30 s after the submitter (kwok) finished without a
+    reachable Ray dashboard (e2e/README.md), and the operator fails the RLJob."""
+    ns, job, failing = operator.ns, unique("obs"), unique("obs-fail")
     kubectl_apply(k8s_cluster, cpu_job(job, ns), check=True)
+    kubectl_apply(k8s_cluster, cpu_job(failing, ns, backoffLimit=0), check=True)
     watch = JobWatch(k8s_cluster, operator, ns, job)
     wait_for(f"RLJob {job} has a phase", lambda: watch.status().get("phase"), timeout=60,
              detail=watch.detail)
@@ -212,9 +225,10 @@ def observed(k8s_cluster: Cluster, operator: Operator, tmp_path_factory: pytest.
             wait_for("4 scrapes of the trainer", lambda: prom.query(
                 f'count_over_time(kuberl_train_step{{rljob="{job}"}}[1m]) >= 4'),
                 timeout=30, detail=prom.tail)
-            yield prom, ns, job
+            yield Observed(prom, ns, job, failing)
     finally:
-        k8s_cluster.kubectl("delete", "rljob", job, "-n", ns, "--wait=false", check=False)
+        for name in (job, failing):
+            k8s_cluster.kubectl("delete", "rljob", name, "-n", ns, "--wait=false", check=False)
 
 
 def dashboard_variables(ns: str, job: str) -> dict[str, str]:
@@ -234,8 +248,8 @@ def failures(queries: list[Query], check: Callable[[Query], str | None]) -> list
     return out
 
 
-def test_every_dashboard_query_returns_data(observed: tuple[Prometheus, str, str]) -> None:
-    prom, ns, job = observed
+def test_every_dashboard_query_returns_data(observed: Observed) -> None:
+    prom, ns, job = observed.prom, observed.ns, observed.job
     queries = dashboard_queries(DASHBOARD)
     assert len(queries) >= 30, [q.where for q in queries]
     variables = dashboard_variables(ns, job)
@@ -251,8 +265,8 @@ def test_every_dashboard_query_returns_data(observed: tuple[Prometheus, str, str
 
 
 def test_every_alert_expression_evaluates_on_real_series(
-        observed: tuple[Prometheus, str, str]) -> None:
-    prom = observed[0]
+        observed: Observed) -> None:
+    prom = observed.prom
     queries = rule_queries(RULES)
 
     def evaluates(q: Query) -> str | None:
@@ -269,8 +283,8 @@ def test_every_alert_expression_evaluates_on_real_series(
 
 
 def test_prometheus_evaluates_the_rules_and_fires_on_engine_restarts(
-        observed: tuple[Prometheus, str, str]) -> None:
-    prom, ns, job = observed
+        observed: Observed) -> None:
+    prom, ns, job = observed.prom, observed.ns, observed.job
     expected = {q.where.removeprefix("alert ") for q in rule_queries(RULES)}
 
     def evaluated() -> list[dict[str, Any]] | None:
@@ -291,8 +305,25 @@ def test_prometheus_evaluates_the_rules_and_fires_on_engine_restarts(
             for a in alerts] == [(ns, job, "warning")], alerts
     assert alerts[0]["annotations"]["summary"] == (
         f"RLJob {ns}/{job} replaced {ENGINE_RESTARTS} engines in the last hour.")
-    # Nothing else fires for a healthy job that is minutes old.
+    # Nothing else fires for a job that is a minute old (the failing one aside).
     others = [(r["name"], a["labels"]) for r in prom.rules() if r["name"] not in (
         "KuberlEngineRestartsClimbing",) for a in r.get("alerts", [])
-        if a["state"] == "firing"]
+        if a["state"] == "firing" and a["labels"].get("name") != observed.failing]
     assert not others, others
+
+
+def test_a_job_that_fails_fires_kuberl_rljob_failed(observed: Observed) -> None:
+    """The real operator's phase series of a job that really failed fire the alert."""
+    prom, ns = observed.prom, observed.ns
+
+    def firing() -> list[dict[str, Any]]:
+        rule = next(r for r in prom.rules() if r["name"] == "KuberlRLJobFailed")
+        return [a for a in rule.get("alerts", []) if a["state"] == "firing"]
+
+    alerts = wait_for(f"KuberlRLJobFailed firing for {observed.failing}", firing, timeout=150,
+                      detail=lambda: json.dumps(prom.query(
+                          f'kuberl_rljob_status_phase{{name="{observed.failing}"}} == 1'))
+                      + "\n" + prom.tail())
+    assert [(a["labels"]["namespace"], a["labels"]["name"]) for a in alerts] == [
+        (ns, observed.failing)], alerts
+    assert alerts[0]["annotations"]["summary"] == f"RLJob {ns}/{observed.failing} failed."
