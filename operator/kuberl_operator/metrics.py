@@ -5,6 +5,10 @@
 - kuberl_rljob_status_phase{namespace,name,phase}: 1 for the current phase, 0 for the others
 - kuberl_rljob_condition{namespace,name,type,status}: 1 for the condition's status, 0 for the
   other two (True/False/Unknown), like kube_job_complete{condition=...}
+- kuberl_rljob_restarts, kuberl_rljob_progress_step, kuberl_rljob_progress_reward_mean,
+  kuberl_rljob_last_heartbeat_timestamp_seconds, kuberl_rljob_last_checkpoint_step
+  {namespace,name}: what the status says (the trainer's progress as it last reported it), so a
+  fleet view needs no scrape of every Ray head; absent until there is a value
 Series of a deleted RLJob are removed (`forget`), so dashboards don't show ghosts.
 """
 
@@ -13,12 +17,26 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import REGISTRY
 
 from kuberl_api.status import CONDITION_TYPES, PHASES
+
+# (gauge name, help, how to read it from the status)
+PROGRESS_GAUGES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("kuberl_rljob_restarts", "Restarts of the RLJob (new attempts after a failure).",
+     ("restarts",)),
+    ("kuberl_rljob_progress_step", "The trainer's last reported step.", ("progress", "step")),
+    ("kuberl_rljob_progress_reward_mean", "The trainer's last reported mean reward.",
+     ("progress", "rewardMean")),
+    ("kuberl_rljob_last_heartbeat_timestamp_seconds",
+     "When the trainer last reported (Unix time).", ("progress", "lastHeartbeatTime")),
+    ("kuberl_rljob_last_checkpoint_step", "The step of the newest checkpoint reported.",
+     ("progress", "lastCheckpoint", "step")),
+)
 
 CONDITION_STATUSES = ("True", "False", "Unknown")
 
@@ -39,11 +57,16 @@ class Metrics:
         self.condition = Gauge(
             "kuberl_rljob_condition", "The RLJob's conditions: 1 for the current status.",
             ["namespace", "name", "type", "status"], registry=registry)
+        self.progress = {name: Gauge(name, help_, ["namespace", "name"], registry=registry)
+                         for name, help_, _ in PROGRESS_GAUGES}
         for result in ("success", "error"):
             self.reconcile_total.labels(result)
         self._lock = threading.Lock()
 
-    def observe_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+    def observe_status(self, namespace: str, name: str, status: Mapping[str, Any],
+                       progress: Mapping[str, Any] | None = None) -> None:
+        """`status`: the operator's part (as decided); `progress`: the trainer's part."""
+        self._observe_progress(namespace, name, {**status, "progress": progress or {}})
         phase = status.get("phase")
         conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
         with self._lock:
@@ -56,8 +79,21 @@ class Metrics:
                     self.condition.labels(namespace, name, t, s).set(
                         1 if conditions[t] == s else 0)
 
+    def _observe_progress(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        for gauge_name, _, path in PROGRESS_GAUGES:
+            value: Any = status
+            for key in path:
+                value = value.get(key) if isinstance(value, Mapping) else None
+            if gauge_name.endswith("_timestamp_seconds") and isinstance(value, str):
+                value = _unix_time(value)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                self.progress[gauge_name].labels(namespace, name).set(value)
+
     def forget(self, namespace: str, name: str) -> None:
         with self._lock:
+            for gauge in self.progress.values():
+                with contextlib.suppress(KeyError):
+                    gauge.remove(namespace, name)
             for p in PHASES:
                 with contextlib.suppress(KeyError):
                     self.phase.remove(namespace, name, p)
@@ -65,6 +101,13 @@ class Metrics:
                 for s in CONDITION_STATUSES:
                     with contextlib.suppress(KeyError):
                         self.condition.remove(namespace, name, t, s)
+
+
+def _unix_time(value: str) -> float | None:
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 _default: Metrics | None = None

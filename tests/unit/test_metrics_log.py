@@ -41,3 +41,31 @@ def test_running_totals_are_counters_and_per_step_numbers_gauges(tmp_path: Path)
         log.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["engine_restarts_total"] for r in rows] == [0, 2, 2]
+
+
+def test_engine_metric_names_keep_their_colons_for_an_openmetrics_scraper() -> None:
+    """Prometheus 2.x asks for OpenMetrics first, where prometheus_client escapes SGLang's
+    `sglang:` names; the endpoint answers in the text format, which keeps them."""
+    import socket
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from kuberl_trainer.metrics_log import serve_text_format
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    registry = CollectorRegistry()
+    Gauge("sglang:num_running_reqs", "requests running", registry=registry).set(3)
+    server = serve_text_format(port, registry, addr="127.0.0.1")
+    try:
+        asks = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={
+            "Accept": "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"})
+        with urllib.request.urlopen(asks, timeout=5) as answer:
+            body = answer.read().decode()
+            assert answer.headers["Content-Type"].startswith("text/plain")
+        assert "sglang:num_running_reqs 3.0" in body, body
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -32,6 +32,27 @@ def test_phase_and_condition_gauges_then_forget() -> None:
     assert 'kuberl_operator_reconcile_total{result="error"} 0.0' in _text(reg)
 
 
+def test_progress_gauges_follow_the_trainers_report_then_forget() -> None:
+    reg = CollectorRegistry()
+    m = Metrics(reg)
+    m.observe_status("ns", "a", {"phase": "Pending", "conditions": [], "restarts": 0})
+    text = _text(reg)
+    assert 'kuberl_rljob_restarts{name="a",namespace="ns"} 0.0' in text
+    assert 'kuberl_rljob_progress_step{name="a"' not in text  # nothing reported yet
+    m.observe_status("ns", "a", {"phase": "Running", "conditions": [], "restarts": 1}, {
+        "step": 41, "rewardMean": 0.53125, "lastHeartbeatTime": "2026-03-01T12:00:00Z",
+        "lastCheckpoint": {"step": 40, "path": "/c/40"}})
+    text = _text(reg)
+    assert 'kuberl_rljob_progress_step{name="a",namespace="ns"} 41.0' in text
+    assert 'kuberl_rljob_progress_reward_mean{name="a",namespace="ns"} 0.53125' in text
+    assert 'kuberl_rljob_last_checkpoint_step{name="a",namespace="ns"} 40.0' in text
+    assert 'kuberl_rljob_restarts{name="a",namespace="ns"} 1.0' in text
+    assert ('kuberl_rljob_last_heartbeat_timestamp_seconds{name="a",namespace="ns"} '
+            '1.7723664e+09') in text  # 2026-03-01T12:00:00Z
+    m.forget("ns", "a")
+    assert 'name="a"' not in _text(reg)
+
+
 def test_flags_override_env_and_defaults() -> None:
     env = {"KUBERL_METRICS_PORT": "9000", "KUBERL_NAMESPACES": "a,b",
            "KUBERL_RESYNC_SECONDS": "7", "KUBERL_SCANNING": "false"}

@@ -25,10 +25,10 @@ class MetricsLog:
         self._counters: dict[str, tuple[Any, float]] = {}
         self._registry = None
         if prometheus_port:
-            from prometheus_client import CollectorRegistry, start_http_server
+            from prometheus_client import CollectorRegistry
 
             self._registry = CollectorRegistry()
-            start_http_server(prometheus_port, registry=self._registry)
+            serve_text_format(prometheus_port, self._registry)
         self._tb = None
         if tensorboard_dir is not None:
             try:
@@ -107,6 +107,30 @@ class MetricsLog:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def serve_text_format(port: int, registry: Any, addr: str = "0.0.0.0") -> Any:
+    """/metrics in Prometheus' text format whatever the scraper asks for. Prometheus 2.x asks
+    for OpenMetrics, in which prometheus_client writes SGLang's `sglang:` names (the engines'
+    metrics served again here) as `sglang_`: the same series would then have two names."""
+    import threading
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client import make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer
+
+    app = make_wsgi_app(registry)
+
+    def text_only(environ: dict[str, Any], start_response: Any) -> Any:
+        return app({k: v for k, v in environ.items() if k != "HTTP_ACCEPT"}, start_response)
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:  # one line per scrape
+            pass
+
+    server = make_server(addr, port, text_only, ThreadingWSGIServer, handler_class=Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True, name="metrics").start()
+    return server
 
 
 class _Null:

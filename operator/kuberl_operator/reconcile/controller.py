@@ -152,7 +152,8 @@ class Controller:
         if patch is not None:
             await self.kube.patch(RLJOB.url(namespace, name, "status"), {"status": patch})
         await self._post_events(body, decision.events)
-        self.metrics.observe_status(namespace, name, decision.status)
+        self.metrics.observe_status(namespace, name, decision.status,
+                                    (body.get("status") or {}).get("progress"))
         if decision.requeue_at is not None:
             self.wake_at(key, decision.requeue_at.timestamp())
         if decision.actions or patch:
