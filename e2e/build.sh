@@ -7,8 +7,8 @@
 #   e2e/build.sh --print-dir  print the cache root and exit
 #
 # Components: kubernetes (kube-apiserver, kube-controller-manager, kube-scheduler, kubectl),
-# etcd, kwok (+ its stage configs), kuberay (the ray-operator binary + its CRDs), helm, and
-# prometheus (Debian's package, unpacked: not built). Versions come from e2e/versions.env. Each component is built in a temporary Go module and a
+# etcd, kwok (+ its stage configs), kuberay (the ray-operator binary + its CRDs), kueue (its manager
+# + CRDs, webhook configurations, ClusterRole), helm, and prometheus (Debian's package, unpacked: not built). Versions come from e2e/versions.env. Each component is built in a temporary Go module and a
 # temporary output dir that is renamed into place only on success, so an interrupted build
 # leaves nothing half-made and a rerun starts it again; a per-component lock lets two builds
 # run at once safely. Compilation runs under `nice -n 19` (KUBERL_E2E_NICE=<level> or 0).
@@ -21,7 +21,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CACHE_ROOT=${KUBERL_E2E_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kuberl/e2e}
 NICE_LEVEL=${KUBERL_E2E_NICE:-19}  # 0: don't nice
 NICE=""; [[ $NICE_LEVEL == 0 ]] || NICE="nice -n $NICE_LEVEL"
-ALL=(etcd kubernetes kwok kuberay helm prometheus)
+ALL=(etcd kubernetes kwok kuberay kueue helm prometheus)
 
 if [[ ${1:-} == --print-dir ]]; then echo "$CACHE_ROOT"; exit 0; fi
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
@@ -45,6 +45,7 @@ component_version() {
     kubernetes) echo "$KUBERNETES_VERSION" ;;
     kwok) echo "$KWOK_VERSION" ;;
     kuberay) echo "$KUBERAY_VERSION" ;;
+    kueue) echo "$KUEUE_VERSION" ;;
     helm) echo "$HELM_VERSION" ;;
     prometheus) echo "$PROMETHEUS_DEB_VERSION" ;;
     *) echo "build.sh: unknown component '$1' (known: ${ALL[*]})" >&2; return 1 ;;
@@ -119,6 +120,23 @@ build_kuberay() {
   # The operator's ClusterRole (e2e/cluster.py runs the operator as a ServiceAccount bound to it).
   cp "$dir"/config/rbac/role.yaml "$2/rbac/"
   chmod -R u+w "$2/crds" "$2/rbac"
+}
+
+build_kueue() {
+  local v=$KUEUE_VERSION dir
+  new_module "$1" "$v" sigs.k8s.io/kueue/cmd/kueue
+  (cd "$1" && $NICE "${BUILD[@]}" -ldflags "$LDFLAGS_BASE" \
+     -o "$2/kueue" sigs.k8s.io/kueue/cmd/kueue)
+  dir=$(cd "$1" && go list -m -f '{{.Dir}}' sigs.k8s.io/kueue)
+  mkdir -p "$2/crds" "$2/rbac" "$2/webhook"
+  cp "$dir"/config/components/crd/bases/*.yaml "$2/crds/"
+  # The manager's ClusterRole, its Role on Secrets of its namespace, the ClusterRole its
+  # metrics endpoint needs (token and access reviews), and the webhook configurations
+  # e2e/cluster.py points at the manager's webhook server on 127.0.0.1 (kustomize would point
+  # them at a Service).
+  cp "$dir"/config/components/rbac/{role,manager_secrets_role,metrics_auth_role}.yaml "$2/rbac/"
+  cp "$dir"/config/components/webhook/manifests.yaml "$2/webhook/"
+  chmod -R u+w "$2/crds" "$2/rbac" "$2/webhook"
 }
 
 build_helm() {

@@ -42,13 +42,25 @@ def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         pytest.fail(f"e2e binaries not built: {missing}; run `python e2e/cluster.py build`")
     # The project's CRD goes in at start, before the controller-manager, so that its garbage
     # collector follows RLJob owner references from the first second (see README); 4 train
-    # nodes fit examples/multinode-megatron-rdma.yaml.
+    # nodes fit examples/multinode-megatron-rdma.yaml. Kueue's CRDs too (not Kueue: the `kueue`
+    # fixture starts it), so that Workloads are collected with their jobs from the start.
     cluster = Cluster.start(tmp_path_factory.mktemp("k8s"), build_missing=False,
-                            crds=[CRDS], nodes=NODES)
+                            crds=[CRDS, *binaries().kueue_crds], nodes=NODES)
     try:
         yield cluster
     finally:
         cluster.stop(remove_state=not os.environ.get("KUBERL_E2E_KEEP"))
+
+
+@pytest.fixture(scope="module")
+def kueue(k8s_cluster: Cluster) -> Iterator[Cluster]:
+    """Kueue running on the session's cluster for one test module (queues: e2e/queues.py),
+    then stopped, its webhooks removed, so the other modules' RayJobs never meet it."""
+    k8s_cluster.start_kueue()
+    try:
+        yield k8s_cluster
+    finally:
+        k8s_cluster.stop_kueue()
 
 
 @pytest.fixture(scope="module")

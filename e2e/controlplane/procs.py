@@ -1,0 +1,76 @@
+"""Processes: free ports, signals, and telling whether a recorded pid still runs its binary."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+
+def terminate(proc: subprocess.Popen[bytes], grace: float = 10) -> None:
+    """SIGTERM a child we started, SIGKILL it after `grace` s; wait for it either way."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on 127.0.0.1 (held together while picked, so no duplicates)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def niceness() -> int:
+    return int(os.environ.get("KUBERL_E2E_NICE", "19"))
+
+
+def set_pdeathsig() -> None:
+    """In the child: die (SIGTERM) when the parent that started the cluster dies."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped by its parent) is not running.
+    with contextlib.suppress(OSError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+    return True
+
+
+def pid_runs(pid: int, binary: str) -> bool:
+    """The pid is alive and still runs `binary` (not a recycled pid)."""
+    if not pid_alive(pid):
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    # argv[0] is the path it was started with; compare names, so that a cache dir given
+    # differently (a symlink, another XDG_CACHE_HOME) still finds it.
+    return bool(cmdline) and Path(cmdline[0].decode(errors="replace")).name == Path(binary).name
