@@ -11,6 +11,7 @@ replica (Deployment strategy Recreate): the operator runs standalone, without ko
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -23,6 +24,10 @@ from kuberl_operator.settings import Config, kopf_settings, parse_args
 
 def run(config: Config) -> None:
     kopf.configure(verbose=config.verbose)
+    if not config.verbose:
+        # kopf's "Handler 'rljob_event' succeeded." for every watch event (60-77% of the log
+        # at 300 jobs); the controller logs what each pass did, and kopf's errors still show.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     m = metrics.default()
     if config.metrics_port:
         metrics.serve(config.metrics_host, config.metrics_port)

@@ -284,3 +284,25 @@ async def test_deleted_during_a_pass_leaves_no_series(k8s: Emulator, operator: O
     held.release()  # the patch now finds the RLJob gone, and the pass goes on to its gauges
     await asyncio.sleep(2 * RESYNC)  # that pass, and any after it, are over
     assert not await series(operator, "j13"), "no series outlive the RLJob"
+
+
+async def test_echoes_of_its_own_status_patches_cost_no_pass(k8s: Emulator,
+                                                             tmp_path: Path) -> None:
+    """The watch event of the operator's own status patch carries nothing it did not decide:
+    it is skipped (a third of all passes at scale); anyone else's change still gets a pass."""
+    op = Operator(k8s, tmp_path, ["--resync-seconds", "3600"])
+    await op.start()
+    try:
+        await create(k8s, RLJOBS, manifest("j20"))
+        await wait_phase(k8s, "j20", "Provisioning")
+        # RLJob ADDED (creates, patches the status), RayJob ADDED; the patch's echo: nothing.
+        await eventually(lambda: passes_are(op, 2), what="two passes")
+        await asyncio.sleep(1.5)
+        assert await passes_are(op, 2)
+        await patch(k8s, RLJOBS, "j20", {"spec": {"backoffLimit": 5}})  # a user's edit
+        await eventually(lambda: passes_are(op, 3), what="a pass for the edit")
+        await eventually(lambda: status(k8s, "j20").get("observedGeneration") == 2)
+        await asyncio.sleep(1.5)
+        assert await passes_are(op, 3)  # (and none for the observedGeneration patch's echo)
+    finally:
+        await op.stop()

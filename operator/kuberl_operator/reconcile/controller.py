@@ -60,6 +60,9 @@ class Controller:
         self._waiting: set[Key] = set()
         self._wakeups: dict[Key, tuple[float, asyncio.TimerHandle]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        # The resourceVersion each RLJob got from our own last status patch: its watch event
+        # only echoes what this operator just decided (a third of all passes at 300 jobs).
+        self._written: dict[Key, str] = {}
         self._instance = socket.gethostname()
 
     # ---------------------------------------------------------------- triggers
@@ -114,8 +117,14 @@ class Controller:
             for key in sorted(self.known):
                 self.trigger(key)
 
+    def echoes_own_write(self, key: Key, resource_version: object) -> bool:
+        """An RLJob watch event that carries exactly the state our last status patch wrote
+        (nothing else changed it since): no pass needed."""
+        return resource_version is not None and self._written.get(key) == resource_version
+
     def forget(self, key: Key) -> None:
         self.known.discard(key)
+        self._written.pop(key, None)
         pending = self._wakeups.pop(key, None)
         if pending is not None:
             pending[1].cancel()
@@ -150,7 +159,11 @@ class Controller:
                 return
         patch = decision.status_patch(body.get("status"))
         if patch is not None:
-            await self.kube.patch(RLJOB.url(namespace, name, "status"), {"status": patch})
+            patched = await self.kube.patch(RLJOB.url(namespace, name, "status"),
+                                            {"status": patch})
+            rv = ((patched or {}).get("metadata") or {}).get("resourceVersion")
+            if rv:
+                self._written[key] = str(rv)
         await self._post_events(body, decision.events)
         self.metrics.observe_status(namespace, name, decision.status,
                                     (body.get("status") or {}).get("progress"))

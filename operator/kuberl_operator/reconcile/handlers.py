@@ -74,6 +74,9 @@ def register(registry: kopf.OperatorRegistry, config: Config, metrics: Metrics) 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     async def rljob_event(type: str | None, body: kopf.Body, **_: Any) -> None:
         key = (str(body.metadata.namespace), str(body.metadata.name))
+        if type == "MODIFIED" and controller().echoes_own_write(
+                key, body.metadata.get("resourceVersion")):
+            return
         if type != "DELETED":
             controller().known.add(key)
         # A deleted RLJob is forgotten (wake-up, metrics) by the pass that finds it gone, which
@@ -84,6 +87,17 @@ def register(registry: kopf.OperatorRegistry, config: Config, metrics: Metrics) 
     @kopf.on.event("ray.io", "v1", "rayjobs", labels={names.LABEL_JOB: kopf.PRESENT},
                    registry=registry)
     async def rayjob_event(body: kopf.Body, **_: Any) -> None:
+        child_changed(body)
+
+    # KubeRay copies the RayJob's labels onto the RayCluster it makes: ClusterReady follows the
+    # cluster's own changes (head ready, workers ready) at once, not at the next RayJob update
+    # or resync (up to 20 s late at 300 jobs without this).
+    @kopf.on.event("ray.io", "v1", "rayclusters", labels={names.LABEL_JOB: kopf.PRESENT},
+                   registry=registry)
+    async def raycluster_event(body: kopf.Body, **_: Any) -> None:
+        child_changed(body)
+
+    def child_changed(body: kopf.Body) -> None:
         job = body.metadata.labels.get(names.LABEL_JOB)
         if job:
             controller().trigger((str(body.metadata.namespace), job))
