@@ -560,6 +560,11 @@ def verdict(r: Result) -> str:
 # ------------------------------------------------------------------ main
 
 
+def scale_namespaces(cluster: Cluster) -> list[str]:
+    return [ns["metadata"]["name"] for ns in cluster.api().get("/api/v1/namespaces")["items"]
+            if ns["metadata"]["name"].startswith("scale")]
+
+
 @contextlib.contextmanager
 def control_plane(args: argparse.Namespace, n_max: int,
                   say: Callable[[str], None]) -> Iterator[Cluster]:
@@ -615,9 +620,12 @@ def main(argv: list[str] | None = None) -> int:
     with control_plane(args, max(sizes), say) as cluster:
         pids = {name: cluster.pids[name]
                 for name in ("kube-apiserver", "etcd", "kube-controller-manager")}
-        for n in sizes:
+        for i, n in enumerate(sizes):
             results.append(run_size(cluster, n, args, pids, say))
             say(verdict(results[-1]))
+            if i + 1 < len(sizes):  # its namespace (Events, the chart) gone before the next
+                wait_for("the last namespace deleted", lambda: not scale_namespaces(cluster),
+                         timeout=180)
     say(f"load average at the end {os.getloadavg()[0]:.2f}")
     print()
     print(table(results, args))
