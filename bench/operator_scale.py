@@ -624,8 +624,12 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_size(cluster, n, args, pids, say))
             say(verdict(results[-1]))
             if i + 1 < len(sizes):  # its namespace (Events, the chart) gone before the next
-                wait_for("the last namespace deleted", lambda: not scale_namespaces(cluster),
-                         timeout=180)
+                print(table(results, args), flush=True)
+                try:
+                    wait_for("the last namespace deleted",
+                             lambda: not scale_namespaces(cluster), timeout=180)
+                except AssertionError as exc:  # measured anyway; said so
+                    say(f"  {exc}".splitlines()[0])
     say(f"load average at the end {os.getloadavg()[0]:.2f}")
     print()
     print(table(results, args))
