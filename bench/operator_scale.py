@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import http.client
 import json
 import math
@@ -295,9 +296,15 @@ def histogram_quantile(q: float, after: dict[str, Any], before: dict[str, Any]) 
 
 def apiserver_rejections(client: Client) -> float:
     """API Priority and Fairness rejections (429s) since the API server started."""
-    conn = client.connect()
-    conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
+    client.close()  # a kept-alive connection may have idled out during GC
+    try:
+        conn = client.connect()
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    except (OSError, http.client.HTTPException):
+        return math.nan
+    finally:
+        client.close()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("apiserver_flowcontrol_rejected_requests_total{"))
 
@@ -403,6 +410,7 @@ class Result:
     gc_s: float
     rljobs_gone_s: float
     orphans: dict[str, int]
+    gc_rate: float
     rejections: float
     watch_errors: int
     log_warnings: int
@@ -449,7 +457,11 @@ def run_size(cluster: Cluster, n: int, args: argparse.Namespace, pids: dict[str,
         with seen.lock:  # listed now, or ever seen by the watch
             duplicates = sum(1 for j in names if max(per_job.get(j, 0), len(
                 seen.rayjob_names.get(j, ()))) > 1)
+        client.close()
+        children = sum(leftovers(client, ns, kinds, full=True).values())
+        t_del = time.monotonic()
         gc_s, orphans, gone = delete_and_gc(cluster, ns, kinds, args.gc_timeout, say)
+        gc_rate = (children - sum(orphans.values())) / (time.monotonic() - t_del)
         cpu3 = sampler.cpu()
         rejected1 = apiserver_rejections(client)
         for w in watches:
@@ -478,7 +490,7 @@ def run_size(cluster: Cluster, n: int, args: argparse.Namespace, pids: dict[str,
         duration={"mean": (m1["sum"] - m0["sum"]) / max(1.0, m1["count"] - m0["count"]),
                   "p50": histogram_quantile(0.5, m1, m0),
                   "p99": histogram_quantile(0.99, m1, m0)},
-        duplicates=duplicates, gc_s=gc_s, rljobs_gone_s=gone, orphans=orphans,
+        duplicates=duplicates, gc_s=gc_s, rljobs_gone_s=gone, orphans=orphans, gc_rate=gc_rate,
         rejections=rejected1 - rejected0, watch_errors=sum(w.errors for w in watches),
         log_warnings=sum(1 for line in text.splitlines()
                          if "[WARNING" in line or "[ERROR" in line or "Traceback" in line))
@@ -530,7 +542,8 @@ def table(results: list[Result], args: argparse.Namespace) -> str:
     row("duplicates (RLJobs with > 1 RayJob)", [str(r.duplicates) for r in results], "0")
     row("RLJobs gone after delete-all", [fmt(r.rljobs_gone_s) for r in results])
     row("GC: delete-all -> no labelled child", [fmt(r.gc_s) for r in results])
-    row("orphans after GC timeout", [str(sum(r.orphans.values())) + (
+    row("GC rate (children deleted / s)", [f"{r.gc_rate:.1f}" for r in results])
+    row("children left at the GC timeout", [str(sum(r.orphans.values())) + (
         f" {r.orphans}" if r.orphans else "") for r in results], "0")
     head = f"| (KubeRay {args.kuberay}) | " + " | ".join(cols) + " | goal |"
     lines = [head, "|---" * (len(cols) + 2) + "|"]
@@ -622,6 +635,8 @@ def main(argv: list[str] | None = None) -> int:
                 for name in ("kube-apiserver", "etcd", "kube-controller-manager")}
         for i, n in enumerate(sizes):
             results.append(run_size(cluster, n, args, pids, say))
+            (Path(args.state_dir) / f"result-{n}.json").write_text(
+                json.dumps(dataclasses.asdict(results[-1]), indent=1))
             say(verdict(results[-1]))
             if i + 1 < len(sizes):  # its namespace (Events, the chart) gone before the next
                 print(table(results, args), flush=True)
