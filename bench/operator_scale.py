@@ -27,6 +27,7 @@ baseline, so each row prints measured vs goal.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import http.client
@@ -423,6 +424,7 @@ def run_size(cluster: Cluster, n: int, args: argparse.Namespace, pids: dict[str,
         log = Path(args.state_dir) / f"operator-{n}.log"
         op = ChartOperator(cluster, ns, log)
         op.start()
+        atexit.register(op.stop)  # also when this script fails: no operator left behind
         assert op.proc is not None
         sampler = Sampler({"operator": op.proc.pid, **pids})
         sampler.start()
