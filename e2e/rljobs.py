@@ -223,11 +223,19 @@ class JobWatch:
         return RAYCLUSTERS.format(ns=self.ns) + f"/{name}"
 
     def wait_raycluster_ready(self, attempt: int, timeout: float = 90) -> str:
+        """The RayCluster that the RayJob's status names *now* is ready. The name is read
+        again on each poll: a RayJob created suspended (Kueue) gets a name from KubeRay's
+        first reconcile, and a new one once unsuspended (the first cluster never existed)."""
         url = self.raycluster_url(attempt)
-        wait_for(f"RayCluster {url.rsplit('/', 1)[1]} status.state ready", lambda: (
-            self.api.get(url) or {}).get("status", {}).get("state") == "ready",
-            timeout=timeout, detail=lambda: json.dumps((self.api.get(url) or {}).get(
-                "status"), indent=1) + "\n" + self.pod_detail())
+
+        def ready() -> bool:
+            nonlocal url
+            url = self.raycluster_url(attempt)
+            return bool((self.api.get(url) or {}).get("status", {}).get("state") == "ready")
+
+        wait_for(f"RayCluster of RayJob {names.rayjob(self.job, attempt)} status.state ready",
+                 ready, timeout=timeout, detail=lambda: url + " " + json.dumps((self.api.get(
+                     url) or {}).get("status"), indent=1) + "\n" + self.pod_detail())
         return url
 
     def wait_submitted(self, attempt: int, timeout: float = 30) -> None:
