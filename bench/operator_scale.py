@@ -566,7 +566,7 @@ def verdict(r: Result) -> str:
     if r.duplicates:
         fails.append(f"{r.duplicates} duplicates")
     if r.orphans:
-        fails.append(f"orphans {r.orphans}")
+        fails.append(f"GC unfinished at the timeout, {sum(r.orphans.values())} children left")
     return (f"{r.jobs} jobs: " + ("MEETS the goal (p99 < 10 s, RSS < 256 MiB, no errors, "
                                   "duplicates or orphans)" if not fails
                                   else "MISSES the goal: " + ", ".join(fails)))
