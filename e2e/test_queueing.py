@@ -71,6 +71,34 @@ def phase_column(c: Cluster, ns: str, job: str) -> str:
     return str(table_row(c.kubectl("get", "rljob", job, "-n", ns).stdout.splitlines())["PHASE"])
 
 
+def managers(c: Cluster, kind: str, ns: str, name: str) -> list[dict[str, Any]]:
+    obj = json.loads(c.kubectl("get", kind, name, "-n", ns, "-o", "json",
+                               "--show-managed-fields").stdout)
+    found: list[dict[str, Any]] = obj["metadata"].get("managedFields") or []
+    return found
+
+
+def assert_kueue_owns_suspend(c: Cluster, ns: str, rayjob: str) -> None:
+    """Server-side apply as kuberl-operator: Kueue unsuspended the operator's RayJob and owns
+    `spec.suspend` now; no Apply of the operator's claims it (a re-apply would fight Kueue),
+    and the operator's other children are its Apply's."""
+    # (Kueue's false is the field's zero value: Go's JSON leaves it out)
+    wait_for(f"RayJob {rayjob} unsuspended", lambda: not json.loads(c.kubectl(
+        "get", "rayjob", rayjob, "-n", ns, "-o", "json").stdout)["spec"].get("suspend"))
+    entries = managers(c, "rayjob", ns, rayjob)
+    ours = [e for e in entries if e["manager"] == "kuberl-operator"]
+    assert ours, [e["manager"] for e in entries]
+    for e in ours:
+        if e["operation"] == "Apply":
+            assert "f:suspend" not in e.get("fieldsV1", {}).get("f:spec", {}), e
+    owners = [e["manager"] for e in entries if "f:suspend" in e.get("fieldsV1", {}).get(
+        "f:spec", {})]
+    assert "kuberl-operator" not in owners, owners
+    config = managers(c, "configmap", ns, names.configmap(rayjob.rsplit("-r", 1)[0]))
+    assert any(e["manager"] == "kuberl-operator" and e["operation"] == "Apply"
+               for e in config), config
+
+
 def test_a_job_waits_in_the_queue_until_the_quota_frees(
         kueue: Cluster, operator: Operator, operator_ns: str, prometheus: Prometheus) -> None:
     """The ClusterQueue fits one job: the second waits Pending with Queued=True and Kueue's
@@ -88,6 +116,7 @@ def test_a_job_waits_in_the_queue_until_the_quota_frees(
         assert admitted["reason"] == "Admitted", admitted
         rayjob = w1.rayjob(0)
         assert rayjob is not None and rayjob["metadata"]["labels"][QUEUE_LABEL] == queue
+        assert_kueue_owns_suspend(c, ns, names.rayjob(first, 0))
 
         kubectl_apply(c, queued_job(second, ns, queue), check=True)
         waiting = wait_for("the second job waiting for quota, in Kueue's words", lambda: (

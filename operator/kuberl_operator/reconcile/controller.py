@@ -2,7 +2,7 @@
 
 Shape of a pass (every trigger runs the same one): read the RLJob -> observe its children ->
 `status.decide` (validate, compare, decide; pure) -> execute the actions (render + adopt +
-create-or-patch, or delete) -> one status patch -> Events -> metrics.
+server-side apply, or delete) -> one status patch -> Events -> metrics.
 
 Triggers: RLJob watch events, RayJob watch events (by the kuberl.dev/rljob label), a wake-up
 at the time the decision says something will expire (heartbeat, head grace, deadline, TTL), a
@@ -185,7 +185,7 @@ class Controller:
 
     async def _create_attempt(self, body: Mapping[str, Any], job: RLJob,
                               action: CreateAttempt) -> None:
-        """Render every child, adopt it, create-or-patch it; the RayJob comes last."""
+        """Render every child, adopt it, apply it (server-side); the RayJob comes last."""
         for child in render_children(job, action.attempt):
             obj = adopt(child, body)
             if obj.get("kind") == "RayJob":

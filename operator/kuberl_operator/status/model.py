@@ -45,7 +45,7 @@ class Tunables:
 
 @dataclass(frozen=True)
 class CreateAttempt:
-    """Create-or-patch all children, with the RayJob of this attempt."""
+    """Apply all children (server-side apply), with the RayJob of this attempt."""
 
     attempt: int
     restarts: int
