@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 from collections.abc import Callable, Iterator
@@ -303,8 +304,11 @@ def test_prometheus_evaluates_the_rules_and_fires_on_engine_restarts(
                       detail=lambda: json.dumps(prom.rules(), indent=1))
     assert [(a["labels"]["namespace"], a["labels"]["rljob"], a["labels"]["severity"])
             for a in alerts] == [(ns, job, "warning")], alerts
-    assert alerts[0]["annotations"]["summary"] == (
-        f"RLJob {ns}/{job} replaced {ENGINE_RESTARTS} engines in the last hour.")
+    # increase() extrapolates a counter's few samples to the window's edges: at least the
+    # restarts recorded (the exact number depends on when the samples fell).
+    summary = alerts[0]["annotations"]["summary"]
+    said = re.fullmatch(rf"RLJob {ns}/{job} replaced (\d+) engines in the last hour\.", summary)
+    assert said is not None and int(said.group(1)) >= ENGINE_RESTARTS, summary
     # Nothing else fires for a job that is a minute old (the failing one aside).
     others = [(r["name"], a["labels"]) for r in prom.rules() if r["name"] not in (
         "KuberlEngineRestartsClimbing",) for a in r.get("alerts", [])
