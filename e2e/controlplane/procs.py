@@ -10,6 +10,10 @@ import socket
 import subprocess
 from pathlib import Path
 
+from kuberl_cli.graceful_stop import process_alive as pid_alive  # (zombies count as gone)
+
+__all__ = ["free_ports", "niceness", "pid_alive", "pid_runs", "set_pdeathsig", "terminate"]
+
 
 def terminate(proc: subprocess.Popen[bytes], grace: float = 10) -> None:
     """SIGTERM a child we started, SIGKILL it after `grace` s; wait for it either way."""
@@ -46,21 +50,6 @@ def set_pdeathsig() -> None:
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not yet reaped by its parent) is not running.
-    with contextlib.suppress(OSError):
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        if stat.rsplit(")", 1)[1].split()[0] == "Z":
-            return False
-    return True
 
 
 def pid_runs(pid: int, binary: str) -> bool:

@@ -30,7 +30,7 @@ HEAD_HOST_ENV = "FQ_RAY_IP"
 CLOSED_AFTER = 2
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """The process runs (a zombie has exited: its parent has not reaped it yet)."""
     try:
         os.kill(pid, 0)
@@ -66,7 +66,7 @@ def stop_head(within: float, pid_file: str | Path = runtime.DRIVER_PID_FILE) -> 
         return 0
     print(f"graceful-stop: asked the driver (pid {pid}) to save and stop; waiting up to "
           f"{within:.0f}s", file=sys.stderr)
-    if not _wait(lambda: not _alive(pid), within):
+    if not _wait(lambda: not process_alive(pid), within):
         print("graceful-stop: the driver is still saving as the grace period ends",
               file=sys.stderr)
     return 0
