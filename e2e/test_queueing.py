@@ -18,7 +18,7 @@ import pytest
 from cluster import Cluster
 from polling import wait_for
 from prometheus import Prometheus
-from queues import QUEUE_LABEL, delete, make_queues, workload_of
+from queues import QUEUE_LABEL, Queues, delete, make_queues, workload_of
 from rljobs import JobWatch, Operator, condition, cpu_job, kubectl_apply, table_row, unique
 from test_lifecycle import (
     KUBERAY,
@@ -69,6 +69,12 @@ def in_prometheus(prom: Prometheus, query: str) -> bool:
 
 def phase_column(c: Cluster, ns: str, job: str) -> str:
     return str(table_row(c.kubectl("get", "rljob", job, "-n", ns).stdout.splitlines())["PHASE"])
+
+
+def delete_queues(c: Cluster, queues: Queues) -> None:
+    delete(c, {"kind": "LocalQueue", "metadata": {"name": queues.local_queue,
+                                                  "namespace": queues.namespace}})
+    delete(c, {"kind": "ClusterQueue", "metadata": {"name": queues.cluster_queue}})
 
 
 def managers(c: Cluster, kind: str, ns: str, name: str) -> list[dict[str, Any]]:
@@ -148,9 +154,7 @@ def test_a_job_waits_in_the_queue_until_the_quota_frees(
     finally:
         for w in (w1, w2, w3):
             w.delete_and_wait_gc()
-        delete(c, {"kind": "LocalQueue", "metadata": {"name": queues.local_queue,
-                                                      "namespace": ns}})
-        delete(c, {"kind": "ClusterQueue", "metadata": {"name": queues.cluster_queue}})
+        delete_queues(c, queues)
 
 
 def test_a_preempted_job_resumes_without_counting_a_restart(
@@ -218,8 +222,6 @@ def test_a_preempted_job_resumes_without_counting_a_restart(
     finally:
         for w in (wl, wh):
             w.delete_and_wait_gc()
-        delete(c, {"kind": "LocalQueue", "metadata": {"name": queues.local_queue,
-                                                      "namespace": ns}})
-        delete(c, {"kind": "ClusterQueue", "metadata": {"name": queues.cluster_queue}})
+        delete_queues(c, queues)
         for name in classes:
             c.kubectl("delete", "priorityclass", name, "--ignore-not-found")

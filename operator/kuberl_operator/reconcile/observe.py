@@ -44,7 +44,10 @@ async def observe(kube: Kube, job: Mapping[str, Any]) -> Observed:
     workload = None
     if scheduling.get("queueName") and current is not None:
         workload = await _workload(kube, namespace, str(current["metadata"].get("uid")))
-    missing = await _missing_priority_class(kube, scheduling.get("priorityClassName"))
+    # Only a pass that may create an attempt reads it (not every pass of a running job).
+    creating = current is None or bool((current.get("metadata") or {}).get("deletionTimestamp"))
+    missing = (await _missing_priority_class(kube, scheduling.get("priorityClassName"))
+               if creating else None)
     return Observed(rayjobs=rayjobs, raycluster=cluster, workload=workload,
                     priority_class_problem=missing, pods=tuple(pods))
 
