@@ -50,9 +50,12 @@ integration: $(STAMP)
 
 # A real local control plane (e2e/README.md): binaries built once per version and cached under
 # ~/.cache/kuberl/e2e (cold: ~13 min on 2 cores), then a no-op; the tests start their own.
+# The tier runs twice: on the oldest and on the newest supported KubeRay (e2e/versions.env).
 e2e: $(STAMP)
 	$(BIN)/python e2e/cluster.py build
+	KUBERL_E2E_KUBERAY=newest $(BIN)/python e2e/cluster.py build kuberay
 	$(BIN)/pytest -q -m e2e e2e
+	KUBERL_E2E_KUBERAY=newest $(BIN)/pytest -q -m e2e e2e
 
 # The same control plane for manual use: prints the KUBECONFIG (and PATH) lines to export.
 cluster-up: $(STAMP)

@@ -17,6 +17,12 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=versions.env
 . "$here/versions.env"
+# Which supported KubeRay to build (e2e/controlplane/versions.py reads the same override).
+case ${KUBERL_E2E_KUBERAY:-} in
+  "") ;;
+  newest) KUBERAY_VERSION=$KUBERAY_NEWEST_VERSION ;;
+  *) KUBERAY_VERSION=$KUBERL_E2E_KUBERAY ;;
+esac
 
 CACHE_ROOT=${KUBERL_E2E_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kuberl/e2e}
 NICE_LEVEL=${KUBERL_E2E_NICE:-19}  # 0: don't nice
@@ -177,7 +183,12 @@ build_one() {
   mkdir -p "$tmp/mod" "$tmp/out"
   log "$c $v: building (log: $tmp/build.log)"
   t0=$(date +%s)
-  "build_$c" "$tmp/mod" "$tmp/out" >"$tmp/build.log" 2>&1 || rc=$?
+  # Not `build_$c || rc=$?`: errexit is off inside a function called from an || list, so a
+  # failed step would go unnoticed and a half-made build would be cached as done.
+  set +e
+  (set -e; "build_$c" "$tmp/mod" "$tmp/out") >"$tmp/build.log" 2>&1
+  rc=$?
+  set -e
   if (( rc != 0 )); then
     tail -n 40 "$tmp/build.log" >&2
     log "$c $v: FAILED (exit $rc); kept $tmp for inspection"

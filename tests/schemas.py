@@ -5,7 +5,7 @@
   an unknown field is an error, as it is for `kubectl apply` (server-side strict field
   validation) instead of being silently dropped.
 - RayJobs against the openAPIV3Schema of KubeRay's own CRD, taken from the KubeRay Go module of
-  the version pinned in e2e/versions.env (found with `go mod download -json`). CRD schemas are
+  each supported version in e2e/versions.env (the oldest and the newest) (found with `go mod download -json`). CRD schemas are
   OpenAPI v3.0 with Kubernetes extensions, so they are translated first (see `crd_to_jsonschema`)
   and checked with a Draft 4 validator, the JSON Schema draft OpenAPI 3.0 is based on.
 
@@ -58,6 +58,12 @@ def versions() -> dict[str, str]:
 
 def kuberay_version() -> str:
     return versions()["KUBERAY_VERSION"]
+
+
+def kuberay_versions() -> list[str]:
+    """Every supported KubeRay release the renderers must satisfy: the oldest and the newest."""
+    v = versions()
+    return sorted({v["KUBERAY_VERSION"], v["KUBERAY_NEWEST_VERSION"]})
 
 
 @functools.cache
@@ -167,6 +173,7 @@ def validate_rayjob(obj: Obj, version: str | None = None) -> None:
 
 def validate(obj: Obj) -> None:
     if obj["apiVersion"] == "ray.io/v1" and obj["kind"] == "RayJob":
-        validate_rayjob(obj)
+        for version in kuberay_versions():
+            validate_rayjob(obj, version)
     else:
         validate_core(obj)

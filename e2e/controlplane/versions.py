@@ -38,13 +38,26 @@ BINARIES = {
 
 
 def read_versions(path: Path = VERSIONS_FILE) -> dict[str, str]:
+    """versions.env, with KUBERAY_VERSION set to the KubeRay this run uses (see kuberay_pick)."""
     out: dict[str, str] = {}
     for raw in path.read_text().splitlines():
         line = raw.strip()
         if line and not line.startswith("#") and "=" in line:
             key, _, value = line.partition("=")
             out[key.strip()] = value.strip().strip("'\"")
+    out["KUBERAY_VERSION"] = kuberay_pick(out, os.environ.get(KUBERAY_PICK, ""))
     return out
+
+
+# KUBERL_E2E_KUBERAY=newest (or an exact version) runs the local cluster on that KubeRay rather
+# than the oldest supported one; e2e/build.sh reads the same variable.
+KUBERAY_PICK = "KUBERL_E2E_KUBERAY"
+
+
+def kuberay_pick(versions: Mapping[str, str], pick: str) -> str:
+    if pick == "newest":
+        return versions["KUBERAY_NEWEST_VERSION"]
+    return pick or versions["KUBERAY_VERSION"]
 
 
 def cache_root() -> Path:

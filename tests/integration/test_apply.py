@@ -93,12 +93,13 @@ async def test_existing_rayjobs_suspend_is_left_to_kueue(k8s: Emulator, kube: Ku
 async def test_children_are_applied_and_keep_other_managers_fields(k8s: Emulator,
                                                                     kube: Kube) -> None:
     owner = await create(k8s, RLJOBS, manifest("sa"))
-    await apply(kube, configmap(owner, "v1"))
+    await apply(kube, configmap(owner, "v1"))  # new: one POST, no read before it
     (first,) = writes(k8s, CONFIGMAPS, "sa-job")
-    assert first.method == "PATCH" and first.headers["Content-Type"].startswith(APPLY_PATCH)
+    assert first.method == "POST" and first.params["fieldManager"] == FIELD_MANAGER
+    assert not [r for r in k8s if r.method == "GET" and r.name == "sa-job"]
     stored = get(k8s, CONFIGMAPS, NS, "sa-job") or {}
     assert stored["data"] == {"job.yaml": "v1"}
-    assert managers(stored) == {(FIELD_MANAGER, "Apply")}
+    assert managers(stored) == {(FIELD_MANAGER, "Update")}
     assert stored["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
 
     # Another controller labels it; someone edits our field. A re-apply restores ours (force)
@@ -107,11 +108,14 @@ async def test_children_are_applied_and_keep_other_managers_fields(k8s: Emulator
                            json={"metadata": {"labels": {"team": "a"}},
                                  "data": {"job.yaml": "edited"}})
     assert resp.status == 200, await resp.text()
-    await apply(kube, configmap(owner, "v2"))
+    await apply(kube, configmap(owner, "v2"))  # exists: server-side apply, forced
     stored = get(k8s, CONFIGMAPS, NS, "sa-job") or {}
     assert stored["data"] == {"job.yaml": "v2"}
     assert stored["metadata"]["labels"] == {"kuberl.dev/rljob": "sa", "team": "a"}
-    sent = json.loads(writes(k8s, CONFIGMAPS, "sa-job")[-1].text)  # as sent, not as stored
+    last = writes(k8s, CONFIGMAPS, "sa-job")[-1]
+    assert last.method == "PATCH" and last.headers["Content-Type"].startswith(APPLY_PATCH)
+    assert (FIELD_MANAGER, "Apply") in managers(stored)
+    sent = json.loads(last.text)  # as sent, not as stored
     assert sorted(sent["metadata"]) == ["labels", "name", "namespace", "ownerReferences"]
 
 

@@ -1,5 +1,5 @@
 """Rendered objects validate against the schemas the API server will use: Kubernetes' own
-(for core objects and every pod template) and KubeRay's RayJob CRD of the pinned version."""
+(for core objects and every pod template) and KubeRay's RayJob CRD of each supported version."""
 
 from __future__ import annotations
 
@@ -45,6 +45,18 @@ def test_other_layouts_render_schema_valid(make_rljob: MakeJob, name: str) -> No
 
 def test_versions_env_pins_kuberay() -> None:
     assert schemas.kuberay_version() == "v1.5.0"
+    assert schemas.kuberay_versions() == ["v1.5.0", "v1.6.1"]
+
+
+@pytest.mark.parametrize("version", schemas.kuberay_versions())
+def test_each_supported_kuberay_refuses_a_typo(rendered: list[Obj], version: str) -> None:
+    """validate() checks a RayJob against every supported release's CRD, each of them able to
+    fail on its own."""
+    rayjob = _rayjob(rendered)
+    schemas.validate_rayjob(rayjob, version)
+    rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParam"] = {}
+    with pytest.raises(schemas.SchemaViolation, match="rayStartParam"):
+        schemas.validate_rayjob(rayjob, version)
 
 
 # --- the checks themselves catch mistakes ---------------------------------------------------

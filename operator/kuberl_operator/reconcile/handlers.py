@@ -87,6 +87,9 @@ def register(registry: kopf.OperatorRegistry, config: Config, metrics: Metrics) 
     @kopf.on.event("ray.io", "v1", "rayjobs", labels={names.LABEL_JOB: kopf.PRESENT},
                    registry=registry)
     async def rayjob_event(body: kopf.Body, **_: Any) -> None:
+        if controller().echoes_own_child(str(body.metadata.namespace), str(body.metadata.name),
+                                         body.metadata.get("resourceVersion")):
+            return
         child_changed(body)
 
     # KubeRay copies the RayJob's labels onto the RayCluster it makes: ClusterReady follows the
