@@ -288,8 +288,9 @@ class JobWatch:
     def delete_and_wait_gc(self, timeout: float = 90) -> float:
         """Delete the RLJob; the garbage collector removes every child, the RayJobs'
         RayClusters and their pods. Returns the seconds GC took."""
+        # (not found: a test that failed before creating it; its cleanup must not hide that)
         self.c.kubectl("delete", "rljob", self.job, "-n", self.ns, "--wait=true",
-                       "--timeout=60s")
+                       "--timeout=60s", "--ignore-not-found")
         t0 = time.monotonic()
 
         def leftovers() -> list[str]:
@@ -308,3 +309,22 @@ class JobWatch:
         wait_for(f"garbage collection of everything RLJob {self.job} owned",
                  lambda: not leftovers(), timeout=timeout, detail=lambda: f"left: {leftovers()}")
         return time.monotonic() - t0
+
+
+def wait_phase(w: JobWatch, phase: str, timeout: float = 60) -> dict[str, Any]:
+    found: dict[str, Any] = wait_for(f"RLJob {w.job} phase {phase}", lambda: (
+        st := w.status()).get("phase") == phase and st, timeout=timeout, detail=w.detail)
+    return found
+
+
+def event_reasons(c: Cluster, ns: str, job: str) -> list[str]:
+    return [e["reason"] for e in events_for(c.api(), ns, job)]
+
+
+def provisioned(w: JobWatch, attempt: int) -> None:
+    """KubeRay brought attempt `attempt`'s cluster up and started its submitter."""
+    w.wait_raycluster_ready(attempt)
+    wait_for(f"ClusterReady=True for attempt {attempt}", lambda: condition(
+        w.get(), "ClusterReady").get("status") == "True" and w.status().get(
+        "rayJobName") == names.rayjob(w.job, attempt), timeout=60, detail=w.detail)
+    w.wait_submitted(attempt)

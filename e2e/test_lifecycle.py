@@ -19,9 +19,7 @@ import json
 import signal
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import pytest
 from cluster import Cluster
@@ -35,18 +33,20 @@ from rljobs import (
     Operator,
     condition,
     cpu_job,
+    event_reasons,
     events_for,
     kubectl_apply,
+    provisioned,
     table_row,
+    wait_phase,
 )
+from stand_in import KUBERAY, dashboard_says, head_reporter
 
 from kuberl_operator.render import names
 from kuberl_operator.status import ANNOTATION_RESTARTS
-from kuberl_trainer.reporter import StatusReporter
 
 pytestmark = pytest.mark.e2e
 
-KUBERAY = "kuberay-operator"
 HEARTBEAT_TIMEOUT = 30  # the CRD's minimum heartbeatTimeoutSeconds
 
 
@@ -59,45 +59,6 @@ def prometheus(operator: Operator,
         yield prom
 
 
-def iso(t: datetime) -> str:
-    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def dashboard_says(c: Cluster, ns: str, rayjob: str, job_status: str, **extra: Any) -> None:
-    """Write the RayJob status KubeRay writes when the Ray dashboard reports `job_status` for
-    its job (ray-operator/controllers/ray/rayjob_controller.go: jobStatus, jobDeploymentStatus
-    Complete/Failed for terminal states, rayJobInfo times, endTime)."""
-    now = datetime.now(UTC)
-    status: dict[str, Any] = {"jobStatus": job_status, "jobId": f"{rayjob}-id"}
-    info: dict[str, Any] = {"startTime": iso(extra.pop("started", now))}
-    if job_status == "RUNNING":
-        status["message"] = "Job is currently running."
-    elif job_status == "SUCCEEDED":
-        status.update(jobDeploymentStatus="Complete", endTime=iso(now),
-                      message="Job finished successfully.")
-        info["endTime"] = iso(now)
-    elif job_status in ("FAILED", "STOPPED"):
-        status.update(jobDeploymentStatus="Failed" if job_status == "FAILED" else "Complete",
-                      endTime=iso(now), message=extra.pop(
-                          "message", "Job entrypoint command failed with exit code 1"))
-        if job_status == "FAILED":
-            status["reason"] = "AppFailed"
-        info["endTime"] = iso(now)
-    status["rayJobInfo"] = info
-    status.update(extra)
-    c.kubectl("patch", "rayjob", rayjob, "-n", ns, "--subresource=status", "--type=merge",
-              "-p", json.dumps({"status": status}))
-
-
-def head_reporter(c: Cluster, ns: str, job: str) -> StatusReporter:
-    """The trainer's reporter, logged in as the head pod would be (its ServiceAccount)."""
-    wait_for("the head ServiceAccount", lambda: c.kubectl(
-        "get", "serviceaccount", names.service_account(job), "-n", ns, check=False
-    ).returncode == 0)
-    token = c.kubectl("create", "token", names.service_account(job), "-n", ns).stdout.strip()
-    return StatusReporter(c.server, token, ns, job, ca_file=str(c.state_dir / "pki" / "ca.crt"))
-
-
 def phase_in_prometheus(prom: Prometheus, ns: str, job: str) -> str | None:
     """The phase whose kuberl_rljob_status_phase series is 1, as a dashboard would query it."""
     found = prom.query(f'kuberl_rljob_status_phase{{namespace="{ns}",name="{job}"}} == 1')
@@ -106,29 +67,10 @@ def phase_in_prometheus(prom: Prometheus, ns: str, job: str) -> str | None:
     return phases.pop() if phases else None
 
 
-def wait_phase(w: JobWatch, phase: str, timeout: float = 60) -> dict[str, Any]:
-    found: dict[str, Any] = wait_for(f"RLJob {w.job} phase {phase}", lambda: (
-        st := w.status()).get("phase") == phase and st, timeout=timeout, detail=w.detail)
-    return found
-
-
 def wait_prometheus_phase(prom: Prometheus, w: JobWatch, phase: str) -> None:
     wait_for(f"Prometheus: RLJob {w.job} phase {phase}",
              lambda: phase_in_prometheus(prom, w.ns, w.job) == phase, timeout=30,
              detail=prom.tail)
-
-
-def event_reasons(c: Cluster, ns: str, job: str) -> list[str]:
-    return [e["reason"] for e in events_for(c.api(), ns, job)]
-
-
-def provisioned(w: JobWatch, attempt: int) -> None:
-    """KubeRay brought attempt `attempt`'s cluster up and started its submitter."""
-    w.wait_raycluster_ready(attempt)
-    wait_for(f"ClusterReady=True for attempt {attempt}", lambda: condition(
-        w.get(), "ClusterReady").get("status") == "True" and w.status().get(
-        "rayJobName") == names.rayjob(w.job, attempt), timeout=60, detail=w.detail)
-    w.wait_submitted(attempt)
 
 
 # ------------------------------------------------------------------ training to the end

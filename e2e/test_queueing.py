@@ -19,15 +19,19 @@ from cluster import Cluster
 from polling import wait_for
 from prometheus import Prometheus
 from queues import QUEUE_LABEL, Queues, delete, make_queues, workload_of
-from rljobs import JobWatch, Operator, condition, cpu_job, kubectl_apply, table_row, unique
-from test_lifecycle import (
-    KUBERAY,
-    dashboard_says,
+from rljobs import (
+    JobWatch,
+    Operator,
+    condition,
+    cpu_job,
     event_reasons,
-    head_reporter,
+    kubectl_apply,
     provisioned,
+    table_row,
+    unique,
     wait_phase,
 )
+from stand_in import KUBERAY, dashboard_says, head_reporter
 
 from kuberl_api import parse
 from kuberl_operator.render import names, render_children
@@ -87,7 +91,7 @@ def managers(c: Cluster, kind: str, ns: str, name: str) -> list[dict[str, Any]]:
 def assert_kueue_owns_suspend(c: Cluster, ns: str, rayjob: str) -> None:
     """Server-side apply as kuberl-operator: Kueue unsuspended the operator's RayJob and owns
     `spec.suspend` now; no Apply of the operator's claims it (a re-apply would fight Kueue),
-    and the operator's other children are its Apply's."""
+    and the operator's other children's fields are its own (created by its POST)."""
     # (Kueue's false is the field's zero value: Go's JSON leaves it out)
     wait_for(f"RayJob {rayjob} unsuspended", lambda: not json.loads(c.kubectl(
         "get", "rayjob", rayjob, "-n", ns, "-o", "json").stdout)["spec"].get("suspend"))
@@ -101,7 +105,7 @@ def assert_kueue_owns_suspend(c: Cluster, ns: str, rayjob: str) -> None:
         "f:spec", {})]
     assert "kuberl-operator" not in owners, owners
     config = managers(c, "configmap", ns, names.configmap(rayjob.rsplit("-r", 1)[0]))
-    assert any(e["manager"] == "kuberl-operator" and e["operation"] == "Apply"
+    assert any(e["manager"] == "kuberl-operator" and "f:data" in e.get("fieldsV1", {})
                for e in config), config
 
 
