@@ -24,7 +24,7 @@ from typing import Any
 from kuberl_api import RLJob
 from kuberl_operator.metrics import Metrics
 from kuberl_operator.reconcile.children import adopt, apply
-from kuberl_operator.reconcile.kube import EVENT, RAYJOB, RLJOB, Kube
+from kuberl_operator.reconcile.kube import CONCURRENCY, EVENT, RAYJOB, RLJOB, Kube
 from kuberl_operator.reconcile.observe import observe
 from kuberl_operator.render import names, render_children
 from kuberl_operator.settings import Config
@@ -42,6 +42,11 @@ from kuberl_operator.status import (
 )
 
 Key = tuple[str, str]  # (namespace, name)
+# Passes in flight at once: as many as the API client has threads. With more, each pass's calls
+# queue behind every other pass's in the client's FIFO, so in a burst of N new RLJobs every one
+# finishes about as late as the last (and all N passes hold their state at once); with this
+# many, they finish in the order they came.
+PASSES_IN_FLIGHT = CONCURRENCY
 COMPONENT = names.MANAGER
 MAX_EVENT_MESSAGE = 1024
 
@@ -68,6 +73,7 @@ class Controller:
         # (namespace, RayJob name) -> the resourceVersion our create returned (see _after_create).
         self._created: dict[Key, str] = {}
         self._instance = socket.gethostname()
+        self._slots = asyncio.Semaphore(PASSES_IN_FLIGHT)
 
     # ---------------------------------------------------------------- triggers
 
@@ -82,8 +88,9 @@ class Controller:
             return
         self._waiting.add(key)
         lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            self._waiting.discard(key)
+        async with lock, self._slots:
+            self._waiting.discard(key)  # (only now: a trigger while it waited for a slot
+            # is served by this pass, which has not read anything yet)
             started = time.monotonic()
             try:
                 await self._pass(key)
