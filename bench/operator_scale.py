@@ -101,13 +101,14 @@ class Client:
             self.conn.close()
             self.conn = None
 
-    def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    def request(self, method: str, path: str, body: Any = None,
+                content_type: str = "application/json") -> tuple[int, Any]:
         data = None if body is None else json.dumps(body)
         for attempt in range(3):
             conn = self.connect()
             try:
                 conn.request(method, path, body=data, headers={
-                    "Content-Type": "application/json", "Accept": "application/json"})
+                    "Content-Type": content_type, "Accept": "application/json"})
                 resp = conn.getresponse()
                 raw = resp.read()
             except (OSError, http.client.HTTPException):
@@ -417,11 +418,35 @@ class Result:
     log_warnings: int
 
 
+def profile_apiserver(cluster: Cluster, args: argparse.Namespace, n: int,
+                      say: Callable[[str], None]) -> threading.Thread | None:
+    """With --profile-seconds: kube-apiserver's own CPU profile (its /debug/pprof, on by
+    default) over the start of the burst, saved for `go tool pprof` (where its CPU goes)."""
+    if not args.profile_seconds:
+        return None
+    out = Path(args.state_dir) / f"apiserver-cpu-{n}.pprof"
+
+    def run() -> None:
+        client = Client(cluster, timeout=args.profile_seconds + 30)
+        conn = client.connect()
+        conn.request("GET", f"/debug/pprof/profile?seconds={args.profile_seconds:.0f}")
+        resp = conn.getresponse()
+        out.write_bytes(resp.read())
+        client.close()
+        say(f"  kube-apiserver CPU profile ({resp.status}): go tool pprof -top {out}")
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
 def run_size(cluster: Cluster, n: int, args: argparse.Namespace, pids: dict[str, int],
              say: Callable[[str], None]) -> Result:
     kinds = {**CHILDREN, **(KUBERAY_CHILDREN if args.kuberay == "on" else {})}
     with namespace(cluster, f"scale{n}") as ns:
         log = Path(args.state_dir) / f"operator-{n}.log"
+        for stale in (log, log.with_suffix(".kubeconfig")):  # an earlier run's, kept (--keep)
+            stale.unlink(missing_ok=True)
         op = ChartOperator(cluster, ns, log)
         op.start()
         atexit.register(op.stop)  # also when this script fails: no operator left behind
@@ -440,12 +465,15 @@ def run_size(cluster: Cluster, n: int, args: argparse.Namespace, pids: dict[str,
         time.sleep(2)  # the watches are open; the operator's idle CPU settles
         m0, cpu0 = scrape(op), sampler.cpu()
         say(f"{n} RLJobs in namespace {ns}: creating with {args.clients} clients")
+        profiler = profile_apiserver(cluster, args, n, say)
         t0 = time.monotonic()
         names = create_burst(cluster, ns, n, args.clients, seen)
         burst = time.monotonic() - t0
         say(f"  created in {burst:.1f} s")
         complete = wait_all(seen, names, args.timeout, say)
         done = time.monotonic() - t0
+        if profiler is not None:
+            profiler.join()
         m1, cpu1 = scrape(op), sampler.cpu()
         say(f"  {'all' if complete else 'NOT all'} RayJobs and Accepted after {done:.1f} s; "
             f"settling {args.settle:.0f} s (one resync of every job)")
@@ -621,6 +649,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the control plane, logs and operator logs go (default: a "
                    "fresh dir under /tmp)")
     p.add_argument("--keep", action="store_true", help="keep the state dir (logs) afterwards")
+    p.add_argument("--profile-seconds", type=float, default=0,
+                   help="also take kube-apiserver's CPU profile over the first S seconds of "
+                   "each burst (into the state dir)")
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.jobs.split(",")]
     if args.state_dir is None:

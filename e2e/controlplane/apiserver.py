@@ -37,7 +37,8 @@ def start(boot: Boot) -> None:
         # 1.37's endpoint reconciler refuses a loopback advertise address: no endpoints
         # for the `kubernetes` Service (nothing in this cluster runs code that would use it).
         "--endpoint-reconciler-type=none",
-        "--allow-privileged=true", "--profiling=false", "--v=1"])
+        # /debug/pprof (admin only; the default): bench/operator_scale.py --profile-seconds.
+        "--allow-privileged=true", "--profiling=true", "--v=1"])
     boot.wait_for("kube-apiserver", "/readyz", c.api().readyz)
     write_kubeconfig(c.kubeconfig, c.server, pki / "ca.crt", "kuberl-e2e-admin",
                      cert=pki / "admin.crt", key=pki / "admin.key")

@@ -2,12 +2,15 @@
 
 Shape of a pass (every trigger runs the same one): read the RLJob -> observe its children ->
 `status.decide` (validate, compare, decide; pure) -> execute the actions (render + adopt +
-server-side apply, or delete) -> one status patch -> Events -> metrics.
+create or apply, or delete; after creating an attempt, decide again with its RayJob in view)
+-> one status patch -> Events -> metrics.
 
-Triggers: RLJob watch events, RayJob watch events (by the kuberl.dev/rljob label), a wake-up
+Triggers: RLJob and RayJob/RayCluster watch events (by the kuberl.dev/rljob label; not the
+echoes of our own status patch or RayJob create), a wake-up
 at the time the decision says something will expire (heartbeat, head grace, deadline, TTL), a
 retry after an error, and a periodic resync of every known RLJob. Passes for one RLJob never
-overlap (a lock per object), and a burst of triggers collapses into one extra pass.
+overlap (a lock per object), a burst of triggers collapses into one extra pass, and at most
+PASSES_IN_FLIGHT passes run at once.
 """
 
 from __future__ import annotations
