@@ -45,7 +45,7 @@ def test_other_layouts_render_schema_valid(make_rljob: MakeJob, name: str) -> No
 
 def test_versions_env_pins_kuberay() -> None:
     assert schemas.kuberay_version() == "v1.5.0"
-    assert schemas.kuberay_versions() == ["v1.5.0", "v1.6.1"]
+    assert schemas.kuberay_versions() == ["v1.5.0", "v1.6.2"]
 
 
 @pytest.mark.parametrize("version", schemas.kuberay_versions())

@@ -1,4 +1,13 @@
-"""The KubeRay RayJob (ray.io/v1, KubeRay v1.5) that runs one attempt of an RLJob."""
+"""The KubeRay RayJob (ray.io/v1) that runs one attempt of an RLJob.
+
+Supported KubeRay: v1.5.0 (the oldest: `resources` on worker groups is new in it) through the
+newest in e2e/versions.env; the unit tier validates every render against both CRDs and the
+e2e tier runs on both. Between them KubeRay only added fields kuberl does not set (v1.6:
+`preRunningDeadlineSeconds`, `authOptions`, `upgradeStrategy`, deletion rules by deployment
+status; v1.7, checked once against its CRD: network policies, TLS, history server, worker
+group `priority`), so nothing here differs by version. Anything that comes to differ goes here,
+keyed by the version the operator is told it runs against.
+"""
 
 from __future__ import annotations
 
