@@ -128,10 +128,12 @@ class Operator:
 
     RELEASE = "kuberl"  # the chart names its ServiceAccount after the release
 
-    def __init__(self, cluster: Cluster, ns: str, log: Path) -> None:
+    def __init__(self, cluster: Cluster, ns: str, log: Path,
+                 resync_seconds: float = RESYNC_SECONDS) -> None:
         self.cluster = cluster
         self.ns = ns
         self.log = log
+        self.resync_seconds = resync_seconds
         self.metrics_port = free_port()
         self.health_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -159,7 +161,7 @@ class Operator:
         args = [sys.executable, "-m", "kuberl_operator", "-n", self.ns, "-v", "--no-scanning",
                 "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port),
                 "--health-port", str(self.health_port),
-                "--resync-seconds", str(RESYNC_SECONDS), "--error-backoff-seconds", "1"]
+                "--resync-seconds", str(self.resync_seconds), "--error-backoff-seconds", "1"]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
                                          cwd=ROOT)

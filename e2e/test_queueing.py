@@ -18,7 +18,15 @@ import pytest
 from cluster import Cluster
 from polling import wait_for
 from prometheus import Prometheus
-from queues import QUEUE_LABEL, Queues, delete, make_queues, workload_of
+from queues import (
+    QUEUE_LABEL,
+    Queues,
+    create,
+    delete,
+    local_queue,
+    make_queues,
+    workload_of,
+)
 from rljobs import (
     JobWatch,
     Operator,
@@ -40,6 +48,21 @@ pytestmark = pytest.mark.e2e
 
 # KubeRay's default submitter pod (common/job.go) requests half a CPU: Kueue counts it too.
 SUBMITTER_CPU = 1
+
+
+@pytest.fixture(scope="module")
+def operator(k8s_cluster: Cluster, operator_ns: str,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    """The operator with an hour between resyncs (the other modules' is 1 s): what a queued
+    job shows must come from its watches (RLJobs, RayJobs, RayClusters, Kueue's Workloads:
+    Kueue's pending message changes no RayJob), as it does with the chart's 30 s."""
+    op = Operator(k8s_cluster, operator_ns,
+                  tmp_path_factory.mktemp("operator") / "operator.log", resync_seconds=3600)
+    try:
+        op.start()
+        yield op
+    finally:
+        op.stop()
 
 
 @pytest.fixture(scope="module")
@@ -112,10 +135,12 @@ def assert_kueue_owns_suspend(c: Cluster, ns: str, rayjob: str) -> None:
 def test_a_job_waits_in_the_queue_until_the_quota_frees(
         kueue: Cluster, operator: Operator, operator_ns: str, prometheus: Prometheus) -> None:
     """The ClusterQueue fits one job: the second waits Pending with Queued=True and Kueue's
-    reason, and starts once the first has finished; an unknown LocalQueue is named."""
+    reason, and starts once the first has finished; an unknown LocalQueue is named,
+    and once created, Kueue's next reason shows."""
     c, ns = kueue, operator_ns
     queue = unique("one-job")
     first, second, lost = "q-first", "q-second", "q-lost"
+    late_queue = unique("late")  # named by q-lost before it exists
     cpu = job_cpu(queued_job(first, ns, queue)) + SUBMITTER_CPU
     queues = make_queues(c, ns, queue, gpu=0, cpu=cpu, memory="1Ti")
     w1, w2 = JobWatch(c, operator, ns, first), JobWatch(c, operator, ns, second)
@@ -139,11 +164,17 @@ def test_a_job_waits_in_the_queue_until_the_quota_frees(
             prometheus, f'kuberl_rljob_condition{{namespace="{ns}",name="{second}",'
             'type="Queued",status="True"} == 1'), timeout=30, detail=prometheus.tail)
 
-        kubectl_apply(c, queued_job(lost, ns, "no-such-queue"), check=True)
-        nowhere = wait_for("the unknown LocalQueue named", lambda: "no-such-queue" in (
+        kubectl_apply(c, queued_job(lost, ns, late_queue), check=True)
+        nowhere = wait_for("the unknown LocalQueue named", lambda: late_queue in (
             q := condition(w3.get(), "Queued")).get("message", "") and q, timeout=60,
             detail=w3.detail)
         assert nowhere["status"] == "True", nowhere
+        # The user creates the queue: Kueue's verdict on the Workload changes (now the quota
+        # is what is missing); the operator's resync is an hour away here, so its watches
+        # (Workloads; RayJobs, which Kueue may touch too) must bring Kueue's new words.
+        create(c, local_queue(ns, late_queue, queues.cluster_queue))
+        wait_for("Kueue's new reason once the queue exists", lambda: "insufficient" in (
+            condition(w3.get(), "Queued")).get("message", ""), timeout=60, detail=w3.detail)
 
         provisioned(w1, 0)
         with c.paused(KUBERAY):
@@ -158,6 +189,7 @@ def test_a_job_waits_in_the_queue_until_the_quota_frees(
     finally:
         for w in (w1, w2, w3):
             w.delete_and_wait_gc()
+        delete(c, local_queue(ns, late_queue, queues.cluster_queue))
         delete_queues(c, queues)
 
 

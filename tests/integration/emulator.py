@@ -273,10 +273,12 @@ _VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
 
 
 def declare_resources(emu: kmock.KubernetesEmulator) -> None:
-    """Builtins (incl. kopf's backbone: namespaces, CRDs, events) and our custom resources."""
+    """Builtins (incl. kopf's backbone: namespaces, CRDs, events), our custom resources, and
+    the ones we watch: KubeRay's, Kueue's Workloads."""
     emu.resources.load_bundled()
     for key, kind in (("kuberl.dev/v1alpha1/rljobs", "RLJob"), ("ray.io/v1/rayjobs", "RayJob"),
-                      ("ray.io/v1/rayclusters", "RayCluster")):
+                      ("ray.io/v1/rayclusters", "RayCluster"),
+                      ("kueue.x-k8s.io/v1beta2/workloads", "Workload")):
         emu.resources[key] = kmock.ResourceInfo(kind=kind, singular=kind.lower(),
                                                 namespaced=True, subresources={"status"},
                                                 verbs=_VERBS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import kmock
 import pytest
@@ -332,5 +333,52 @@ async def test_a_new_attempt_gets_its_status_in_one_patch(k8s: Emulator, tmp_pat
         await eventually(resynced, what="three passes (resyncs)")
         assert status_patches(k8s, "j21") == 1, status(k8s, "j21")
         assert status(k8s, "j21")["rayJobName"] == "j21-r0"
+    finally:
+        await op.stop()
+
+
+WORKLOADS = "kueue.x-k8s.io/v1beta2/workloads"
+
+
+def workload_of(rayjob: dict[str, Any]) -> dict[str, Any]:
+    """Kueue's Workload of a queued RayJob (found by the job-uid label, owned by the RayJob)."""
+    meta = rayjob["metadata"]
+    return {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload",
+            "metadata": {"name": f"rayjob-{meta['name']}-1a2b3", "namespace": NS,
+                         "labels": {"kueue.x-k8s.io/job-uid": meta["uid"]},
+                         "ownerReferences": [{"apiVersion": "ray.io/v1", "kind": "RayJob",
+                                              "name": meta["name"], "uid": meta["uid"],
+                                              "controller": True}]},
+            "spec": {"queueName": "team-a"}}
+
+
+def not_reserved(reason: str, message: str) -> dict[str, Any]:
+    """The Workload status Kueue writes while the quota is not reserved."""
+    return {"status": {"conditions": [{"type": "QuotaReserved", "status": "False",
+                                       "reason": reason, "message": message,
+                                       "lastTransitionTime": "2026-11-28T00:00:00Z"}]}}
+
+
+async def test_kueues_verdict_alone_updates_a_queued_job(k8s: Emulator, tmp_path: Path) -> None:
+    """Kueue rewrites its Workload's verdict without touching the RayJob: the operator watches
+    Workloads, so the RLJob's Queued condition follows at once (resync is an hour away)."""
+    op = Operator(k8s, tmp_path, ["--resync-seconds", "3600"])
+    await op.start()
+    try:
+        await create(k8s, RLJOBS, manifest("j22", scheduling={"queueName": "team-a"}))
+        rayjob = await eventually(lambda: get(k8s, RAYJOBS, NS, "j22-r0"), what="RayJob j22-r0")
+        assert rayjob["spec"]["suspend"] is True
+        await eventually(lambda: condition(k8s, "j22", "Queued").get("reason")
+                         == "WaitingForWorkload", what="Queued: no Workload yet")
+        workload = await create(k8s, WORKLOADS, workload_of(rayjob))
+        name = workload["metadata"]["name"]
+        await patch(k8s, WORKLOADS, name, not_reserved("Pending", "insufficient quota"), "status")
+        await eventually(lambda: "insufficient quota" in condition(
+            k8s, "j22", "Queued").get("message", ""), what="Kueue's first verdict")
+        await patch(k8s, WORKLOADS, name, not_reserved(
+            "Inadmissible", "ClusterQueue team-a is inactive"), "status")
+        queued = await eventually(lambda: (q := condition(k8s, "j22", "Queued")).get(
+            "reason") == "Inadmissible" and q, what="Kueue's second verdict")
+        assert "ClusterQueue team-a is inactive" in queued["message"], queued
     finally:
         await op.stop()

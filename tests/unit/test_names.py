@@ -170,3 +170,21 @@ def test_pod_labels_match_the_job_selector() -> None:
         labels = names.pod_labels("j", group, 0)
         assert names.selector("j").items() <= labels.items()
         assert labels[names.LABEL_GROUP] == group
+
+
+@pytest.mark.parametrize(("rayjob", "job"), [
+    ("grpo-r0", "grpo"),
+    ("my-run-r12", "my-run"),
+    ("a-r-b-r3", "a-r-b"),
+    (f"grpo-r{names.MAX_ATTEMPTS}", None),  # beyond the attempts a job may have
+    ("grpo-r", None),
+    ("grpo-rx", None),
+    ("grpo", None),
+    ("-r1", None),
+    ("grpo-r01", None),  # not a name `rayjob` makes
+])
+def test_job_of_rayjob(rayjob: str, job: str | None) -> None:
+    """A Kueue Workload names its RayJob: the RLJob to reconcile is read back from that name."""
+    assert names.job_of_rayjob(rayjob) == job
+    if job is not None:
+        assert names.rayjob(job, int(rayjob.rsplit("-r", 1)[1])) == rayjob

@@ -19,10 +19,12 @@ from kuberl_api.rljob import GROUP, PLURAL, VERSION
 from kuberl_operator.metrics import Metrics
 from kuberl_operator.reconcile.controller import Controller
 from kuberl_operator.reconcile.kube import Kube
+from kuberl_operator.reconcile.observe import WORKLOAD
 from kuberl_operator.render import names
 from kuberl_operator.settings import Config
 
 LOGGER = logging.getLogger("kuberl.operator")
+WORKLOAD_GROUP, WORKLOAD_VERSION = WORKLOAD.api_version.split("/")
 
 
 def register(registry: kopf.OperatorRegistry, config: Config, metrics: Metrics) -> None:
@@ -99,6 +101,20 @@ def register(registry: kopf.OperatorRegistry, config: Config, metrics: Metrics) 
                    registry=registry)
     async def raycluster_event(body: kopf.Body, **_: Any) -> None:
         child_changed(body)
+
+    # Kueue's Workload of a queued RayJob changes (its pending reason and message, admission,
+    # eviction) with no RayJob event: the RLJob shows it at once, not at the next resync.
+    # Without Kueue installed, kopf says once at startup that it cannot serve this resource
+    # (and, when scanning, starts the watch if Kueue's CRDs come later).
+    @kopf.on.event(WORKLOAD_GROUP, WORKLOAD_VERSION, WORKLOAD.plural, registry=registry)
+    async def workload_event(body: kopf.Body, **_: Any) -> None:
+        namespace = str(body.metadata.namespace)
+        for ref in body.metadata.get("ownerReferences") or []:
+            if ref.get("kind") != "RayJob" or not str(ref.get("apiVersion")).startswith("ray.io/"):
+                continue
+            job = names.job_of_rayjob(str(ref.get("name")))
+            if job is not None and (namespace, job) in controller().known:
+                controller().trigger((namespace, job))
 
     def child_changed(body: kopf.Body) -> None:
         job = body.metadata.labels.get(names.LABEL_JOB)

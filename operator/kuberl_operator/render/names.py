@@ -67,6 +67,14 @@ def rayjob(job: str, attempt: int) -> str:
     return f"{job}-r{attempt}"
 
 
+def job_of_rayjob(rayjob_name: str) -> str | None:
+    """The RLJob whose attempt a RayJob of this name is (None: not a name `rayjob` makes)."""
+    job, sep, attempt = rayjob_name.rpartition("-r")
+    if not sep or not job or not attempt.isdigit() or int(attempt) >= MAX_ATTEMPTS:
+        return None
+    return job if rayjob(job, int(attempt)) == rayjob_name else None
+
+
 def configmap(job: str) -> str:
     return f"{job}-config"
 
