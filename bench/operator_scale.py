@@ -619,8 +619,11 @@ def control_plane(args: argparse.Namespace, n_max: int,
     os.environ.setdefault("KUBERL_E2E_NICE", str(args.nice))
     cpu_nodes = max(1, math.ceil(n_max * 2 / 100)) if args.kuberay == "on" else 1
     t0 = time.monotonic()
+    # Kueue's CRDs (not Kueue) as in e2e: the operator's Workload watch runs, as it does on a
+    # cluster with Kueue, and kopf has no unserved resource to warn about.
     cluster = Cluster.start(Path(args.state_dir) / "k8s", build_missing=False,
-                            crds=[ROOT / "crds"], nodes={"cpu": cpu_nodes})
+                            crds=[ROOT / "crds", *binaries().kueue_crds],
+                            nodes={"cpu": cpu_nodes})
     say(f"control plane up in {time.monotonic() - t0:.0f} s ({cluster.state_dir})")
     try:
         if args.kuberay == "off":
