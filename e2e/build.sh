@@ -131,7 +131,9 @@ build_kuberay() {
 build_kueue() {
   local v=$KUEUE_VERSION dir
   new_module "$1" "$v" sigs.k8s.io/kueue/cmd/kueue
-  (cd "$1" && $NICE "${BUILD[@]}" -ldflags "$LDFLAGS_BASE" \
+  # (its version, as Kueue's release build stamps it: else it reports v0.0.0-main)
+  (cd "$1" && $NICE "${BUILD[@]}" \
+     -ldflags "$LDFLAGS_BASE -X sigs.k8s.io/kueue/pkg/version.GitVersion=$v" \
      -o "$2/kueue" sigs.k8s.io/kueue/cmd/kueue)
   dir=$(cd "$1" && go list -m -f '{{.Dir}}' sigs.k8s.io/kueue)
   mkdir -p "$2/crds" "$2/rbac" "$2/webhook"
