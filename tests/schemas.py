@@ -5,9 +5,10 @@
   an unknown field is an error, as it is for `kubectl apply` (server-side strict field
   validation) instead of being silently dropped.
 - RayJobs against the openAPIV3Schema of KubeRay's own CRD, taken from the KubeRay Go module of
-  each supported version in e2e/versions.env (the oldest and the newest) (found with `go mod download -json`). CRD schemas are
-  OpenAPI v3.0 with Kubernetes extensions, so they are translated first (see `crd_to_jsonschema`)
-  and checked with a Draft 4 validator, the JSON Schema draft OpenAPI 3.0 is based on.
+  each supported version in e2e/versions.env, the oldest and the newest (found with `go mod
+  download -json`). CRD schemas are OpenAPI v3.0 with Kubernetes extensions, so they are
+  translated first (see `crd_to_jsonschema`) and checked with a Draft 4 validator, the JSON
+  Schema draft OpenAPI 3.0 is based on.
 
 Not checked: CRD CEL rules (`x-kubernetes-validations`; the renderers set none of the fields
 that carry them in KubeRay's CRD), and `format`s such as int32 (jsonschema ignores them).
