@@ -3,6 +3,7 @@ real weight sync over gloo, checkpoints that resume exactly, and bad input that 
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import statistics
@@ -27,6 +28,11 @@ def test_colocated_run_learns_and_writes_metrics(tiny: Path, tmp_path: Path) -> 
                 "time_train_s", "time_sync_s", "pg_loss", "entropy", "weight_version"):
         assert all(key in r for r in rows), key
     assert [r["weight_version"] for r in rows] == list(range(1, 9))
+    # Every step's sync sent the whole model (the same bytes), counted into the running total.
+    assert len({r["weight_sync_bytes"] for r in rows}) == 1 and rows[0]["weight_sync_bytes"] > 0
+    totals = [r["weight_sync_bytes_total"] for r in rows]
+    assert [b - a for a, b in itertools.pairwise(totals)] == [
+        r["weight_sync_bytes"] for r in rows[1:]]
     failures = learning.ALGORITHMS["grpo-colocated"].failures(outcome)
     assert not failures, failures
     assert "step  reward" in outcome.stdout  # the per-step table a person watches
@@ -67,6 +73,7 @@ def test_async_one_step_off_learns_on_samples_one_version_old(tiny: Path,
         assert r["time_wait_rollout_s"] >= 0 and r["time_wait_train_s"] >= 0
         assert 0 <= r["overlap_fraction"] <= 1 and r["overlap_efficiency"] > 0
         assert r["time_step_s"] >= r["time_train_s"] + r["time_sync_s"]
+    assert len({r["weight_sync_bytes"] for r in rows}) == 1 and rows[0]["weight_sync_bytes"] > 0
     assert rows[-1]["overlap_fraction"] == 0  # nothing left to generate beside the last step
     failures = scenario.failures(outcome)
     assert not failures, failures

@@ -274,9 +274,11 @@ async def test_distributed_sync_over_gloo_to_two_engines(
         try:
             for version, seed in ((1, 1), (2, 2)):
                 state = perturbed(reference_model, seed)
-                stats = await sender.send(bucketize(trainer_params(state, reference_model),
-                                                    bucket_bytes=16 << 10))
+                params = trainer_params(state, reference_model)
+                stats = await sender.send(bucketize(params, bucket_bytes=16 << 10))
                 assert stats.weight_version == str(version) and stats.buckets > 1
+                # once, whatever the number of engines
+                assert stats.bytes == sum(t.numel() * t.element_size() for _, t in params)
                 want = {n: tensor_sha256(t) for n, t in state.items()}
                 assert await checksums(client) == [want, want]
                 for url in pair:

@@ -183,12 +183,14 @@ class TrainWorker:
 
     def push_weights(self, engine_urls: list[str], weight_version: int,
                      bucket_bytes: int, sync_port: int = 0,
-                     max_buckets: int | None = None) -> float:
+                     max_buckets: int | None = None) -> tuple[float, int]:
         """Rank 0 broadcasts its weights to every engine (the group's rendezvous on
-        `sync_port`, or a free port when 0); returns seconds spent. Every rank
-        must iterate the buckets: with sharded weights (FSDP2) each full tensor is gathered
-        collectively, so the other ranks take part and drop what they gathered.
-        `max_buckets`: only the first ones (every rank stops at the same bucket)."""
+        `sync_port`, or a free port when 0); returns seconds spent and the bytes this rank
+        sent (SyncStats.bytes; colocated, the buffers it handed over; 0 on a rank that sends
+        nothing). Every rank must iterate the buckets: with sharded weights (FSDP2) each
+        full tensor is gathered collectively, so the other ranks take part and drop what
+        they gathered. `max_buckets`: only the first ones (every rank stops at the same
+        bucket)."""
         started = time.perf_counter()
         if self._weights_off:
             self.onload(WEIGHTS)
@@ -206,21 +208,21 @@ class TrainWorker:
             from kuberl_trainer.weight_sync.colocated import push_colocated
 
             tp = self.spec.rollout.gpus_per_engine
-            push_colocated(
+            sent = push_colocated(
                 buckets, rank=self.rank, world_size=self.world_size,
                 gpu=(node_ip(), int(ray.get_gpu_ids()[0])), engine_urls=engine_urls,
                 engine_devices=[colocated_engine_devices(i, tp, self.spec.training.gpus_per_node)
                                 for i in range(len(engine_urls))],
                 weight_version=str(weight_version), dtype=self.sync_dtype(),
                 poster=self._colocated_poster(engine_urls) if self.rank == 0 else None)
-            return time.perf_counter() - started
+            return time.perf_counter() - started, sent
         if self.rank != 0:
             for _ in buckets:
                 pass
-            return time.perf_counter() - started
-        self._weight_sender(engine_urls, sync_port).run_until_complete(
+            return time.perf_counter() - started, 0
+        stats = self._weight_sender(engine_urls, sync_port).run_until_complete(
             self._sender.send(buckets, weight_version=str(weight_version)))
-        return time.perf_counter() - started
+        return time.perf_counter() - started, int(stats.bytes)
 
     def sync_dtype(self) -> torch.dtype:
         """The dtype weight sync sends (and `checksums` hashes): the engines' own."""
@@ -444,6 +446,9 @@ class TrainGroup(RankGroup):
                  log_dir: Path | None = None) -> None:
         n = layout.train_workers
         self.sync_port = weight_sync_port(spec, one_machine)
+        # Bytes of the weight syncs that succeeded so far (the start-up sync's too): what
+        # the loop's weight_sync_bytes(_total) are read from.
+        self.synced_bytes = 0
         # A shared critic's share of each bundle is reserved here with its training worker's.
         self.pg = reserve([layout.train_bundle() for _ in range(n)], "training")
         self.workers = start_workers(TrainWorker, spec, [
@@ -487,10 +492,14 @@ class TrainGroup(RankGroup):
 
     def push_weights(self, engine_urls: list[str], version: int, bucket_bytes: int,
                      max_buckets: int | None = None) -> float:
-        seconds = ray.get([w.push_weights.remote(engine_urls, version, bucket_bytes,
-                                                 self.sync_port, max_buckets)
-                           for w in self.workers])
-        return float(seconds[0])
+        """Every rank's part of a weight sync; returns rank 0's seconds. The bytes rank 0
+        sent are added to `synced_bytes` once the sync has succeeded."""
+        done: list[tuple[float, int]] = ray.get(
+            [w.push_weights.remote(engine_urls, version, bucket_bytes, self.sync_port,
+                                   max_buckets) for w in self.workers])
+        seconds, sent = done[0]
+        self.synced_bytes += sent
+        return float(seconds)
 
     def checksums(self) -> dict[str, str]:
         sums: list[dict[str, str]] = ray.get([w.checksums.remote() for w in self.workers])

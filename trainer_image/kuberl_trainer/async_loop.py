@@ -25,7 +25,14 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kuberl_trainer.loop import Parts, evaluation_due, report_step, save_if_due, train_on
+from kuberl_trainer.loop import (
+    Parts,
+    evaluation_due,
+    report_step,
+    save_if_due,
+    sync_bytes,
+    train_on,
+)
 from kuberl_trainer.rollout import Rollout
 from kuberl_trainer.staleness import overlap_times, staleness_metrics
 
@@ -82,6 +89,7 @@ async def _run(parts: Parts, start: int, total: int, weight_version: int, max_st
             t2 = time.perf_counter()
             async with _between_rollouts(engines, partial):
                 t_sync = time.perf_counter()
+                synced = parts.train.synced_bytes
                 # (dead engines replaced first, and during the sync: they get these weights)
                 await parts.fleet.sync(parts.train.push_weights, weight_version,
                                        parts.bucket_bytes, executor=pool)
@@ -91,7 +99,8 @@ async def _run(parts: Parts, start: int, total: int, weight_version: int, max_st
             record = {
                 "step": step, **rollout.metrics, **stats, "weight_version": weight_version,
                 **staleness_metrics(trained_from, rollout.versions, submitted),
-                "time_generate_s": rollout.seconds, "engine_restarts_total": parts.fleet.restarts,
+                "time_generate_s": rollout.seconds, **sync_bytes(parts, synced),
+                "engine_restarts_total": parts.fleet.restarts,
                 **overlap_times(train_s=t2 - t1 - saved_s, sync_s=t3 - t_sync,
                                 step_s=step_s, trainers_idle_s=(t1 - t0) + (t_sync - t2),
                                 engines_idle_s=min(engines.idle_s, step_s),

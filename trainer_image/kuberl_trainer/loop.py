@@ -67,6 +67,7 @@ def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
         parts.memory.trained()  # colocated: the optimizer's state to host memory
         t2 = time.perf_counter()
         parts.memory.before_sync()  # colocated: the engines' weights come back first
+        synced = parts.train.synced_bytes
         # (dead engines replaced first, and during the sync: they get these weights)
         parts.aio.run_until_complete(parts.fleet.sync(
             parts.train.push_weights, weight_version, parts.bucket_bytes))
@@ -76,7 +77,7 @@ def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
         record = {"step": step, **rollout.metrics, **stats, "weight_version": weight_version,
                   "time_generate_s": t1 - t0, "time_train_s": t2 - t1 - saved_s,
                   "time_sync_s": t3 - t2, "time_step_s": t3 - t0 - saved_s, **handoff,
-                  "engine_restarts_total": parts.fleet.restarts,
+                  **sync_bytes(parts, synced), "engine_restarts_total": parts.fleet.restarts,
                   **({"time_save_s": saved_s} if ckpt else {})}
         if evaluation_due(parts, step):  # under the weights just sent
             record.update(parts.aio.run_until_complete(parts.rollout.evaluate(step)))
@@ -101,6 +102,15 @@ def save_if_due(parts: Parts, step: int, weight_version: int,
         return None, 0.0
     ckpt = (step + 1, parts.checkpointer.save(step + 1, weight_version, position))
     return ckpt, time.perf_counter() - saving
+
+
+def sync_bytes(parts: Parts, before: int) -> dict[str, int]:
+    """The step's weight-sync bytes: those its sync sent (`before`: the trainers' count when
+    it began; only a sync that succeeded counts, so one that failed as an engine died and
+    was made again counts once), and the process's total so far (every sync that succeeded,
+    the start-up one's too)."""
+    total = parts.train.synced_bytes
+    return {"weight_sync_bytes": total - before, "weight_sync_bytes_total": total}
 
 
 def evaluation_due(parts: Parts, step: int) -> bool:

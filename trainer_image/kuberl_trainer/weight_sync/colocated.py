@@ -122,10 +122,12 @@ def flatten_to(bucket: NamedTensors, dtype: torch.dtype
 
 def push_colocated(buckets: Iterable[NamedTensors], *, rank: int, world_size: int, gpu: Gpu,
                    engine_urls: Sequence[str], engine_devices: Sequence[Sequence[int]],
-                   weight_version: str, poster: Poster | None, dtype: torch.dtype) -> None:
+                   weight_version: str, poster: Poster | None, dtype: torch.dtype) -> int:
     """Every training rank calls this with its own buckets (see the module docstring);
     `poster`: rank 0's, for `engine_urls` and kept by the caller; None on the other ranks;
-    `dtype`: the engines' (each bucket is cast to it as it is flattened)."""
+    `dtype`: the engines' (each bucket is cast to it as it is flattened). Returns the bytes
+    this rank handed over: its flat buffers' sizes, the weights once in the engines' dtype
+    (each engine TP rank reads the buffer on its own GPU)."""
     sources = colocated_sources(_all_gather(gpu, world_size),
                                 engine_gpus(engine_urls, engine_devices))
 
@@ -137,10 +139,12 @@ def push_colocated(buckets: Iterable[NamedTensors], *, rank: int, world_size: in
     settle(poster.run(pause_and_flush(poster.client)) if poster else None)
     held: deque[torch.Tensor] = deque()  # the flat buffers the engines may still be reading
     pending: list[list[str]] | None = None  # the previous bucket's entries (rank 0)
+    sent = 0
     for index, bucket in enumerate(buckets):
         flat, metadata = flatten_to(bucket, dtype)
         del bucket  # gathered full tensors (FSDP2) are freed once copied
         held.append(flat)
+        sent += flat.numel()  # (a uint8 view: its bytes)
         entries = _gather(codec.encode_flattened(flat, metadata), rank, world_size)
         if index > 0:
             settle(poster.post(pending, None) if poster else None)
@@ -155,3 +159,4 @@ def push_colocated(buckets: Iterable[NamedTensors], *, rank: int, world_size: in
     # consumer releases it and the producer collects); a CPU run (tests) shared none.
     if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+    return sent

@@ -94,9 +94,11 @@ def in_daemon_thread(fn: Callable[..., R], *args: Any) -> asyncio.Future[R]:
 
 @dataclass(frozen=True)
 class SyncStats:
-    """One weight update's sizes and time. ``seconds`` is the whole update; of it,
-    ``pause_s`` went to pausing generation and flushing caches, ``resume_s`` to continuing
-    it, and the rest to the buckets (export, announce, transfer, the engines' loading)."""
+    """One weight update's sizes and time. ``bytes``: the tensors' bytes sent (each tensor's
+    ``numel * element_size`` as it went out, in the dtype it went out in), once however many
+    engines received them. ``seconds`` is the whole update; of it, ``pause_s`` went to
+    pausing generation and flushing caches, ``resume_s`` to continuing it, and the rest to
+    the buckets (export, announce, transfer, the engines' loading)."""
 
     weight_version: str
     buckets: int
@@ -194,6 +196,11 @@ class Prepared:
     @property
     def nbytes(self) -> int:
         return sum(m.nbytes for m in self.metas)
+
+    @property
+    def wire_bytes(self) -> int:
+        """The bytes the bucket's broadcasts carry (what ``wire`` holds)."""
+        return sum(t.numel() * t.element_size() for t in self.wire)
 
 
 def prepare_bucket(bucket: NamedTensors, device: torch.device, flatten: bool) -> Prepared:
@@ -337,7 +344,7 @@ class DistributedWeightSender:
                 await self._send_bucket(group, bucket, version if last else None)
                 n_buckets += 1
                 n_tensors += len(bucket.metas)
-                n_bytes += bucket.nbytes
+                n_bytes += bucket.wire_bytes
         sent_at = time.perf_counter()
         await continue_generation(self.client)  # (not after a failure: see `paused`)
         end = time.perf_counter()
