@@ -152,6 +152,7 @@ def test_alert_thresholds_come_from_values(k8s_cluster: Cluster, tmp_path: Path)
         k8s_cluster, *OBSERVABILITY,
         "--set", "metrics.prometheusRule.alerts.KuberlEngineRestartsClimbing.threshold=10",
         "--set", "metrics.prometheusRule.alerts.KuberlTrainerHeartbeatOld.for=45m",
+        "--set", "metrics.prometheusRule.alerts.KuberlTrainerHeartbeatOld.threshold=900",
         "--set", "metrics.prometheusRule.alerts.KuberlRLJobFailed.severity=critical",
         "--set", "metrics.prometheusRule.alerts.KuberlRLJobStalled.enabled=false",
         "--set", "metrics.prometheusRule.alertLabels.team=ml",
@@ -162,6 +163,7 @@ def test_alert_thresholds_come_from_values(k8s_cluster: Cluster, tmp_path: Path)
     assert "KuberlRLJobStalled" not in alerts
     assert alerts["KuberlEngineRestartsClimbing"]["expr"].endswith(">= 10")
     assert alerts["KuberlTrainerHeartbeatOld"]["for"] == "45m"
+    assert alerts["KuberlTrainerHeartbeatOld"]["expr"].endswith(") > 900")
     assert alerts["KuberlRLJobFailed"]["labels"] == {"severity": "critical", "team": "ml"}
     assert all(r["labels"]["team"] == "ml" for r in alerts.values())
     # What the PrometheusRule holds is a rule file Prometheus accepts.
@@ -171,10 +173,10 @@ def test_alert_thresholds_come_from_values(k8s_cluster: Cluster, tmp_path: Path)
     # A threshold for an alert without one is refused, naming the key.
     done = helm(k8s_cluster, "template", "kuberl", str(CHART), "--kube-version", "1.37.2",
                 *OBSERVABILITY, "--set",
-                "metrics.prometheusRule.alerts.KuberlTrainerHeartbeatOld.threshold=3",
+                "metrics.prometheusRule.alerts.KuberlRLJobStalled.threshold=3",
                 check=False)
     assert done.returncode != 0
-    assert "metrics.prometheusRule.alerts.KuberlTrainerHeartbeatOld.threshold" in done.stderr
+    assert "metrics.prometheusRule.alerts.KuberlRLJobStalled.threshold" in done.stderr
 
 
 def wait_available(cluster: Cluster, ns: str, name: str, timeout: float = 90) -> dict[str, Any]:

@@ -6,16 +6,18 @@
   should, with its labels and annotations, and not when it should not; and those tests fail for
   alerts that never fire (so they test something).
 - A real Prometheus scrapes the real operator (reconciling a real RLJob on the e2e control
-  plane) and a real trainer-metrics endpoint: the trainer's own exporter (`MetricsLog` with
-  `prometheus_port`, the engines' metrics through `EngineMetrics` from a reference engine's
-  /metrics), fed step records built by the trainer's own metric functions, labelled as the
-  chart's PodMonitor labels a Ray head's series (namespace, rljob). Every PromQL expression of
-  the dashboard (template variables substituted as Grafana does) must return data; every
-  expression of the rule file must evaluate, every selector in it must select series, and with
-  its comparisons made `bool` it must return data (the operator's and the trainer's labels
-  join). Prometheus loads the rule file too: every rule evaluates without error, the engine
-  restarts the trainer recorded fire KuberlEngineRestartsClimbing, and a second RLJob that
-  really fails (backoffLimit 0, KubeRay failing its RayJob) fires KuberlRLJobFailed.
+  plane, to which the trainer reports a heartbeat after each step through its real
+  `StatusReporter`) and a real trainer-metrics endpoint: the trainer's own exporter
+  (`MetricsLog` with `prometheus_port`, the engines' metrics through `EngineMetrics` from a
+  reference engine's /metrics), fed step records built by the trainer's own metric functions,
+  labelled as the chart's PodMonitor labels a Ray head's series (namespace, rljob). Every
+  PromQL expression of the dashboard (template variables substituted as Grafana does) must
+  return data; every expression of the rule file must evaluate, every selector in it must
+  select series, and with its comparisons made `bool` it must return data (the operator's and
+  the trainer's labels join). Prometheus loads the rule file too: every rule evaluates
+  without error, the engine restarts the trainer recorded fire KuberlEngineRestartsClimbing,
+  and a second RLJob that really fails (backoffLimit 0, KubeRay failing its RayJob) fires
+  KuberlRLJobFailed.
 """
 
 from __future__ import annotations
@@ -38,12 +40,14 @@ from polling import wait_for
 from prometheus import Prometheus, promtool
 from promql import Query, as_bool, dashboard_queries, rule_queries, selectors, substitute
 from rljobs import JobWatch, Operator, cpu_job, free_port, kubectl_apply, unique
+from stand_in import head_reporter
 
 from kuberl_rollout.reference.metrics import CONTENT_TYPE, EngineMetrics as ReferenceMetrics
 from kuberl_trainer.backends.step_metrics import StepMetrics
 from kuberl_trainer.data import Sample
 from kuberl_trainer.engine_metrics import EngineMetrics
 from kuberl_trainer.metrics_log import MetricsLog
+from kuberl_trainer.reporter import StatusReporter
 from kuberl_trainer.rollout import Response, engine_throughput
 from kuberl_trainer.staleness import overlap_times, staleness_metrics
 
@@ -56,6 +60,8 @@ RULES = CHART / "rules" / "kuberl-alerts.yaml"
 RULE_TESTS = E2E / "promtool" / "kuberl-alerts.test.yaml"
 RATE_INTERVAL = "1m"  # Grafana's $__rate_interval (4 scrapes at least; these are 1 s apart)
 ENGINE_RESTARTS = 3  # what the trainer records: KuberlEngineRestartsClimbing's default
+SYNC_BYTES = 1_320_000  # one weight sync: the tiny demo model's 0.66M parameters in bf16
+TOTAL_STEPS = 1000  # what the trainer reports as the run's length
 
 
 # --------------------------------------------------------------------------- promtool
@@ -127,7 +133,8 @@ def step_record(step: int, engine: str) -> dict[str, Any]:
     """One async step's record as the loop writes it (async_loop.py), its parts from the
     trainer's own functions where they are pure: the backend's StepMetrics, the rollout's
     engine throughput, staleness and overlap; the rollout's reward statistics as
-    RolloutManager._metrics names them."""
+    RolloutManager._metrics names them; the weight-sync bytes as loop.sync_bytes names them
+    (each step's sync, and the total with the start-up sync's)."""
     stats = StepMetrics()
     stats.add_micro(tokens=torch.tensor(512.0), loss=torch.tensor(0.25),
                     stats={"kl": torch.tensor(0.01), "clip_fraction": torch.tensor(0.1)})
@@ -141,19 +148,24 @@ def step_record(step: int, engine: str) -> dict[str, Any]:
     return {"step": step, **rollout, **stats.summary(), "weight_version": step + 1,
             **staleness_metrics(step, [str(step - 1)], step - 1),
             "time_generate_s": 2.0, "engine_restarts_total": min(step, ENGINE_RESTARTS),
+            "weight_sync_bytes": SYNC_BYTES, "weight_sync_bytes_total": SYNC_BYTES * (step + 2),
             **overlap_times(train_s=1.5, sync_s=0.3, step_s=2.2, trainers_idle_s=0.4,
                             engines_idle_s=0.1, generating_s=2.0),
             "eval_gsm8k_reward": 0.5}
 
 
 class Trainer:
-    """The trainer's metrics endpoint, recording a step a second from `start` until stopped."""
+    """The trainer's metrics endpoint, recording a step a second from `start` until stopped,
+    and after each step reporting it to the RLJob status (the heartbeat) as the trainer's
+    session does (session._Watchers)."""
 
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, reporter: StatusReporter) -> None:
         self.engine = EngineStandIn()
         self.port = free_port()
         self.log = MetricsLog(out_dir, prometheus_port=self.port)
         self.log.serve_also(EngineMetrics(lambda: [self.engine.url]))
+        self.reporter = reporter
+        self.report_errors: list[str] = []
         self.steps = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -161,7 +173,14 @@ class Trainer:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.engine.generate(4)
-            self.log.write(step_record(self.steps, self.engine.url))
+            record = step_record(self.steps, self.engine.url)
+            self.log.write(record)
+            try:
+                self.reporter.report(step=self.steps + 1, total_steps=TOTAL_STEPS,
+                                     reward_mean=record["reward_mean"],
+                                     engine_restarts=record["engine_restarts_total"])
+            except OSError as exc:  # (the session logs it and trains on)
+                self.report_errors.append(str(exc))
             self.steps += 1
             self._stop.wait(1.0)
 
@@ -207,8 +226,9 @@ def observed(k8s_cluster: Cluster, operator: Operator, tmp_path_factory: pytest.
     workdir = tmp_path_factory.mktemp("observability")
     rules = workdir / "kuberl-alerts.yaml"
     shutil.copy(RULES, rules)
+    reporter = head_reporter(k8s_cluster, ns, job)  # (the head's ServiceAccount)
     try:
-        with Trainer(workdir / "trainer") as trainer, Prometheus.start(
+        with Trainer(workdir / "trainer", reporter) as trainer, Prometheus.start(
                 workdir / "prometheus",
                 {"kuberl-operator": [f"127.0.0.1:{operator.metrics_port}"],
                  "kuberl-trainer": [f"127.0.0.1:{trainer.port}"]},
@@ -226,6 +246,9 @@ def observed(k8s_cluster: Cluster, operator: Operator, tmp_path_factory: pytest.
             wait_for("4 scrapes of the trainer", lambda: prom.query(
                 f'count_over_time(kuberl_train_step{{rljob="{job}"}}[1m]) >= 4'),
                 timeout=30, detail=prom.tail)
+            wait_for("the trainer's heartbeat on the operator's endpoint", lambda: prom.query(
+                f'kuberl_rljob_last_heartbeat_timestamp_seconds{{name="{job}"}}'),
+                timeout=30, detail=lambda: f"{trainer.report_errors[-3:]}\n{prom.tail()}")
             yield Observed(prom, ns, job, failing)
     finally:
         for name in (job, failing):
