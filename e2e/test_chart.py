@@ -132,6 +132,10 @@ def test_observability_pack_renders_the_chart_files(k8s_cluster: Cluster) -> Non
     [rule] = by_kind(docs, "PrometheusRule")
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
     assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
+    # The operator's series name each RLJob's namespace: that label, not the target's (the
+    # operator's namespace), is the one the dashboard and alerts select on.
+    [service_monitor] = by_kind(docs, "ServiceMonitor")
+    assert service_monitor["spec"]["endpoints"][0]["honorLabels"] is True
     [pod_monitor] = by_kind(docs, "PodMonitor")
     relabel = pod_monitor["spec"]["podMetricsEndpoints"][0]["relabelings"]
     assert {"sourceLabels": ["__meta_kubernetes_pod_label_kuberl_dev_rljob"],
