@@ -315,6 +315,38 @@ async def test_echoes_of_its_own_status_patches_cost_no_pass(k8s: Emulator,
         await op.stop()
 
 
+async def test_a_create_echo_that_beats_the_creates_response_costs_no_pass(
+        k8s: Emulator, tmp_path: Path) -> None:
+    """The watch may deliver the new RayJob's ADDED before the create's own response reaches
+    the pass that made it: that event is still only the echo of the create (one pass); an
+    edit of the RayJob while the create is in flight still gets a pass of its own."""
+    op = Operator(k8s, tmp_path, ["--resync-seconds", "3600"])
+    await op.start()
+    try:
+        held = k8s.hold(lambda r: r.action == kmock.action.CREATE
+                        and r.resource == kmock.resource(RAYJOBS), "after")
+        await create(k8s, RLJOBS, manifest("j23"))
+        await eventually(lambda: held.hits, what="the RayJob created, its response held")
+        await asyncio.sleep(1.0)  # its ADDED event reaches the operator meanwhile
+        held.release()
+        await eventually(lambda: passes_are(op, 1), what="one pass")
+        await asyncio.sleep(1.0)
+        assert await passes_are(op, 1), "the early echo ran a pass"
+        assert status_patches(k8s, "j23") == 1
+
+        held = k8s.hold(lambda r: r.action == kmock.action.CREATE
+                        and r.resource == kmock.resource(RAYJOBS), "after")
+        await create(k8s, RLJOBS, manifest("j24"))
+        await eventually(lambda: held.hits, what="j24's RayJob created, its response held")
+        await kuberay(k8s, "j24-r0", "PENDING", "Initializing")  # KubeRay is quicker still
+        await asyncio.sleep(1.0)
+        held.release()
+        await eventually(lambda: passes_are(op, 3),
+                         what="j24: its pass, then one for KubeRay's write")
+    finally:
+        await op.stop()
+
+
 def status_patches(k8s: Emulator, name: str) -> int:
     return len([r for r in k8s if r.method == "PATCH" and r.name == name
                 and r.subresource == "status"])

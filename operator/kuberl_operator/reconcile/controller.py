@@ -75,6 +75,9 @@ class Controller:
         self._written: dict[Key, str] = {}
         # (namespace, RayJob name) -> the resourceVersion our create returned (see _after_create).
         self._created: dict[Key, str] = {}
+        # (namespace, RayJob name) -> resourceVersions of its watch events that arrived while
+        # our create of it was still in flight.
+        self._creating: dict[Key, list[str]] = {}
         self._instance = socket.gethostname()
         self._slots = asyncio.Semaphore(PASSES_IN_FLIGHT)
 
@@ -166,16 +169,22 @@ class Controller:
         observed = await observe(self.kube, body)
         decision = decide(body, observed, utcnow(), self.config.tunables)
         created: list[Mapping[str, Any]] = []
-        for action in decision.actions:
-            rayjob = await self._execute(body, decision, action)
-            if rayjob is not None:
-                created.append(rayjob)
-            if isinstance(action, DeleteRLJob):
-                await self._post_events(body, decision.events)
-                self.forget(key)
-                return
-        if created:
-            decision = self._after_create(body, observed, decision, created)
+        try:
+            for action in decision.actions:
+                rayjob = await self._execute(body, decision, action)
+                if rayjob is not None:
+                    created.append(rayjob)
+                if isinstance(action, DeleteRLJob):
+                    await self._post_events(body, decision.events)
+                    self.forget(key)
+                    return
+            if created:
+                decision = self._after_create(key, body, observed, decision, created)
+        finally:
+            for rayjob in created:  # a later action failed: nothing may stay held back
+                meta = rayjob.get("metadata") or {}
+                if self._creating.pop((str(meta.get("namespace")), str(meta.get("name"))), None):
+                    self.trigger(key)
         patch = decision.status_patch(body.get("status"))
         if patch is not None:
             patched = await self.kube.patch(RLJOB.url(namespace, name, "status"),
@@ -192,8 +201,8 @@ class Controller:
             self.logger.info("%s/%s: phase %s, actions %s", namespace, name, decision.phase,
                              [type(a).__name__ for a in decision.actions] or "none")
 
-    def _after_create(self, body: Mapping[str, Any], observed: Observed, decision: Decision,
-                      created: list[Mapping[str, Any]]) -> Decision:
+    def _after_create(self, key: Key, body: Mapping[str, Any], observed: Observed,
+                      decision: Decision, created: list[Mapping[str, Any]]) -> Decision:
         """The decision the RayJob's own ADDED event would lead to, made now: the status then
         says what the next pass would say (one status patch per new attempt, not two), and that
         event, an echo of our create, is skipped (`echoes_own_child`). Kept only when it asks
@@ -201,18 +210,30 @@ class Controller:
         status = {**(body.get("status") or {}), **decision.status}
         seen = dataclasses.replace(observed, rayjobs=(*observed.rayjobs, *created), pods=())
         again = decide({**body, "status": status}, seen, utcnow(), self.config.tunables)
-        if again.actions:
-            return decision
+        absorbed = not again.actions
         for rayjob in created:
             meta = rayjob.get("metadata") or {}
-            if meta.get("resourceVersion"):
-                self._created[(str(meta.get("namespace")), str(meta.get("name")))] = str(
-                    meta["resourceVersion"])
+            child = (str(meta.get("namespace")), str(meta.get("name")))
+            rv = str(meta.get("resourceVersion") or "")
+            # Events of it that came while its create was in flight were held back (the watch
+            # can beat the create's own response): only our create's echo is accounted for.
+            early = self._creating.pop(child, [])
+            if absorbed and not early and rv:
+                self._created[child] = rv  # its echo is still to come
+            elif (early and not absorbed) or any(r != rv for r in early):
+                self.trigger(key)  # (runs after this pass)
+        if not absorbed:
+            return decision
         return dataclasses.replace(again, events=(*decision.events, *again.events))
 
     def echoes_own_child(self, namespace: str, name: str, resource_version: object) -> bool:
         """A RayJob watch event that only reports the RayJob this operator just created, as it
-        created it (its `_after_create` decision has accounted for it already)."""
+        created it (its `_after_create` decision has accounted for it already). One that comes
+        while that create is still in flight is held for `_after_create` to judge."""
+        early = self._creating.get((namespace, name))
+        if early is not None:
+            early.append(str(resource_version))
+            return True
         written = self._created.pop((namespace, name), None)
         return written is not None and written == resource_version
 
@@ -243,7 +264,13 @@ class Controller:
                                        f", expected {expected}")
                 annotations = obj["metadata"].setdefault("annotations", {})
                 annotations[ANNOTATION_RESTARTS] = str(action.restarts)
-                rayjob = await apply(self.kube, obj)
+                child_key = (str(obj["metadata"]["namespace"]), expected)
+                self._creating[child_key] = []  # in flight: see echoes_own_child
+                try:
+                    rayjob = await apply(self.kube, obj)
+                except BaseException:
+                    self._creating.pop(child_key, None)  # the pass fails and is retried
+                    raise
             else:
                 await apply(self.kube, obj)
         return rayjob
