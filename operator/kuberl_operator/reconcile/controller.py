@@ -54,6 +54,11 @@ COMPONENT = names.MANAGER
 MAX_EVENT_MESSAGE = 1024
 
 
+def object_key(obj: Mapping[str, Any]) -> Key:
+    meta = obj.get("metadata") or {}
+    return str(meta.get("namespace")), str(meta.get("name"))
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)
 
@@ -78,6 +83,9 @@ class Controller:
         # (namespace, RayJob name) -> resourceVersions of its watch events that arrived while
         # our create of it was still in flight.
         self._creating: dict[Key, list[str]] = {}
+        # RLJob -> resourceVersions of its watch events that arrived while our status patch
+        # of it was still in flight.
+        self._patching: dict[Key, list[str]] = {}
         self._instance = socket.gethostname()
         self._slots = asyncio.Semaphore(PASSES_IN_FLIGHT)
 
@@ -137,7 +145,13 @@ class Controller:
     def echoes_own_write(self, key: Key, resource_version: object) -> bool:
         """An RLJob watch event that carries exactly the state our last status patch wrote
         (nothing else changed it since): no pass needed."""
-        return resource_version is not None and self._written.get(key) == resource_version
+        if resource_version is None:
+            return False
+        early = self._patching.get(key)
+        if early is not None:  # the watch beat the patch's response: judged when it returns
+            early.append(str(resource_version))
+            return True
+        return self._written.get(key) == resource_version
 
     def forget(self, key: Key) -> None:
         self.known.discard(key)
@@ -182,16 +196,21 @@ class Controller:
                 decision = self._after_create(key, body, observed, decision, created)
         finally:
             for rayjob in created:  # a later action failed: nothing may stay held back
-                meta = rayjob.get("metadata") or {}
-                if self._creating.pop((str(meta.get("namespace")), str(meta.get("name"))), None):
+                if self._creating.pop(object_key(rayjob), None):
                     self.trigger(key)
         patch = decision.status_patch(body.get("status"))
         if patch is not None:
-            patched = await self.kube.patch(RLJOB.url(namespace, name, "status"),
-                                            {"status": patch})
+            self._patching[key] = []  # in flight: see echoes_own_write
+            try:
+                patched = await self.kube.patch(RLJOB.url(namespace, name, "status"),
+                                                {"status": patch})
+            finally:
+                early = self._patching.pop(key, [])
             rv = ((patched or {}).get("metadata") or {}).get("resourceVersion")
             if rv:
                 self._written[key] = str(rv)
+            if any(r != str(rv) for r in early):  # someone else's change came meanwhile
+                self.trigger(key)
         await self._post_events(body, decision.events)
         self.metrics.observe_status(namespace, name, decision.status,
                                     (body.get("status") or {}).get("progress"))
@@ -212,9 +231,8 @@ class Controller:
         again = decide({**body, "status": status}, seen, utcnow(), self.config.tunables)
         absorbed = not again.actions
         for rayjob in created:
-            meta = rayjob.get("metadata") or {}
-            child = (str(meta.get("namespace")), str(meta.get("name")))
-            rv = str(meta.get("resourceVersion") or "")
+            child = object_key(rayjob)
+            rv = str((rayjob.get("metadata") or {}).get("resourceVersion") or "")
             # Events of it that came while its create was in flight were held back (the watch
             # can beat the create's own response): only our create's echo is accounted for.
             early = self._creating.pop(child, [])
@@ -264,7 +282,7 @@ class Controller:
                                        f", expected {expected}")
                 annotations = obj["metadata"].setdefault("annotations", {})
                 annotations[ANNOTATION_RESTARTS] = str(action.restarts)
-                child_key = (str(obj["metadata"]["namespace"]), expected)
+                child_key = object_key(obj)
                 self._creating[child_key] = []  # in flight: see echoes_own_child
                 try:
                     rayjob = await apply(self.kube, obj)
