@@ -6,27 +6,40 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 EXTRAS ?= operator,trainer,rollout,dev
 
-.PHONY: test lint unit contract integration e2e cluster-up cluster-down crd goldens demo clean
+.PHONY: test tier-reset lint unit contract integration e2e cluster-up cluster-down crd goldens \
+	demo clean
+# Each tier's wall time (.ci/tier): `make test` prints them against their budgets at the end.
+TIER := $(PYTHON) .ci/tier
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # Re-install whenever pyproject.toml changes (the stamp carries its hash).
 $(STAMP): pyproject.toml | $(BIN)/python
+	@$(TIER) start install
 	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
 	rm -f $(VENV)/.installed-* && touch $@
+	@$(TIER) end install
 
-test: lint unit contract integration e2e
+test: tier-reset lint unit contract integration e2e
+	@$(TIER) report
+
+tier-reset:
+	@$(TIER) reset
 
 lint: $(STAMP)
+	@$(TIER) start lint
 	$(BIN)/ruff check .
 	$(BIN)/mypy operator trainer_image rollout_image wire
 	$(BIN)/mypy --strict e2e
 	$(BIN)/lint-imports
 	$(BIN)/hadolint Dockerfile.trainer Dockerfile.rollout Dockerfile.operator
+	@$(TIER) end lint
 
 unit: $(STAMP)
+	@$(TIER) start unit
 	$(BIN)/pytest -q -m "not integration and not e2e" tests
+	@$(TIER) end unit
 
 # The SGLang contract (tests/sglang_contract/): the launcher's command lines and the trainer's
 # request bodies checked against the pinned SGLang's own parser and request types. Its wheel
@@ -43,26 +56,36 @@ $(SGLANG_DIR)/.installed: $(SGLANG_REQS) | $(STAMP)
 	touch $@
 
 contract: $(STAMP) $(SGLANG_DIR)/.installed
+	@$(TIER) start contract
 	KUBERL_SGLANG_PATH=$(SGLANG_DIR) $(BIN)/pytest -q tests/sglang_contract
+	@$(TIER) end contract
 
 integration: $(STAMP)
+	@$(TIER) start integration
 	$(BIN)/pytest -q -m integration tests
+	@$(TIER) end integration
 
 # A real local control plane (e2e/README.md): binaries built once per version and cached under
 # ~/.cache/kuberl/e2e (cold: ~13 min on 2 cores), then a no-op; the tests start their own.
 # The tier runs twice: on the oldest and on the newest supported KubeRay (e2e/versions.env).
 e2e: $(STAMP)
+	@$(TIER) start e2e-build
 	$(BIN)/python e2e/cluster.py build
 	KUBERL_E2E_KUBERAY=newest $(BIN)/python e2e/cluster.py build kuberay
+	@$(TIER) end e2e-build
+	@$(TIER) start e2e-oldest
 	$(BIN)/pytest -q -m e2e e2e
+	@$(TIER) end e2e-oldest
+	@$(TIER) start e2e-newest
 	KUBERL_E2E_KUBERAY=newest $(BIN)/pytest -q -m e2e e2e
+	@$(TIER) end e2e-newest
 
 # The same control plane for manual use: prints the KUBECONFIG (and PATH) lines to export.
 cluster-up: $(STAMP)
 	$(BIN)/python e2e/cluster.py build
 	$(BIN)/python e2e/cluster.py up --crds crds
-cluster-down:
-	$(PYTHON) e2e/cluster.py down
+cluster-down: $(STAMP)
+	$(BIN)/python e2e/cluster.py down
 
 # Regenerate crds/ (and the chart's copy) from the model (unit tests fail when they drift).
 crd: $(STAMP)
