@@ -656,7 +656,7 @@ class TrainingSpec(ApiModel):
 
 
 ENGINE_ARG_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
-# The engine server flags kuberl passes itself (kuberl_trainer.actors' engine command: SGLang's
+# The engine server flags kuberl passes itself (engine_command.py: SGLang's
 # and the reference engine's), with SGLang's aliases of them, and where each value comes from.
 # An engineArgs entry for one would be a second, conflicting value of the flag.
 KUBERL_ENGINE_FLAGS: dict[str, tuple[str, ...]] = {

@@ -1,5 +1,5 @@
 """The engine server's command line (kuberl_trainer.engine_command, run by
-actors.EngineServer): kuberl's own flags, the colocated defaults and rollout.engineArgs /
+engine_actors.EngineServer): kuberl's own flags, the colocated defaults and rollout.engineArgs /
 engineListArgs. The contract tier (tests/sglang_contract/) parses the same commands with the
 pinned SGLang's own parser."""
 
@@ -15,7 +15,7 @@ import pytest
 
 from kuberl_api import parse
 from kuberl_api.spec import RLJobSpec
-from kuberl_trainer.actors import EngineServer
+from kuberl_trainer.engine_actors import EngineServer
 from kuberl_trainer.engine_client import EngineError
 from kuberl_trainer.engine_command import engine_arg_flags, engine_dtype
 from kuberl_wire.protocol import ENGINE_SECRET_ENV
@@ -153,7 +153,7 @@ def test_engine_output_is_forwarded_and_its_tail_kept(monkeypatch: pytest.Monkey
                                     rollout={"engine": "reference", "gpus": 0}), 0, 7)
     script = "import sys\nfor i in range(300): print('line', i)\nsys.exit('bad flag')"
     monkeypatch.setattr(server, "_command", lambda *_: [sys.executable, "-c", script])
-    monkeypatch.setattr("kuberl_trainer.actors.node_ip", lambda: "127.0.0.1")
+    monkeypatch.setattr("kuberl_trainer.engine_actors.node_ip", lambda: "127.0.0.1")
     server.start("/m")
     deadline = time.monotonic() + 30
     while (server.poll() is None or not server.log_tail() or server.log_tail()[-1] != "bad flag"):

@@ -22,7 +22,7 @@ async def healthy(_: web.Request) -> web.Response:
 
 
 class Engines:
-    """What Fleet uses of actors.EngineGroup: urls, dead(), restart(url)."""
+    """What Fleet uses of engine_actors.EngineGroup: urls, dead(), restart(url)."""
 
     def __init__(self, urls: list[str], spare: list[str]) -> None:
         self.urls, self.spare = list(urls), list(spare)

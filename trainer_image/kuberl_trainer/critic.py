@@ -15,17 +15,10 @@ import ray
 import torch
 
 from kuberl_api.spec import RLJobSpec
-from kuberl_trainer.actors import (
-    RankGroup,
-    TrainGroup,
-    TrainWorker,
-    combine_rank_metrics,
-    in_bundle,
-    reserve,
-    start_workers,
-)
+from kuberl_trainer.actors import RankGroup, TrainGroup, TrainWorker, combine_rank_metrics
 from kuberl_trainer.backends.base import Backend, TrainBatch
 from kuberl_trainer.placement import Layout
+from kuberl_trainer.ray_actors import in_bundle, reserve
 
 CRITIC_DIR = "critic"
 
@@ -55,7 +48,8 @@ class CriticWorker(TrainWorker):
 
 
 class CriticGroup(RankGroup):
-    """The critic workers, driven together (data-parallel shards, like ``TrainGroup``)."""
+    """The critic workers, driven together (data-parallel shards, like ``TrainGroup``);
+    usable once `setup` has returned (RankGroup)."""
 
     def __init__(self, spec: RLJobSpec, layout: Layout, trainers: TrainGroup, *,
                  one_machine: bool = False, log_dir: Path | None = None) -> None:
@@ -66,9 +60,8 @@ class CriticGroup(RankGroup):
         # Shared: in the training ranks' bundles, which reserved the critic's share too.
         pg = trainers.pg if layout.critic_shared else reserve(
             [shape.bundle() for _ in range(n)], "critic")
-        self.workers = start_workers(CriticWorker, spec,
-                                     [in_bundle(shape, pg, rank) for rank in range(n)],
-                                     sharing=n if one_machine else 1, log_dir=log_dir)
+        self.spawn(CriticWorker, spec, [in_bundle(shape, pg, rank) for rank in range(n)],
+                   sharing=n if one_machine else 1, log_dir=log_dir)
 
     def _shards(self, batch: TrainBatch) -> list[TrainBatch]:
         return batch.split(len(self.workers))

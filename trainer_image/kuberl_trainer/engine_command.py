@@ -1,4 +1,4 @@
-"""The engine server's command line (actors.EngineServer runs it), from the spec alone.
+"""The engine server's command line (engine_actors.EngineServer runs it), from the spec alone.
 
 Pure (no Ray, no CUDA): the contract tier (tests/sglang_contract/) parses every command built
 here with the pinned SGLang's own server-argument parser.

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 
 from kuberl_api.spec import HealthProbe
-from kuberl_trainer.actors import EngineGroup
+from kuberl_trainer.engine_actors import EngineGroup
 from kuberl_trainer.engine_client import EngineClient, EngineError
 from kuberl_trainer.router import Router
 

@@ -7,8 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kuberl_trainer.actors import EngineGroup, TrainGroup
+from kuberl_trainer.actors import TrainGroup
 from kuberl_trainer.backends.base import TrainBatch
+from kuberl_trainer.engine_actors import EngineGroup
 from kuberl_trainer.fleet import Fleet
 from kuberl_trainer.memory_handoff import MemoryHandoff
 from kuberl_trainer.metrics_log import MetricsLog

@@ -6,10 +6,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,9 +20,10 @@ from transformers import AutoTokenizer
 
 from kuberl_api import RLJob
 from kuberl_trainer import async_loop, checkpoint as ckpt
-from kuberl_trainer.actors import EngineGroup, TrainGroup
+from kuberl_trainer.actors import TrainGroup
 from kuberl_trainer.critic import CriticGroup
 from kuberl_trainer.data import PromptSource
+from kuberl_trainer.engine_actors import EngineGroup
 from kuberl_trainer.engine_client import EngineClient, EngineError
 from kuberl_trainer.engine_metrics import EngineMetrics
 from kuberl_trainer.fleet import Fleet, dead_after
@@ -33,6 +36,7 @@ from kuberl_trainer.progress import Progress
 from kuberl_trainer.reporter import StatusReporter
 from kuberl_trainer.rollout import DataPosition, RolloutManager
 from kuberl_trainer.router import Router
+from kuberl_trainer.startup import StartupClock
 from kuberl_trainer.stopping import GracefulStop
 
 if TYPE_CHECKING:
@@ -67,26 +71,26 @@ class Session:
             else None
 
     # ------------------------------------------------------------------ lifetime
-    def start(self) -> None:
+    def start(self, clock: StartupClock | None = None) -> None:
+        """Ray, the actors, the engines and the first weights, each phase marked on `clock`
+        (one line on stdout at the end: where the start-up went)."""
+        clock = clock or StartupClock()
+        clock.mark("checks")  # (the process's start, imports, preflight)
         _quiet_ray()
         logs = self.opts.log_dir
-        if self.opts.address:
-            ray.init(address=self.opts.address, log_to_driver=True)
-        else:  # a local Ray sized to this job's actors (see placement.local_resources)
-            if logs is not None:
-                logs.mkdir(parents=True, exist_ok=True)
-            # Ray's own INFO lines ("Started a local Ray instance") are not for the terminal;
-            # its warnings are. HF's progress bars would only fill the actors' log files.
-            ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
-                     resources=local_resources(self.spec), log_to_driver=True,
-                     logging_level=logging.WARNING,
-                     runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
-                                               "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-                                               **self.spec.network.variables()}})
+        self._start_ray(logs)
+        clock.mark("ray")
         lay = layout(self.spec)
         local = not self.opts.address
+        # The training workers' processes start first and import while the engines load;
+        # they build their models in `setup` (colocated, only once the engines made room).
+        self.trainers = TrainGroup(self.spec, lay, one_machine=local, log_dir=logs)
+        self.critic = (CriticGroup(self.spec, lay, self.trainers, one_machine=local,
+                                   log_dir=logs)
+                       if self.spec.has_critic else None)
         self.engines = EngineGroup(self.spec, lay, seed=self.opts.seed, one_machine=local,
                                    log_dir=logs)
+        clock.mark("placement")
         self.client = EngineClient(self.engines.urls)
         self.fleet = Fleet(self.engines, self.client, budget=self.spec.engine_restart_budget,
                            start_timeout_s=ENGINE_START_TIMEOUT_S)
@@ -94,14 +98,16 @@ class Session:
         self.memory = MemoryHandoff(self.client, self.aio, [], self.spec.trainer_offload)
         if self.memory.on:  # colocated: the engines start alone, then make room (see there)
             self._wait_for_engines()
+            clock.mark("engines ready")
             self.memory.release_engines()
-        self.trainers = TrainGroup(self.spec, lay, one_machine=local, log_dir=logs)
-        self.critic = (CriticGroup(self.spec, lay, self.trainers, one_machine=local,
-                                   log_dir=logs)
-                       if self.spec.has_critic else None)
-        self.memory.ranks = self._colocated_ranks()
-        if not self.memory.on:  # (disaggregated: engines and trainers start side by side)
+            self._setup_ranks()
+            clock.mark("trainers ready")
+        else:  # (disaggregated: the trainers build their models while the engines load)
+            self._setup_ranks()
+            clock.mark("trainers ready")
             self._wait_for_engines()
+            clock.mark("engines ready")
+        self.memory.ranks = self._colocated_ranks()
         if self.spec.rollout.router == "sglang":  # (generation only: after the engines)
             self.router = Router(self.client, log=None if logs is None else logs / "router.log")
             self.aio.run_until_complete(self.router.start())
@@ -112,7 +118,38 @@ class Session:
         self.sft_source = (PromptSource(d.sft.path, d.input_key, d.label_key,
                                         seed=self.opts.seed) if d.sft else None)
         resumed = self._resume()
+        if resumed:
+            clock.mark("checkpoint loaded")
         self._first_sync(resumed)
+        clock.mark("first weights")
+        print(clock.line(), flush=True)
+
+    def _start_ray(self, logs: Path | None) -> None:
+        if self.opts.address:
+            ray.init(address=self.opts.address, log_to_driver=True)
+            return
+        # A local Ray sized to this job's actors (see placement.local_resources)
+        if logs is not None:
+            logs.mkdir(parents=True, exist_ok=True)
+        # The actors' environment. A local Ray's processes inherit the driver's, so it is
+        # set around ray.init rather than given as the job's runtime_env: with one, Ray starts
+        # a new worker process for every actor instead of handing it one started ahead, which
+        # cost each run about a second of start-up on 2 cores. HF's progress bars would only
+        # fill the actors' log files.
+        with _environment({"TOKENIZERS_PARALLELISM": "false",
+                           "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+                           **self.spec.network.variables()}):
+            # Ray's own INFO lines ("Started a local Ray instance") are not for the
+            # terminal; its warnings are.
+            ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
+                     resources=local_resources(self.spec), log_to_driver=True,
+                     logging_level=logging.WARNING)
+
+    def _setup_ranks(self) -> None:
+        assert self.trainers is not None
+        self.trainers.setup()
+        if self.critic is not None:
+            self.critic.setup()
 
     def _wait_for_engines(self) -> None:
         assert self.engines is not None
@@ -328,6 +365,21 @@ class Session:
             self.aio.close()
             if ray.is_initialized():
                 ray.shutdown()
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]) -> Iterator[None]:
+    """`variables` set in this process's environment for the block, then as they were."""
+    before = {k: os.environ.get(k) for k in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _quiet_ray() -> None:

@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.algos.objective import Objective
@@ -477,6 +478,17 @@ def rank_batch_size(global_batch: int, world_size: int, micro_batch: int) -> int
         raise ValueError(f"globalBatchSize {global_batch} must be a multiple of "
                          f"microBatchSize * ranks = {micro_batch} * {world_size}")
     return global_batch // world_size
+
+
+def preload(path: str) -> None:
+    """Import the model's classes (transformers imports a model family's module when a
+    checkpoint first names it) ahead of ``build_model`` (base.preload_backend). Best effort:
+    a checkpoint it cannot read fails later, in the build, with the build's error."""
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # (the lazy mapping imports the module)
+    except (OSError, ValueError, KeyError):
+        pass
 
 
 def build_model(path: str, device: torch.device, mode: Mode, *, trainable: bool,

@@ -1,0 +1,108 @@
+"""What every kuberl Ray actor shares, with no torch import (an engine actor only starts a
+process: importing torch would cost it seconds of start-up, on the run's critical path):
+ports, the node's address, where an actor's output goes, CPU threads, placement groups."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from kuberl_trainer.placement import ActorShape, cpu_threads
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def distinct_free_ports(count: int) -> list[int]:
+    """`count` different free ports (each bound and released in turn: the OS may repeat one)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def node_ip() -> str:
+    return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+
+
+def log_to_file(path: str | None, what: str) -> None:
+    """Send this actor process's stdout and stderr to `path` (appended; a resumed run adds to
+    it), or leave them alone when None.
+
+    Locally (`kuberl run` without --address) the run's terminal is for the step table, and
+    Ray would forward every line an actor writes there: its routine logs belong in the run's
+    output folder instead. Done on the file descriptors, not sys.stdout, so C++ libraries
+    (gloo, NCCL), warnings and child processes (an engine server) write there too. In a
+    cluster (None) they stay on stdout, where `kubectl logs` finds them.
+    """
+    if path is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    print(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {what} (pid {os.getpid()})", flush=True)
+
+
+def log_path(log_dir: str | None, name: str) -> str | None:
+    """`log_dir`/`name`.log, or None (no log directory: output stays on stdout)."""
+    return None if log_dir is None else str(Path(log_dir) / f"{name}.log")
+
+
+def torch_threads(sharing: int) -> int:
+    """Threads for a CPU actor sharing its machine with `sharing - 1` actors of its role;
+    KUBERL_TORCH_THREADS overrides (see placement.cpu_threads)."""
+    forced = int(os.environ.get("KUBERL_TORCH_THREADS", "0") or 0)
+    return forced if forced > 0 else cpu_threads(len(os.sched_getaffinity(0)), sharing)
+
+
+
+PLACEMENT_TIMEOUT_S = 600.0
+
+
+def reserve(bundles: list[dict[str, float]], what: str) -> Any:
+    """Reserve `bundles` at once (a gang: all or nothing) as one placement group.
+
+    PACK keeps consecutive ranks on the same node where they fit, so data-parallel neighbours
+    talk over NVLink and an engine's GPUs never straddle nodes (a bundle is one node).
+    """
+    from ray.util.placement_group import placement_group
+
+    pg = placement_group(bundles, strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(
+            f"could not place {len(bundles)} {what} actor(s) of {bundles[0]} within "
+            f"{PLACEMENT_TIMEOUT_S:.0f}s; the Ray cluster offers {ray.cluster_resources()}"
+        ) from None
+    return pg
+
+
+def in_bundle(shape: ActorShape, pg: Any, index: int) -> dict[str, Any]:
+    """Actor options: `shape`'s resources, taken from bundle `index` of `pg`."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {**shape.options(), "scheduling_strategy": PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=index)}
+
+
+def placed(shape: ActorShape, count: int, what: str) -> list[dict[str, Any]]:
+    """Per-actor options for `count` actors of `shape`, each in a bundle of its own."""
+    pg = reserve([shape.bundle() for _ in range(count)], what)
+    return [in_bundle(shape, pg, i) for i in range(count)]
+
+
