@@ -81,11 +81,14 @@ e2e: $(STAMP)
 	@$(TIER) end e2e-newest
 
 # The same control plane for manual use: prints the KUBECONFIG (and PATH) lines to export.
+# STATE_DIR: where it keeps its state (default ~/.cache/kuberl/e2e/run).
+STATE_DIR ?=
+STATE_ARG := $(if $(STATE_DIR),--state-dir $(STATE_DIR))
 cluster-up: $(STAMP)
 	$(BIN)/python e2e/cluster.py build
-	$(BIN)/python e2e/cluster.py up --crds crds
+	$(BIN)/python e2e/cluster.py up --crds crds $(STATE_ARG)
 cluster-down: $(STAMP)
-	$(BIN)/python e2e/cluster.py down
+	$(BIN)/python e2e/cluster.py down $(STATE_ARG)
 
 # Regenerate crds/ (and the chart's copy) from the model (unit tests fail when they drift).
 crd: $(STAMP)
@@ -97,10 +100,15 @@ goldens: $(STAMP)
 	$(BIN)/pytest -q tests/unit/test_render_golden.py --update-goldens
 
 # The main job: build the tiny model and data (seeded, cached in out/tiny), then GRPO on CPU.
+# (DEMO_TINY, DEMO_JOB, DEMO_OUT: another build folder, manifest and output folder; the
+# integration tier runs the target with a two-step copy of the manifest.)
+DEMO_TINY ?= out/tiny
+DEMO_JOB ?= examples/tiny-grpo.yaml
+DEMO_OUT ?= out/tiny-grpo
 demo: $(STAMP)
-	$(BIN)/python -m kuberl_trainer.tiny build --out out/tiny
-	rm -rf out/tiny-grpo  # a fresh run each time (a kept checkpoint would resume, at the end)
-	$(BIN)/kuberl run examples/tiny-grpo.yaml --output-dir out/tiny-grpo
+	$(BIN)/python -m kuberl_trainer.tiny build --out $(DEMO_TINY)
+	rm -rf $(DEMO_OUT)  # a fresh run each time (a kept checkpoint would resume, at the end)
+	$(BIN)/kuberl run $(DEMO_JOB) --output-dir $(DEMO_OUT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -16,12 +16,12 @@ version into ``${XDG_CACHE_HOME:-~/.cache}/kuberl/e2e/`` (one module each in ``c
 - optionally Kueue (``up --kueue``, ``Cluster.start(kueue=True)``, ``Cluster.start_kueue()``):
   its manager with the ``ray.io/rayjob`` integration and its webhooks.
 
-Command line (stdlib only: any python3 >= 3.11 runs it)::
+Command line (with the project's venv: `make cluster-up` and `make cluster-down` run it so)::
 
-    python e2e/cluster.py build           # e2e/build.sh: the binaries, once per version
-    python e2e/cluster.py up              # start; prints `export KUBECONFIG=... PATH=...`
-    python e2e/cluster.py status          # what runs, on which ports, node pools
-    python e2e/cluster.py down            # stop everything and remove the state dir
+    .venv/bin/python e2e/cluster.py build   # e2e/build.sh: the binaries, once per version
+    .venv/bin/python e2e/cluster.py up      # start; prints `export KUBECONFIG=... PATH=...`
+    .venv/bin/python e2e/cluster.py status  # what runs, on which ports, node pools
+    .venv/bin/python e2e/cluster.py down    # stop everything and remove the state dir
 
 From Python (a session-scoped pytest fixture)::
 
