@@ -9,6 +9,7 @@ rebuilt from scratch.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import time
@@ -75,7 +76,16 @@ def cached(out: Path, config: BuildConfig) -> dict[str, Any] | None:
 
 def build(out: Path, config: BuildConfig, *, force: bool = False,
           log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Build into `out` unless it already holds this build; returns build.json's content."""
+    """Build into `out` unless it already holds this build; returns build.json's content.
+    Two builders of one directory (test workers, two `make demo`s) take turns: the second
+    finds the first's build and reuses it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(out.parent / f".{out.name}.lock"):
+        return _build_or_reuse(out, config, force=force, log=log)
+
+
+def _build_or_reuse(out: Path, config: BuildConfig, *, force: bool,
+                    log: Callable[[str], None]) -> dict[str, Any]:
     if not force and (record := cached(out, config)) is not None:
         log(f"tiny: reusing {out} (seed {config.seed}, {config.sft_steps} SFT steps)")
         return record
@@ -132,6 +142,18 @@ def _build(out: Path, config: BuildConfig, log: Callable[[str], None]) -> dict[s
 def _tail_mean(losses: list[float], n: int = 20) -> float | None:
     tail = losses[-n:]
     return sum(tail) / len(tail) if tail else None
+
+
+@contextlib.contextmanager
+def _exclusive(lock: Path) -> Iterator[None]:
+    """An exclusive lock on the file `lock` (created) for the block (flock: released when the
+    process dies, so a killed build never blocks the next)."""
+    with lock.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
