@@ -36,9 +36,13 @@ lint: $(STAMP)
 	$(BIN)/hadolint Dockerfile.trainer Dockerfile.rollout Dockerfile.operator
 	@$(TIER) end lint
 
+# Test processes per tier (pytest-xdist): the tiers' tests are independent, and a local run
+# waits on its engines and workers as much as it computes, so two share two cores well.
+TEST_WORKERS ?= 2
+
 unit: $(STAMP)
 	@$(TIER) start unit
-	$(BIN)/pytest -q -m "not integration and not e2e" tests
+	$(BIN)/pytest -q -n $(TEST_WORKERS) -m "not integration and not e2e" tests
 	@$(TIER) end unit
 
 # The SGLang contract (tests/sglang_contract/): the launcher's command lines and the trainer's
@@ -62,7 +66,7 @@ contract: $(STAMP) $(SGLANG_DIR)/.installed
 
 integration: $(STAMP)
 	@$(TIER) start integration
-	$(BIN)/pytest -q -m integration tests
+	$(BIN)/pytest -q -n $(TEST_WORKERS) -m integration tests
 	@$(TIER) end integration
 
 # A real local control plane (e2e/README.md): binaries built once per version and cached under

@@ -95,3 +95,4 @@ def metrics(out: Path) -> list[dict[str, Any]]:
 
 
 LEARNABLE = {"type": "custom", "function": "tests.integration.toy_rewards:leading_one"}
+

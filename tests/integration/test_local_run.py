@@ -5,17 +5,27 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kuberl_trainer.tiny.build import exclusive
 from tests.integration import learning
-from tests.integration.local_run import ENV, KUBERL, example_on_cpu, kuberl_run, manifest, metrics
+from tests.integration.local_run import (
+    ENV,
+    KUBERL,
+    example_on_cpu,
+    kuberl_run,
+    manifest,
+    metrics,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -246,12 +256,37 @@ FAULTS = [("dies", 1, "sync"), ("dies", 2, "sync"), ("hangs", 1, "sync"), ("dies
 ROUTED_FAULTS = [("dies", 1, "sync"), ("hangs", 1, "sync"), ("dies-alone", 1, "sync")]
 
 
+@pytest.fixture(scope="session")
+def undisturbed(tmp_path_factory: pytest.TempPathFactory, worker_id: str
+                ) -> Callable[[str, Path], list[dict[str, Any]]]:
+    """undisturbed(key, job) -> the metrics of `job` run without a fault. The fault tests
+    compare each faulted run with the same job undisturbed, and many share their job: each
+    is run once per session, by whichever test (or xdist worker: they share the session's
+    base directory, and a lock) needs it first."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base if worker_id == "master" else base.parent) / "undisturbed-runs"
+    root.mkdir(exist_ok=True)
+
+    def get(key: str, job: Path) -> list[dict[str, Any]]:
+        out = root / key
+        with exclusive(root / f"{key}.lock"):
+            if not (out / "done").exists():
+                shutil.rmtree(out, ignore_errors=True)
+                res = kuberl_run(job, out, timeout=600)
+                assert res.returncode == 0, res.stderr[-3000:]
+                (out / "done").touch()
+        return metrics(out)
+
+    return get
+
+
 @pytest.mark.parametrize(("fault", "tp", "mode", "router"),
                          [(*f, "none") for f in FAULTS] + [(*f, "sglang") for f in ROUTED_FAULTS],
                          ids=[f"{f}-tp{t}-{m}" for f, t, m in FAULTS]
                          + [f"{f}-tp{t}-{m}-router" for f, t, m in ROUTED_FAULTS])
 def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
-        tiny: Path, tmp_path: Path, fault: str, tp: int, mode: str, router: str) -> None:
+        tiny: Path, tmp_path: Path, fault: str, tp: int, mode: str, router: str,
+        undisturbed: Callable[[str, Path], list[dict[str, Any]]]) -> None:
     """An engine SIGKILLed (dies) or SIGSTOPped (hangs: alive, silent) between steps: the next
     rollout's requests it holds go to the other engine (once the health probe has found it
     silent, for a hung one), it is replaced before the weights go out, and the replacement
@@ -285,8 +320,9 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
                                  "healthProbe": probe, "router": router},
                         schedule={"numRollouts": 4})
 
-    undisturbed = tmp_path / "undisturbed"
-    assert kuberl_run(job("undisturbed"), undisturbed, timeout=600).returncode == 0
+    # (the router changes which engine serves a request, never its samples: test_router.py)
+    calm = undisturbed(f"{mode}-tp{tp}-{1 if fault == 'dies-alone' else 2}-engines",
+                       job("undisturbed"))
     spec = load(job("replaced"))
     opts = Options(address=None, in_cluster=False, output_dir=tmp_path / "out",
                    checkpoint_dir=tmp_path / "ckpt", prometheus_port=0, tensorboard=None,
@@ -330,7 +366,7 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
         session.train(Progress(4))
     finally:
         session.close()
-    rows, calm = metrics(tmp_path / "out"), metrics(undisturbed)
+    rows = metrics(tmp_path / "out")
     assert [r["engine_restarts_total"] for r in rows] == [0, 1, 1, 1]
     if fault == "dies-alone":
         # The replacement got the trainers' weights before it generated: those of the last

@@ -80,7 +80,7 @@ def build(out: Path, config: BuildConfig, *, force: bool = False,
     Two builders of one directory (test workers, two `make demo`s) take turns: the second
     finds the first's build and reuses it."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(out.parent / f".{out.name}.lock"):
+    with exclusive(out.parent / f".{out.name}.lock"):
         return _build_or_reuse(out, config, force=force, log=log)
 
 
@@ -145,7 +145,7 @@ def _tail_mean(losses: list[float], n: int = 20) -> float | None:
 
 
 @contextlib.contextmanager
-def _exclusive(lock: Path) -> Iterator[None]:
+def exclusive(lock: Path) -> Iterator[None]:
     """An exclusive lock on the file `lock` (created) for the block (flock: released when the
     process dies, so a killed build never blocks the next)."""
     with lock.open("a") as f:
