@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 EXTRAS ?= operator,trainer,rollout,dev
 
 .PHONY: test tier-reset lint unit contract integration e2e cluster-up cluster-down crd goldens \
-	demo clean
+	demo coverage clean
 # Each tier's wall time (.ci/tier): `make test` prints them against their budgets at the end.
 TIER := $(PYTHON) .ci/tier
 
@@ -68,6 +68,17 @@ integration: $(STAMP)
 	@$(TIER) start integration
 	$(BIN)/pytest -q -n $(TEST_WORKERS) -m integration tests
 	@$(TIER) end integration
+
+# Line coverage of operator/, trainer_image/, rollout_image/ and wire/ by the unit and
+# integration tiers, every process they start included ([tool.coverage] in pyproject.toml):
+# the per-file table in out/coverage/report.txt, then each package's total. Not in `make test`.
+coverage: $(STAMP)
+	rm -rf out/coverage && mkdir -p out/coverage
+	$(BIN)/pytest -q -n $(TEST_WORKERS) -m "not e2e" --cov --cov-report= tests
+	$(BIN)/coverage combine -q
+	$(BIN)/coverage report > out/coverage/report.txt
+	@for p in operator trainer_image rollout_image wire; do \
+	  printf '%-15s' $$p; $(BIN)/coverage report --include="$$p/*" | tail -1; done
 
 # A real local control plane (e2e/README.md): binaries built once per version and cached under
 # ~/.cache/kuberl/e2e (cold: ~13 min on 2 cores), then a no-op; the tests start their own.
