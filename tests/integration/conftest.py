@@ -3,8 +3,9 @@ as a subprocess logged in to it through a KUBECONFIG file (see helpers.Operator)
 
 from __future__ import annotations
 
+import shutil
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +64,30 @@ def teacher() -> Path:
     from tests.integration.local_run import TEACHER_SFT_STEPS, tiny_job
 
     return tiny_job(TEACHER_SFT_STEPS)
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str
+               ) -> Callable[[str, Path], Path]:
+    """shared_run(key, job) -> the output directory of `kuberl run job`, run once per session
+    for each key by whichever test needs it first (xdist workers share the session's base
+    directory, and take turns under a lock). For runs that several tests compare with (the
+    fault tests' undisturbed runs, the resume tests' uninterrupted one): same key, same job."""
+    from kuberl_trainer.tiny.build import exclusive
+    from tests.integration.local_run import kuberl_run
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base if worker_id == "master" else base.parent) / "shared-runs"
+    root.mkdir(exist_ok=True)
+
+    def get(key: str, job: Path) -> Path:
+        out = root / key
+        with exclusive(root / f"{key}.lock"):
+            if not (out / "done").exists():
+                shutil.rmtree(out, ignore_errors=True)
+                res = kuberl_run(job, out, timeout=600)
+                assert res.returncode == 0, res.stderr[-3000:]
+                (out / "done").touch()
+        return out
+
+    return get

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -16,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from kuberl_trainer.tiny.build import exclusive
 from tests.integration import learning
 from tests.integration.local_run import (
     ENV,
@@ -256,37 +254,13 @@ FAULTS = [("dies", 1, "sync"), ("dies", 2, "sync"), ("hangs", 1, "sync"), ("dies
 ROUTED_FAULTS = [("dies", 1, "sync"), ("hangs", 1, "sync"), ("dies-alone", 1, "sync")]
 
 
-@pytest.fixture(scope="session")
-def undisturbed(tmp_path_factory: pytest.TempPathFactory, worker_id: str
-                ) -> Callable[[str, Path], list[dict[str, Any]]]:
-    """undisturbed(key, job) -> the metrics of `job` run without a fault. The fault tests
-    compare each faulted run with the same job undisturbed, and many share their job: each
-    is run once per session, by whichever test (or xdist worker: they share the session's
-    base directory, and a lock) needs it first."""
-    base = tmp_path_factory.getbasetemp()
-    root = (base if worker_id == "master" else base.parent) / "undisturbed-runs"
-    root.mkdir(exist_ok=True)
-
-    def get(key: str, job: Path) -> list[dict[str, Any]]:
-        out = root / key
-        with exclusive(root / f"{key}.lock"):
-            if not (out / "done").exists():
-                shutil.rmtree(out, ignore_errors=True)
-                res = kuberl_run(job, out, timeout=600)
-                assert res.returncode == 0, res.stderr[-3000:]
-                (out / "done").touch()
-        return metrics(out)
-
-    return get
-
-
 @pytest.mark.parametrize(("fault", "tp", "mode", "router"),
                          [(*f, "none") for f in FAULTS] + [(*f, "sglang") for f in ROUTED_FAULTS],
                          ids=[f"{f}-tp{t}-{m}" for f, t, m in FAULTS]
                          + [f"{f}-tp{t}-{m}-router" for f, t, m in ROUTED_FAULTS])
 def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
         tiny: Path, tmp_path: Path, fault: str, tp: int, mode: str, router: str,
-        undisturbed: Callable[[str, Path], list[dict[str, Any]]]) -> None:
+        shared_run: Callable[[str, Path], Path]) -> None:
     """An engine SIGKILLed (dies) or SIGSTOPped (hangs: alive, silent) between steps: the next
     rollout's requests it holds go to the other engine (once the health probe has found it
     silent, for a hung one), it is replaced before the weights go out, and the replacement
@@ -321,8 +295,8 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
                         schedule={"numRollouts": 4})
 
     # (the router changes which engine serves a request, never its samples: test_router.py)
-    calm = undisturbed(f"{mode}-tp{tp}-{1 if fault == 'dies-alone' else 2}-engines",
-                       job("undisturbed"))
+    calm = metrics(shared_run(f"undisturbed-{mode}-tp{tp}-"
+                              f"{1 if fault == 'dies-alone' else 2}-engines", job("undisturbed")))
     spec = load(job("replaced"))
     opts = Options(address=None, in_cluster=False, output_dir=tmp_path / "out",
                    checkpoint_dir=tmp_path / "ckpt", prometheus_port=0, tensorboard=None,
@@ -458,12 +432,20 @@ def assert_terminal_is_clean(res: subprocess.CompletedProcess[str], out: Path,
         assert "rank 0/1 on cpu" in (out / "logs" / f"{role}-0.log").read_text(), role
 
 
+def whole_run(tiny: Path, tmp_path: Path, shared_run: Callable[[str, Path], Path],
+              name: str) -> Path:
+    """The uninterrupted 6-step run the resume tests compare with (saving every 3 steps,
+    which changes nothing it trains: the resumed runs' first half saves or stops there)."""
+    extra, _ = RESUMABLE[name]
+    return shared_run(f"whole-{name}", manifest(
+        tiny, tmp_path, "whole", schedule={"numRollouts": 6, "saveInterval": 3}, **extra))
+
+
 @pytest.mark.parametrize("name", RESUMABLE)
-def test_resume_replays_the_uninterrupted_run(tiny: Path, tmp_path: Path, name: str) -> None:
+def test_resume_replays_the_uninterrupted_run(tiny: Path, tmp_path: Path, name: str,
+                                              shared_run: Callable[[str, Path], Path]) -> None:
     extra, keys = RESUMABLE[name]
-    whole = manifest(tiny, tmp_path, "whole", schedule={"numRollouts": 6, "saveInterval": 3},
-                     **extra)
-    assert kuberl_run(whole, tmp_path / "a").returncode == 0
+    whole = whole_run(tiny, tmp_path, shared_run, name)
     first = manifest(tiny, tmp_path, "part", schedule={"numRollouts": 3, "saveInterval": 3},
                      **extra)
     assert kuberl_run(first, tmp_path / "b").returncode == 0
@@ -474,7 +456,7 @@ def test_resume_replays_the_uninterrupted_run(tiny: Path, tmp_path: Path, name: 
     # A resumed run loads and saves checkpoints: the terminal still shows only the table.
     assert_terminal_is_clean(res, tmp_path / "b", roles=("train", "critic") if extra
                              else ("train",), runs=2)
-    a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    a, b = metrics(whole), metrics(tmp_path / "b")
     assert [r["step"] for r in b] == list(range(6))
     for ra, rb in zip(a[3:], b[3:], strict=True):
         assert ra["prompts_sha"] == rb["prompts_sha"]
@@ -483,15 +465,15 @@ def test_resume_replays_the_uninterrupted_run(tiny: Path, tmp_path: Path, name: 
 
 
 def test_sigterm_saves_at_a_safe_point_and_the_resumed_run_replays_the_whole_one(
-        tiny: Path, tmp_path: Path) -> None:
+        tiny: Path, tmp_path: Path, shared_run: Callable[[str, Path], Path]) -> None:
     """What a preempted head does (its preStop hook sends the driver SIGTERM): stop where the
     state is consistent (a rollout in flight is dropped, a step in training finishes), save,
     exit 143 (never 0: a stop must not read as success); the next run resumes there and trains
     exactly what the uninterrupted run trained."""
     from kuberl_trainer.checkpoint import latest
 
+    whole = whole_run(tiny, tmp_path, shared_run, "grpo")
     spec = {"schedule": {"numRollouts": 6}}  # no saveInterval: the stop's save is the only one
-    assert kuberl_run(manifest(tiny, tmp_path, "whole", **spec), tmp_path / "a").returncode == 0
     job, out = manifest(tiny, tmp_path, "stopped", **spec), tmp_path / "b"
     proc = subprocess.Popen([*KUBERL, "run", str(job), "--output-dir", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -509,7 +491,7 @@ def test_sigterm_saves_at_a_safe_point_and_the_resumed_run_replays_the_whole_one
     assert saved is not None and saved[0] == trained < 6, (saved, trained)
     res = kuberl_run(job, out)
     assert res.returncode == 0, res.stderr[-3000:]
-    a, b = metrics(tmp_path / "a"), metrics(out)
+    a, b = metrics(whole), metrics(out)
     assert [r["step"] for r in b] == list(range(6))
     for ra, rb in zip(a[trained:], b[trained:], strict=True):
         assert ra["prompts_sha"] == rb["prompts_sha"]
