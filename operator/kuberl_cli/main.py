@@ -13,6 +13,8 @@ Heavy packages (kopf, ray, torch) are imported only by the subcommand that needs
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -129,5 +131,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def entry() -> None:
+    """The `kuberl` command (and `python -m kuberl_cli.main`): main(), then exit. A command
+    that loaded torch and Ray (`run`) leaves without the interpreter's teardown: freeing
+    their modules and C++ state took 1.4 s of every local run's end on 2 cores, after the
+    run had closed its files and shut Ray down. The exit handlers still run, and the output
+    is flushed, first."""
+    code = main()
+    if "torch" in sys.modules:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
