@@ -23,5 +23,6 @@ def test_node_pools(k8s_cluster: Cluster) -> None:
     assert set(pools) == {"train", "rollout", "cpu"} and pools["train"] >= 2, pools
 
 
+@pytest.mark.kuberay
 def test_raycluster_on_the_pools(k8s_cluster: Cluster) -> None:
     check_raycluster(k8s_cluster, name="harness-smoke", say=lambda _line: None)

@@ -24,7 +24,7 @@ from queues import (
 )
 from rljobs import RAYCLUSTERS, RAYJOBS, condition, namespace, unique
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.kuberay]
 
 RAY_IMAGE = "rayproject/ray:2.49.0"  # never pulled: kwok runs no containers
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}

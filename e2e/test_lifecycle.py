@@ -45,7 +45,7 @@ from stand_in import KUBERAY, dashboard_says, head_reporter
 from kuberl_operator.render import names
 from kuberl_operator.status import ANNOTATION_RESTARTS
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.kuberay]
 
 HEARTBEAT_TIMEOUT = 30  # the CRD's minimum heartbeatTimeoutSeconds
 

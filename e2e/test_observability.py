@@ -339,6 +339,7 @@ def test_prometheus_evaluates_the_rules_and_fires_on_engine_restarts(
     assert not others, others
 
 
+@pytest.mark.kuberay
 def test_a_job_that_fails_fires_kuberl_rljob_failed(observed: Observed) -> None:
     """The real operator's phase series of a job that really failed fire the alert."""
     prom, ns = observed.prom, observed.ns

@@ -9,7 +9,7 @@ from cluster import Cluster
 from polling import wait_for
 from rljobs import JobWatch, Operator, condition, cpu_job, events_for, kubectl_apply
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.kuberay]
 
 
 def test_a_missing_pvc_is_named_in_cluster_ready(k8s_cluster: Cluster, operator: Operator,

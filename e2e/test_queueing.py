@@ -44,7 +44,7 @@ from stand_in import KUBERAY, dashboard_says, head_reporter
 from kuberl_api import parse
 from kuberl_operator.render import names, render_children
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.kuberay]
 
 # KubeRay's default submitter pod (common/job.go) requests half a CPU: Kueue counts it too.
 SUBMITTER_CPU = 1

@@ -378,6 +378,7 @@ def shm_volume(pod: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 @pytest.mark.parametrize("example_name", GPU_EXAMPLES)
+@pytest.mark.kuberay
 def test_operator_runs_the_gpu_example(k8s_cluster: Cluster, operator: Operator,
                                        operator_ns: str, volumes: list[str],
                                        example_name: str) -> None:
@@ -544,6 +545,7 @@ def _check_pods(api: Api, groups: dict[str, list[dict[str, Any]]], spec: Any, jo
 
 
 
+@pytest.mark.kuberay
 def test_longest_name_runs_on_cpu(k8s_cluster: Cluster, operator: Operator,
                                   operator_ns: str) -> None:
     """The longest name the CRD admits (40 characters) still gives KubeRay names it accepts
@@ -569,6 +571,7 @@ def test_longest_name_runs_on_cpu(k8s_cluster: Cluster, operator: Operator,
         w.delete_and_wait_gc()
 
 
+@pytest.mark.kuberay
 def test_head_service_account_reports_only_its_own_status(
         k8s_cluster: Cluster, operator: Operator, operator_ns: str) -> None:
     """The trainer on the Ray head reports progress with its pod's ServiceAccount token
@@ -630,6 +633,7 @@ def test_head_service_account_reports_only_its_own_status(
         w.delete_and_wait_gc()
 
 
+@pytest.mark.kuberay
 def test_failed_rayjob_restarts_as_next_attempt(k8s_cluster: Cluster, operator: Operator,
                                                 operator_ns: str) -> None:
     """KubeRay marks the RayJob Failed, so the operator restarts the job as attempt 1 (within
@@ -794,6 +798,7 @@ def test_no_cel_evaluation_errors_when_a_bound_is_violated(
     assert {m for m in CEL_MESSAGES if m in text} == expected, text
 
 
+@pytest.mark.kuberay
 def test_operator_log_is_clean(operator: Operator) -> None:
     """No reconcile errors on a real API server (they'd show as retries, not failures)."""
     lines = operator.log.read_text(errors="replace").splitlines()
