@@ -13,11 +13,15 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kuberl_api import RLJob, runtime
 from kuberl_trainer import preflight
 from kuberl_trainer.progress import Progress
 from kuberl_trainer.stopping import GracefulStop, PidFile, StopRequested
+
+if TYPE_CHECKING:
+    from kuberl_trainer.session import Session
 
 LOG = logging.getLogger("kuberl.run")
 
@@ -60,9 +64,8 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
     except preflight.PreflightError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    from kuberl_trainer.session import Session  # ray/torch load only after the checks
+    from kuberl_trainer.startup import HeadStart  # (no torch: see there)
 
-    session = Session(job, opts, checked)
     if opts.log_dir is not None:
         print(f"logs: {opts.log_dir}/ (engines, training workers)", flush=True)
     # Kubernetes stops pods with SIGTERM (the head's preStop hook finds the driver by its pid
@@ -71,25 +74,38 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
     # sets its own handler (exit at once), and before the first step there is nothing to save.
     stop = GracefulStop()
     pid_file = PidFile(runtime.DRIVER_PID_FILE) if opts.in_cluster else contextlib.nullcontext()
+    head: HeadStart | None = None
+    session: Session | None = None
     try:
         with pid_file:
-            session.start()
+            # Ray and the engines start while a thread imports the loop (torch, transformers)
+            head = HeadStart.begin(job.spec, opts, preload="kuberl_trainer.session")
+            from kuberl_trainer.session import Session
+
+            session = Session(job, opts, checked)
+            session.start(head)
             stop.install()
             session.train(Progress(job.spec.schedule.num_rollouts), stop)
     except StopRequested:
+        assert session is not None  # (requested only once training runs)
         print(f"stopping (SIGTERM): saving a checkpoint after step {session.step}",
               file=sys.stderr)
         session.save_and_report()
         return STOPPED
     except KeyboardInterrupt:
         print("\ninterrupted: saving a checkpoint before exiting", file=sys.stderr)
-        session.save_now()
+        if session is not None:
+            session.save_now()
         return 130
     except Exception as exc:  # an engine or worker died: fail with its error, never hang
-        print(f"error: {session.explain(exc)}", file=sys.stderr)
+        print(f"error: {session.explain(exc) if session else f'{type(exc).__name__}: {exc}'}",
+              file=sys.stderr)
         return 1
     finally:
-        session.close()
+        if session is not None:
+            session.close()
+        elif head is not None:
+            head.close()
         stop.uninstall()
     return 0
 

@@ -6,12 +6,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import re
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,13 +27,13 @@ from kuberl_trainer.fleet import Fleet, dead_after
 from kuberl_trainer.loop import Parts, train
 from kuberl_trainer.memory_handoff import MemoryHandoff, Ranks
 from kuberl_trainer.metrics_log import MetricsLog
-from kuberl_trainer.placement import layout, local_resources
+from kuberl_trainer.placement import layout
 from kuberl_trainer.preflight import Checked
 from kuberl_trainer.progress import Progress
 from kuberl_trainer.reporter import StatusReporter
 from kuberl_trainer.rollout import DataPosition, RolloutManager
 from kuberl_trainer.router import Router
-from kuberl_trainer.startup import StartupClock
+from kuberl_trainer.startup import HeadStart
 from kuberl_trainer.stopping import GracefulStop
 
 if TYPE_CHECKING:
@@ -71,25 +68,21 @@ class Session:
             else None
 
     # ------------------------------------------------------------------ lifetime
-    def start(self, clock: StartupClock | None = None) -> None:
-        """Ray, the actors, the engines and the first weights, each phase marked on `clock`
-        (one line on stdout at the end: where the start-up went)."""
-        clock = clock or StartupClock()
-        clock.mark("checks")  # (the process's start, imports, preflight)
-        _quiet_ray()
-        logs = self.opts.log_dir
-        self._start_ray(logs)
-        clock.mark("ray")
+    def start(self, head: HeadStart | None = None) -> None:
+        """The rest of the start-up after `head` (Ray, the engines' actors: begun, on `kuberl
+        run`, while this module was being imported; begun here when None): the training
+        workers, the engines ready, the first weights. Each phase is marked on the head's
+        clock, and one line on stdout at the end says where the start-up went."""
+        head = head or HeadStart.begin(self.spec, self.opts)
+        clock, logs, local = head.clock, self.opts.log_dir, not self.opts.address
+        self.engines = head.engines
         lay = layout(self.spec)
-        local = not self.opts.address
-        # The training workers' processes start first and import while the engines load;
-        # they build their models in `setup` (colocated, only once the engines made room).
+        # The training workers' processes import while the engines load; they build their
+        # models in `setup` (colocated, only once the engines made room).
         self.trainers = TrainGroup(self.spec, lay, one_machine=local, log_dir=logs)
         self.critic = (CriticGroup(self.spec, lay, self.trainers, one_machine=local,
                                    log_dir=logs)
                        if self.spec.has_critic else None)
-        self.engines = EngineGroup(self.spec, lay, seed=self.opts.seed, one_machine=local,
-                                   log_dir=logs)
         clock.mark("placement")
         self.client = EngineClient(self.engines.urls)
         self.fleet = Fleet(self.engines, self.client, budget=self.spec.engine_restart_budget,
@@ -123,27 +116,6 @@ class Session:
         self._first_sync(resumed)
         clock.mark("first weights")
         print(clock.line(), flush=True)
-
-    def _start_ray(self, logs: Path | None) -> None:
-        if self.opts.address:
-            ray.init(address=self.opts.address, log_to_driver=True)
-            return
-        # A local Ray sized to this job's actors (see placement.local_resources)
-        if logs is not None:
-            logs.mkdir(parents=True, exist_ok=True)
-        # The actors' environment. A local Ray's processes inherit the driver's, so it is
-        # set around ray.init rather than given as the job's runtime_env: with one, Ray starts
-        # a new worker process for every actor instead of handing it one started ahead, which
-        # cost each run about a second of start-up on 2 cores. HF's progress bars would only
-        # fill the actors' log files.
-        with _environment({"TOKENIZERS_PARALLELISM": "false",
-                           "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-                           **self.spec.network.variables()}):
-            # Ray's own INFO lines ("Started a local Ray instance") are not for the
-            # terminal; its warnings are.
-            ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
-                     resources=local_resources(self.spec), log_to_driver=True,
-                     logging_level=logging.WARNING)
 
     def _setup_ranks(self) -> None:
         assert self.trainers is not None
@@ -365,37 +337,6 @@ class Session:
             self.aio.close()
             if ray.is_initialized():
                 ray.shutdown()
-
-
-@contextlib.contextmanager
-def _environment(variables: dict[str, str]) -> Iterator[None]:
-    """`variables` set in this process's environment for the block, then as they were."""
-    before = {k: os.environ.get(k) for k in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def _quiet_ray() -> None:
-    """Keep what Ray prints on its own about itself off the run's output.
-
-    Its lines forwarded from actors come uncoloured (RAY_COLOR_PREFIX=0: a terminal is not
-    always where they land; pod logs keep the escape codes verbatim). Its FutureWarning that
-    actors asking for no GPU will one day see every GPU is dropped rather than answered with
-    the switch it suggests, RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0: each worker reads that from
-    its own environment, so set here it would change what actors see on a local run (whose
-    Ray inherits it) but not in a cluster (whose pods' Ray does not), and the two should
-    place GPUs alike (placement.colocated_engine_devices describes today's behaviour).
-    """
-    os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-    warnings.filterwarnings("ignore", message="Tip: In future versions of Ray",
-                            category=FutureWarning)
 
 
 def tail(path: Path, lines: int, max_bytes: int = 64 << 10) -> list[str]:

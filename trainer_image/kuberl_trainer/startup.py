@@ -1,5 +1,6 @@
-"""Where a run's start-up goes: one line before the first step, so a person waiting on a slow
-start (a 70B model's engines loading, a busy Ray cluster) sees which part it is.
+"""A run's start-up: the part that needs no torch (HeadStart), and where the time went: one
+line before the first step, so a person waiting on a slow start (a 70B model's engines
+loading, a busy Ray cluster) sees which part it is.
 
     start-up 7.9 s: checks 1.6, ray 1.3, placement 0.1, engines ready 3.4, trainers ready 0.9,
     first weights 0.6
@@ -12,8 +13,24 @@ left of it when the phase before ended, not all of its own work.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import logging
 import os
+import threading
 import time
+import warnings
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import ray
+
+from kuberl_api.spec import RLJobSpec
+from kuberl_trainer.engine_actors import EngineGroup
+from kuberl_trainer.placement import layout, local_resources
+
+if TYPE_CHECKING:
+    from kuberl_trainer.run import Options
 
 
 def process_start_time() -> float:
@@ -49,3 +66,120 @@ class StartupClock:
     def line(self) -> str:
         parts = ", ".join(f"{name} {seconds:.1f}" for name, seconds in self.phases)
         return f"start-up {self.total:.1f} s: {parts}"
+
+
+class HeadStart:
+    """The part of a run's start-up that needs neither torch nor transformers: Ray, and the
+    engines' actors launching their servers (engine_actors.py imports no torch). `kuberl
+    run` begins it while a thread imports the training loop's modules (`preload`): Ray's
+    processes start and the engines load while this process imports torch, which cost ~2 s
+    of every 2-core start-up done one after the other. `Session.start` does the rest."""
+
+    def __init__(self, clock: StartupClock, engines: EngineGroup) -> None:
+        self.clock, self.engines = clock, engines
+
+    @classmethod
+    def begin(cls, spec: RLJobSpec, opts: Options, preload: str | None = None) -> HeadStart:
+        clock = StartupClock()
+        clock.mark("checks")  # (the process's start, its imports, preflight)
+        importer = _Importer(preload) if preload else None
+        _quiet_ray()
+        _start_ray(spec, opts)
+        clock.mark("ray")
+        try:
+            engines = EngineGroup(spec, layout(spec), seed=opts.seed,
+                                  one_machine=not opts.address, log_dir=opts.log_dir)
+        except BaseException:
+            ray.shutdown()
+            raise
+        head = cls(clock, engines)
+        if importer is not None:
+            try:
+                importer.join()
+            except BaseException:
+                head.close()
+                raise
+        return head
+
+    def close(self) -> None:
+        """Stop the engines and Ray (a run that failed before its Session took them over):
+        an engine server outlives its actor unless stopped."""
+        try:
+            self.engines.stop()
+        finally:
+            ray.shutdown()
+
+
+class _Importer(threading.Thread):
+    """Imports a module in a thread; `join` raises what the import raised. (Imports take
+    the interpreter lock while they run Python, but ray.init mostly waits on the processes
+    it starts, so the two overlap.)"""
+
+    def __init__(self, module: str) -> None:
+        super().__init__(name=f"import {module}", daemon=True)
+        self.module = module
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            importlib.import_module(self.module)
+        except BaseException as exc:  # handed to the main thread by join
+            self.error = exc
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error
+
+
+def _start_ray(spec: RLJobSpec, opts: Options) -> None:
+    if opts.address:
+        ray.init(address=opts.address, log_to_driver=True)
+        return
+    # A local Ray sized to this job's actors (see placement.local_resources)
+    if opts.log_dir is not None:
+        opts.log_dir.mkdir(parents=True, exist_ok=True)
+    # The actors' environment. A local Ray's processes inherit the driver's, so it is set
+    # around ray.init rather than given as the job's runtime_env: with one, Ray starts a new
+    # worker process for every actor instead of handing it one started ahead, which cost
+    # each run about a second of start-up on 2 cores. HF's progress bars would only fill the
+    # actors' log files.
+    with _environment({"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+                       **spec.network.variables()}):
+        # Ray's own INFO lines ("Started a local Ray instance") are not for the terminal;
+        # its warnings are.
+        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
+                 resources=local_resources(spec), log_to_driver=True,
+                 logging_level=logging.WARNING)
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]) -> Iterator[None]:
+    """`variables` set in this process's environment for the block, then as they were."""
+    before = {k: os.environ.get(k) for k in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _quiet_ray() -> None:
+    """Keep what Ray prints on its own about itself off the run's output.
+
+    Its lines forwarded from actors come uncoloured (RAY_COLOR_PREFIX=0: a terminal is not
+    always where they land; pod logs keep the escape codes verbatim). Its FutureWarning that
+    actors asking for no GPU will one day see every GPU is dropped rather than answered with
+    the switch it suggests, RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0: each worker reads that from
+    its own environment, so set here it would change what actors see on a local run (whose
+    Ray inherits it) but not in a cluster (whose pods' Ray does not), and the two should
+    place GPUs alike (placement.colocated_engine_devices describes today's behaviour).
+    """
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    warnings.filterwarnings("ignore", message="Tip: In future versions of Ray",
+                            category=FutureWarning)
