@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kuberl_trainer.startup import environment  # noqa: E402
 from tests.integration import learning  # noqa: E402
 from tests.integration.local_run import tiny_job  # noqa: E402
 
@@ -89,20 +89,11 @@ def main() -> int:
             for name in args.scenarios:
                 scenario = learning.SCENARIOS[name]
                 scenario = on_gpus(scenario) if args.gpu else scenario
-                before = {k: os.environ.get(k) for k in config}
-                os.environ.update(config)
-                os.environ["KUBERL_TEST_SEED"] = str(seed)
-                try:
-                    with tempfile.TemporaryDirectory(prefix="margins-") as tmp:
-                        started = time.monotonic()
-                        outcome = scenario.run(tiny, Path(tmp))
-                        seconds = time.monotonic() - started
-                finally:
-                    for key, value in before.items():
-                        if value is None:
-                            os.environ.pop(key, None)
-                        else:
-                            os.environ[key] = value
+                with environment({**config, "KUBERL_TEST_SEED": str(seed)}), \
+                        tempfile.TemporaryDirectory(prefix="margins-") as tmp:
+                    started = time.monotonic()
+                    outcome = scenario.run(tiny, Path(tmp))
+                    seconds = time.monotonic() - started
                 stale = max(r.get("staleness_max", 0) for r in outcome.rows)
                 step = statistics.fmean(r["time_step_s"] for r in outcome.rows[1:])
                 for m in outcome.measures.values():

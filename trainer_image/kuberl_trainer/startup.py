@@ -145,7 +145,7 @@ def _start_ray(spec: RLJobSpec, opts: Options) -> None:
     # worker process for every actor instead of handing it one started ahead, which cost
     # each run about a second of start-up on 2 cores. HF's progress bars would only fill the
     # actors' log files.
-    with _environment({"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    with environment({"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                        **spec.network.variables()}):
         # Ray's own INFO lines ("Started a local Ray instance") are not for the terminal;
         # its warnings are.
@@ -155,7 +155,7 @@ def _start_ray(spec: RLJobSpec, opts: Options) -> None:
 
 
 @contextlib.contextmanager
-def _environment(variables: dict[str, str]) -> Iterator[None]:
+def environment(variables: dict[str, str]) -> Iterator[None]:
     """`variables` set in this process's environment for the block, then as they were."""
     before = {k: os.environ.get(k) for k in variables}
     os.environ.update(variables)
