@@ -30,13 +30,13 @@ from kuberl_trainer.metrics_log import MetricsLog
 from kuberl_trainer.placement import layout
 from kuberl_trainer.preflight import Checked
 from kuberl_trainer.progress import Progress
-from kuberl_trainer.reporter import StatusReporter
 from kuberl_trainer.rollout import DataPosition, RolloutManager
 from kuberl_trainer.router import Router
 from kuberl_trainer.startup import HeadStart
 from kuberl_trainer.stopping import GracefulStop
 
 if TYPE_CHECKING:
+    from kuberl_trainer.reporter import StatusReporter
     from kuberl_trainer.run import Options
 
 LOG = logging.getLogger("kuberl.run")
@@ -64,8 +64,11 @@ class Session:
         self.step = 0
         self.weight_version = 0
         self.aio = asyncio.new_event_loop()  # one loop for the run: the HTTP session lives on it
-        self.status: StatusReporter | None = StatusReporter.in_cluster() if opts.in_cluster \
-            else None
+        self.status: StatusReporter | None = None
+        if opts.in_cluster:  # (the kubernetes client: imported only where it reports)
+            from kuberl_trainer.reporter import StatusReporter
+
+            self.status = StatusReporter.in_cluster()
 
     # ------------------------------------------------------------------ lifetime
     def start(self, head: HeadStart | None = None) -> None:
