@@ -3,9 +3,11 @@ as a subprocess logged in to it through a KUBECONFIG file (see helpers.Operator)
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,3 +93,42 @@ def shared_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str
         return out
 
     return get
+
+
+# The shared Ray's host: a process of its own, so that the test process can still start (and
+# shut down) Sessions that join it. Custom resources enough for any test job's actors.
+RAY_HOST = """
+import sys, ray
+ctx = ray.init(num_cpus=8, include_dashboard=False, logging_level="ERROR",
+               resources={"kuberl_train": 16, "kuberl_rollout": 16, "kuberl_critic": 16})
+print(ctx.address_info["gcs_address"], flush=True)
+sys.stdin.read()  # until the test process closes it
+ray.shutdown()
+"""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_ray() -> Iterator[str]:
+    """One Ray per test process that its local runs join (`kuberl run --address`, and the
+    Sessions tests drive themselves) instead of each starting and stopping its own: 2.3 s of
+    every run on 2 cores. A Ray whose nodes are all this machine makes `kuberl run` behave as
+    a local run (log files, cores shared, free ports: run.Options.one_machine). The runs that
+    test what only a run's own Ray does (its process tree, `make demo`) start theirs."""
+    from tests.integration.local_run import ENV, SHARED_RAY
+
+    env = {**ENV, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    host = subprocess.Popen([sys.executable, "-c", RAY_HOST], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    assert host.stdout is not None and host.stdin is not None
+    address = host.stdout.readline().strip()
+    assert address, "the shared Ray did not start"
+    os.environ[SHARED_RAY] = address
+    try:
+        yield address
+    finally:
+        os.environ.pop(SHARED_RAY, None)
+        host.stdin.close()
+        try:
+            host.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            host.kill()

@@ -83,11 +83,27 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
     filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
+# The Ray this test process's local runs join (conftest.shared_ray): set while it runs.
+SHARED_RAY = "KUBERL_TEST_RAY"
+
+
 def kuberl_run(job: Path, out: Path, *extra: str,
                timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*KUBERL, "run", str(job), "--output-dir", str(out), *extra],
+    """`kuberl run job --output-dir out`, joining the test process's shared Ray when there is
+    one (a Ray on this machine only: the run behaves as a local one, run.Options)."""
+    ray = ["--address", os.environ[SHARED_RAY]] if os.environ.get(SHARED_RAY) else []
+    return subprocess.run([*KUBERL, "run", str(job), "--output-dir", str(out), *ray, *extra],
                           capture_output=True, text=True, timeout=timeout, cwd=job.parent,
                           env=ENV)
+
+
+def session_options(tmp: Path) -> Any:
+    """run.Options for a Session a test drives in its own process (the shared Ray, if any)."""
+    from kuberl_trainer.run import Options
+
+    return Options(address=os.environ.get(SHARED_RAY), in_cluster=False,
+                   output_dir=tmp / "out", checkpoint_dir=tmp / "ckpt", prometheus_port=0,
+                   tensorboard=None, seed=0)
 
 
 def metrics(out: Path) -> list[dict[str, Any]]:

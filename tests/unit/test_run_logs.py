@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kuberl_trainer.engine_client import EngineError
 from kuberl_trainer.run import Options
 from kuberl_trainer.session import Session, tail
@@ -20,6 +22,25 @@ def test_local_runs_log_to_the_output_dir_and_cluster_runs_to_stdout(tmp_path: P
     assert opts(tmp_path).log_dir == tmp_path / "out" / "logs"
     assert opts(tmp_path, address="auto").log_dir is None
     assert opts(tmp_path, address="auto", in_cluster=True).log_dir is None
+
+
+def test_a_joined_ray_on_this_machine_only_is_one_machine(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--address` to a Ray whose live nodes are all this machine (`ray start --head` here):
+    the run behaves as a local one (log files, cores shared, free ports); a node elsewhere
+    makes it a cluster run."""
+    import ray
+
+    from kuberl_trainer import startup
+
+    here = "10.0.0.5"
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: here)
+    nodes = [{"NodeManagerAddress": here, "Alive": True},
+             {"NodeManagerAddress": "10.0.0.9", "Alive": False}]  # (a dead one: gone)
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    assert startup._only_this_machine()
+    nodes.append({"NodeManagerAddress": "10.0.0.6", "Alive": True})
+    assert not startup._only_this_machine()
 
 
 def test_tail_reads_the_last_lines_of_a_long_file(tmp_path: Path) -> None:

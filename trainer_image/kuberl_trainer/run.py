@@ -11,7 +11,7 @@ import argparse
 import contextlib
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,12 +36,20 @@ class Options:
     tensorboard: Path | None
     seed: int
     wandb_project: str | None = None
+    # Every actor shares this machine: a local Ray, or (once joined: startup.HeadStart) a Ray
+    # at --address whose nodes are all this machine; never with --in-cluster. Then the actors'
+    # output goes to log files, CPU actors split the cores, and the weight-sync rendezvous
+    # takes a free port (runs side by side never collide).
+    one_machine: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.one_machine = not self.address and not self.in_cluster
 
     @property
     def log_dir(self) -> Path | None:
-        """Where the engines' and training workers' output goes on a local run (the terminal
+        """Where the engines' and training workers' output goes on one machine (the terminal
         is for the step table); None in a cluster, where it stays in the pods' logs."""
-        return None if self.address or self.in_cluster else self.output_dir / "logs"
+        return self.output_dir / "logs" if self.one_machine else None
 
 
 def options(job: RLJob, args: argparse.Namespace) -> Options:
@@ -66,8 +74,6 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
         return 1
     from kuberl_trainer.startup import HeadStart  # (no torch: see there)
 
-    if opts.log_dir is not None:
-        print(f"logs: {opts.log_dir}/ (engines, training workers)", flush=True)
     # Kubernetes stops pods with SIGTERM (the head's preStop hook finds the driver by its pid
     # file): stop at a safe point, save, and exit with SIGTERM's status, never 0 (a stop that
     # read as success would end the RLJob). Installed once Ray has started: a local Ray head
@@ -80,6 +86,8 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
         with pid_file:
             # Ray and the engines start while a thread imports the loop (torch, transformers)
             head = HeadStart.begin(job.spec, opts, preload="kuberl_trainer.session")
+            if opts.log_dir is not None:
+                print(f"logs: {opts.log_dir}/ (engines, training workers)", flush=True)
             from kuberl_trainer.session import Session
 
             session = Session(job, opts, checked)

@@ -77,7 +77,7 @@ class Session:
         workers, the engines ready, the first weights. Each phase is marked on the head's
         clock, and one line on stdout at the end says where the start-up went."""
         head = head or HeadStart.begin(self.spec, self.opts)
-        clock, logs, local = head.clock, self.opts.log_dir, not self.opts.address
+        clock, logs, local = head.clock, self.opts.log_dir, self.opts.one_machine
         self.engines = head.engines
         lay = layout(self.spec)
         # The training workers' processes import while the engines load; they build their

@@ -87,8 +87,12 @@ class HeadStart:
         _start_ray(spec, opts)
         clock.mark("ray")
         try:
+            if opts.address and not opts.in_cluster:
+                opts.one_machine = _only_this_machine()
+            if opts.log_dir is not None:
+                opts.log_dir.mkdir(parents=True, exist_ok=True)
             engines = EngineGroup(spec, layout(spec), seed=opts.seed,
-                                  one_machine=not opts.address, log_dir=opts.log_dir)
+                                  one_machine=opts.one_machine, log_dir=opts.log_dir)
         except BaseException:
             ray.shutdown()
             raise
@@ -134,24 +138,29 @@ class _Importer(threading.Thread):
 
 
 def _start_ray(spec: RLJobSpec, opts: Options) -> None:
+    # Ray's own INFO lines ("Started a local Ray instance", "Connecting to existing Ray
+    # cluster") are not for the terminal; its warnings are.
     if opts.address:
-        ray.init(address=opts.address, log_to_driver=True)
+        ray.init(address=opts.address, log_to_driver=True, logging_level=logging.WARNING)
         return
-    # A local Ray sized to this job's actors (see placement.local_resources)
-    if opts.log_dir is not None:
-        opts.log_dir.mkdir(parents=True, exist_ok=True)
-    # The actors' environment. A local Ray's processes inherit the driver's, so it is set
+    # A local Ray sized to this job's actors (see placement.local_resources). The actors'
+    # environment. A local Ray's processes inherit the driver's, so it is set
     # around ray.init rather than given as the job's runtime_env: with one, Ray starts a new
     # worker process for every actor instead of handing it one started ahead, which cost
     # each run about a second of start-up on 2 cores. HF's progress bars would only fill the
     # actors' log files.
     with environment({"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                        **spec.network.variables()}):
-        # Ray's own INFO lines ("Started a local Ray instance") are not for the terminal;
-        # its warnings are.
         ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
                  resources=local_resources(spec), log_to_driver=True,
                  logging_level=logging.WARNING)
+
+
+def _only_this_machine() -> bool:
+    """Whether every live node of the Ray just joined is this machine (a Ray started here
+    with `ray start --head`, or a test's): the run then behaves as a local one."""
+    here = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+    return all(n["NodeManagerAddress"] == here for n in ray.nodes() if n.get("Alive"))
 
 
 @contextlib.contextmanager
