@@ -51,11 +51,10 @@ def test_colocated_run_learns_and_writes_metrics(tiny: Path, tmp_path: Path) -> 
         "step_6", "step_8"]
 
 
+# (Two disaggregated engines of one process each, and of two processes each on one node:
+# the fault tests, dies-tp1 and dies-tp2, check every engine process's weights after every
+# sync in those layouts.)
 ENGINE_LAYOUTS = {
-    # The examples' engine shape (gpusPerEngine 2) on CPU: reference engines of two processes
-    # each, every one of them a member of the weight-update group. (Engines of one process
-    # each: the fault tests check every engine's weights after every sync the same way.)
-    "disaggregated-tp2": ("disaggregated", {"gpus": 0, "engines": 2, "gpusPerEngine": 2}),
     # examples/colocated-single-node.yaml as a CPU runs it (local_run.example_on_cpu): TP 2
     # reference engines sharing the trainer's devices, its offload and memoryFraction as set.
     "colocated-single-node-example": ("colocate", "colocated-single-node.yaml"),
