@@ -76,7 +76,7 @@ def shared_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str
     directory, and take turns under a lock). For runs that several tests compare with (the
     fault tests' undisturbed runs, the resume tests' uninterrupted one): same key, same job."""
     from kuberl_trainer.tiny.build import exclusive
-    from tests.integration.local_run import kuberl_run
+    from tests.integration.local_run import failed, kuberl_run
 
     base = tmp_path_factory.getbasetemp()
     root = (base if worker_id == "master" else base.parent) / "shared-runs"
@@ -88,7 +88,7 @@ def shared_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str
             if not (out / "done").exists():
                 shutil.rmtree(out, ignore_errors=True)
                 res = kuberl_run(job, out, timeout=600)
-                assert res.returncode == 0, res.stderr[-3000:]
+                assert res.returncode == 0, failed(res)
                 (out / "done").touch()
         return out
 

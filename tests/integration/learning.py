@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from tests.integration.local_run import LEARNABLE, kuberl_run, manifest, metrics
+from tests.integration.local_run import LEARNABLE, failed, kuberl_run, manifest, metrics
 
 LEADING = "1"  # what toy_rewards.leading_one rewards
 MAX_PROMPT_LEN = 8  # local_run.manifest's data.maxPromptLen
@@ -143,7 +143,7 @@ def _run(tiny: Path, tmp: Path, name: str, steps: int, spec: dict[str, Any]
     spec = merge({"schedule": {"numRollouts": steps}}, spec)
     out = tmp / name
     res = kuberl_run(manifest(tiny, tmp, name, **spec), out, "--seed", str(run_seed()))
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, failed(res)
     return out, res.stdout
 
 

@@ -97,6 +97,12 @@ def kuberl_run(job: Path, out: Path, *extra: str,
                           env=ENV)
 
 
+def failed(res: subprocess.CompletedProcess[str]) -> str:
+    """What a failed `kuberl run` said: its exit status and the ends of its output."""
+    return (f"exit {res.returncode}\n--- stderr ---\n{res.stderr[-3000:]}\n"
+            f"--- stdout ---\n{res.stdout[-2000:]}")
+
+
 def session_options(tmp: Path) -> Any:
     """run.Options for a Session a test drives in its own process (the shared Ray, if any)."""
     from kuberl_trainer.run import Options

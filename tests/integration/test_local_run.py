@@ -21,6 +21,7 @@ from tests.integration.local_run import (
     ENV,
     KUBERL,
     example_on_cpu,
+    failed,
     kuberl_run,
     manifest,
     metrics,
@@ -124,7 +125,7 @@ def test_partial_rollouts_finish_under_the_weights_sent_mid_rollout(tiny: Path,
                 "schedule": {"numRollouts": 3}}
         name = f"partial-{partial}".lower()
         res = kuberl_run(manifest(tiny, tmp_path, name, **spec), tmp_path / name)
-        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.returncode == 0, failed(res)
         rows[partial] = metrics(tmp_path / name)
     for partial, steps in rows.items():
         print(f"partialRollout {partial}: " + ", ".join(  # (-rP: the margins on this machine)
@@ -161,7 +162,7 @@ def test_async_resume_draws_the_prompts_of_the_rollouts_it_did_not_train(
     shutil.copytree(tmp_path / "a" / "checkpoints" / "step_3",
                     tmp_path / "b" / "checkpoints" / "step_3")
     res = kuberl_run(manifest(tiny, tmp_path, "resumed", **spec), tmp_path / "b")
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, failed(res)
     a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
     assert [r["step"] for r in b] == [3, 4, 5]
     assert [r["prompts_sha"] for r in b] == [r["prompts_sha"] for r in a[3:]]
@@ -449,7 +450,7 @@ def test_resume_replays_the_uninterrupted_run(tiny: Path, tmp_path: Path, name: 
     rest = manifest(tiny, tmp_path, "whole", schedule={"numRollouts": 6, "saveInterval": 3},
                     **extra)
     res = kuberl_run(rest, out)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, failed(res)
     # A resumed run loads and saves checkpoints: the terminal still shows only the table.
     assert_terminal_is_clean(res, out, roles=("train", "critic") if extra else ("train",))
     a, b = metrics(whole), metrics(out)
@@ -486,7 +487,7 @@ def test_sigterm_saves_at_a_safe_point_and_the_resumed_run_replays_the_whole_one
     saved = latest(out / "checkpoints")
     assert saved is not None and saved[0] == trained < 6, (saved, trained)
     res = kuberl_run(job, out)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, failed(res)
     # The resumed run appended to the stopped one's metrics and logs, its terminal clean.
     assert_terminal_is_clean(res, out, roles=("train",), runs=2)
     a, b = metrics(whole), metrics(out)
