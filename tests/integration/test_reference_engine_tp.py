@@ -283,15 +283,19 @@ async def test_an_engine_over_two_nodes_syncs_every_rank_from_its_own_node(
     nodes = ["--tp-size", "4", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}"]
     key = {protocol.ENGINE_SECRET_ENV: "shared-key"}
     head = Engine(model_dir, tmp_path / "node0.log", *nodes, "--node-rank", "0", env=key)
-    other = Engine(model_dir, tmp_path / "node1.log", *nodes, "--node-rank", "1", env=key)
+    other: Engine | None = None
     try:
-        with pytest.raises(AuthenticationError):  # node 0 listens, but not for strangers
+        # Node 0 listens, but not for strangers. (Node 1 starts after this: node 0 stops
+        # listening once every remote rank is in, and a stranger arriving then meets a
+        # closed port, not a refusal; it did under load.)
+        with pytest.raises(AuthenticationError):
             for _ in range(600):
                 try:
                     Client(("127.0.0.1", port), authkey=b"wrong").close()
                     break
                 except ConnectionRefusedError:
                     await asyncio.sleep(0.1)
+        other = Engine(model_dir, tmp_path / "node1.log", *nodes, "--node-rank", "1", env=key)
         head.wait_ready(timeout=180)
         other.wait_ready(timeout=180)
         async with EngineClient([head.url], request_timeout_s=60) as client:
@@ -317,4 +321,5 @@ async def test_an_engine_over_two_nodes_syncs_every_rank_from_its_own_node(
         other.proc.wait(timeout=30)  # its ranks lost node 0: the node exits
     finally:
         head.stop()
-        other.stop()
+        if other is not None:
+            other.stop()
