@@ -66,7 +66,7 @@ contract: $(STAMP) $(SGLANG_DIR)/.installed
 
 integration: $(STAMP)
 	@$(TIER) start integration
-	$(BIN)/pytest -q -n $(TEST_WORKERS) -m integration tests
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal -m integration --durations=15 tests
 	@$(TIER) end integration
 
 # Line coverage of operator/, trainer_image/, rollout_image/ and wire/ by the unit and
@@ -91,10 +91,10 @@ e2e: $(STAMP)
 	KUBERL_E2E_KUBERAY=newest $(BIN)/python e2e/cluster.py build kuberay
 	@$(TIER) end e2e-build
 	@$(TIER) start e2e-oldest
-	$(BIN)/pytest -q -m e2e e2e
+	$(BIN)/pytest -q -m e2e --durations=10 e2e
 	@$(TIER) end e2e-oldest
 	@$(TIER) start e2e-newest
-	KUBERL_E2E_KUBERAY=newest $(BIN)/pytest -q -m "e2e and kuberay" e2e
+	KUBERL_E2E_KUBERAY=newest $(BIN)/pytest -q -m "e2e and kuberay" --durations=10 e2e
 	@$(TIER) end e2e-newest
 
 # The same control plane for manual use: prints the KUBECONFIG (and PATH) lines to export.

@@ -243,6 +243,10 @@ def test_every_engine_process_holds_the_trainers_weights_after_every_step(
         session.close()
 
 
+# Each faulted run: the fault as the weights of version 1 go out (or, -in-sync, as those of
+# version 2 do), then two more syncs, each of which the replacement must get.
+FAULT_STEPS = 3
+VERSIONS = list(range(1, FAULT_STEPS + 1))
 FAULTS = [("dies", 1, "sync"), ("dies", 2, "sync"), ("hangs", 1, "sync"), ("dies", 1, "async"),
           ("dies-in-sync", 1, "sync"), ("hangs-in-sync", 1, "sync"), ("dies-alone", 1, "sync"),
           ("dies-alone", 1, "async"), ("pod-lost", 1, "sync")]
@@ -289,7 +293,7 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
                         rollout={"gpus": 0, "engines": 1 if fault == "dies-alone" else 2,
                                  "gpusPerEngine": tp,
                                  "healthProbe": probe, "router": router},
-                        schedule={"numRollouts": 4})
+                        schedule={"numRollouts": FAULT_STEPS})
 
     # (the router changes which engine serves a request, never its samples: test_router.py)
     calm = metrics(shared_run(f"undisturbed-{mode}-tp{tp}-"
@@ -332,24 +336,24 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
             return seconds
 
         trainers.push_weights = push_and_check  # type: ignore[method-assign]
-        session.train(Progress(4))
+        session.train(Progress(FAULT_STEPS))
     finally:
         session.close()
     rows = metrics(tmp_path / "out")
-    assert [r["engine_restarts_total"] for r in rows] == [0, 1, 1, 1]
+    assert [r["engine_restarts_total"] for r in rows] == [0] + [1] * (FAULT_STEPS - 1)
     if fault == "dies-alone":
         # The replacement got the trainers' weights before it generated: those of the last
         # sync (mode sync), or of the step the trainers had taken meanwhile (async).
         assert synced[0] == (1, first) and synced[1][0] in (1, 2)
         assert [v for v, _ in synced[1:]] == sorted(v for v, _ in synced[1:])
-        assert {v for v, _ in synced} == {1, 2, 3, 4} and len(synced) == 5
+        assert {v for v, _ in synced} == set(VERSIONS) and len(synced) == FAULT_STEPS + 1
         assert all(urls == synced[1][1] != first for _, urls in synced[1:])
         same = ("prompts_sha", "reward_mean", "response_length_mean") if mode == "sync" else (
             "prompts_sha",)  # (async: a rollout partly made under newer weights)
         for key in same:
             assert [r[key] for r in rows] == [r[key] for r in calm], key
         return
-    assert [v for v, _ in synced] == [1, 2, 3, 4]
+    assert [v for v, _ in synced] == VERSIONS
     assert synced[0][1] == first
     replaced = synced[1][1]
     assert replaced[0] != first[0] and replaced[1] == first[1]
