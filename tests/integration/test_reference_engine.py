@@ -365,10 +365,7 @@ def trainer_worker(model_dir: Path, **engine_args: str) -> Any:
                       "training": {"backend": "fsdp", "gpusPerNode": 0},
                       "rollout": {"engine": "reference", "gpus": 0,
                                   "engineArgs": engine_args}}}).spec
-    threads = torch.get_num_threads()  # (a CPU worker sets its own; this process keeps ours)
-    worker = TrainWorker(spec.model_dump_json(by_alias=True), rank=0, world_size=1)
-    torch.set_num_threads(threads)
-    return worker
+    return TrainWorker(spec.model_dump_json(by_alias=True), rank=0, world_size=1)
 
 
 def test_a_tied_model_takes_its_embedding_alone_and_its_lm_head_follows(
@@ -380,7 +377,9 @@ def test_a_tied_model_takes_its_embedding_alone_and_its_lm_head_follows(
     from kuberl_rollout.reference.engine import ReferenceEngine
 
     worker = trainer_worker(model_dir, dtype="bfloat16")
+    threads = torch.get_num_threads()  # (a CPU worker sets its own; this process keeps ours)
     worker.setup("127.0.0.1", 0)
+    torch.set_num_threads(threads)
     assert worker.sync_dtype() == torch.bfloat16
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():  # the trainer's weights move away from what the engine loaded

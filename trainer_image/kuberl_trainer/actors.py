@@ -54,11 +54,12 @@ class TrainWorker:
                     f"{type(self).__name__} rank {rank}/{world_size}")
         self.spec = RLJobSpec.model_validate_json(spec_json)
         self.rank, self.world_size = rank, world_size
-        # The actor starts while the engines load: its imports now, the build in `setup`
+        # The actor starts while the engines load: its imports now, the rest in `setup`.
+        # Nothing here touches the GPU (bench/gpu_early_actor.py): colocated engines size
+        # their memory pool from what is free as they start, this actor's life included.
         preload_backend(self.spec)
-        self.device = "cuda" if torch.cuda.is_available() and self.on_gpu() else "cpu"
-        if self.device == "cpu":
-            torch.set_num_threads(torch_threads(sharing))
+        self.sharing = sharing
+        self.device = "cpu"  # (decided in `setup`: asking CUDA initialises its driver)
         self._sender: Any = None
         self._aio: asyncio.AbstractEventLoop | None = None
         self._poster: Any = None  # a colocated sync's rank 0 HTTP side (colocated.Poster)
@@ -77,6 +78,9 @@ class TrainWorker:
         return node_ip(), free_port()
 
     def setup(self, master_addr: str, master_port: int) -> None:
+        self.device = "cuda" if self.on_gpu() and torch.cuda.is_available() else "cpu"
+        if self.device == "cpu":
+            torch.set_num_threads(torch_threads(self.sharing))
         if self.world_size > 1:
             backend = "nccl" if self.device == "cuda" else "gloo"
             torch.distributed.init_process_group(
