@@ -84,8 +84,9 @@ async def test_a_groups_samples_go_to_one_engine_and_groups_spread(
         assert len(results) == GROUP
         landed.append(await delta(client, before))
     assert all(sorted(d.values()) == [0, GROUP] for d in landed), landed
-    assert all(sum(d[u] for d in landed) > 0 for u in client.urls), landed  # both engines used
-    before = await served(client)  # many groups at once: spread, none split
+    # (Which engine a lone group goes to is not asserted: with both engines idle, min_load
+    # breaks the tie at random, so six groups in a row all land on one engine 1 time in 32.)
+    before = await served(client)  # many groups at once: spread over both engines, none split
     await client.generate_spread(*groups(8), group=GROUP)
     counts = await delta(client, before)
     assert sum(counts.values()) == 8 * GROUP
