@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kuberl_trainer.engine_client import EngineClient, EngineError, SamplingParams
+from kuberl_trainer.ray_actors import free_port  # (the ports other runs here are given, too)
 from kuberl_trainer.weight_sync.sender import DistributedWeightSender, bucketize, send_tensors
 from kuberl_wire.codec import tensor_sha256
 from tests.integration.tiny_model import EOS_ID, build_tiny_model, build_tokenizer
@@ -32,13 +33,6 @@ pytestmark = pytest.mark.integration
 
 PROMPTS = [[4, 5, 40, 6, 44], [7], [8, 9, 10, 11, 12, 13, 14, 15]]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Engine:

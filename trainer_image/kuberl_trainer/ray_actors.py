@@ -4,9 +4,11 @@ ports, the node's address, where an actor's output goes, CPU threads, placement 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -15,21 +17,60 @@ import ray
 
 from kuberl_trainer.placement import ActorShape, cpu_threads
 
+# Ports handed out on this machine (a file under flock): see free_port.
+PORT_LEDGER = Path(tempfile.gettempdir()) / f"kuberl-ports-{os.getuid()}"
+PORT_HOLD_S = 900.0  # an engine binds its port once its model is loaded: minutes, for a large one
 
-def free_port() -> int:
+
+def _os_free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
 
 
+def free_port() -> int:
+    """A TCP port free now that no kuberl process on this machine was given in the last
+    PORT_HOLD_S seconds. The OS forgets a port once it is released, and an engine binds its
+    port only after loading its model: meanwhile a second run on the same machine could be given
+    the same port, and its engine answered the first run's health checks (seen with two test
+    runs side by side: the first sync then met a closed port). So every port handed out is
+    written down, and one written down is not handed out again while it is held."""
+    try:
+        ledger = PORT_LEDGER.open("a+")
+    except OSError:  # (no writable temp directory: the OS's word alone)
+        return _os_free_port()
+    with ledger:
+        fcntl.flock(ledger, fcntl.LOCK_EX)  # (released when closed, or when the process dies)
+        ledger.seek(0)
+        now = time.time()
+        held: dict[int, float] = {}
+        for entry in ledger.read().split():
+            number, _, at = entry.partition("@")
+            if number.isdigit() and _is_float(at) and now - float(at) < PORT_HOLD_S:
+                held[int(number)] = float(at)
+        port = _os_free_port()
+        for _ in range(100):
+            if port not in held:
+                break
+            port = _os_free_port()
+        held[port] = now
+        ledger.seek(0)
+        ledger.truncate()
+        ledger.write("".join(f"{p}@{at:.3f}\n" for p, at in held.items()))
+    return port
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def distinct_free_ports(count: int) -> list[int]:
-    """`count` different free ports (each bound and released in turn: the OS may repeat one)."""
-    ports: list[int] = []
-    while len(ports) < count:
-        port = free_port()
-        if port not in ports:
-            ports.append(port)
-    return ports
+    """`count` different free ports (free_port never repeats one while it is held)."""
+    return [free_port() for _ in range(count)]
 
 
 def node_ip() -> str:
