@@ -18,6 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import yaml
 
@@ -140,10 +141,14 @@ def entry() -> None:
     code = main()
     if "torch" in sys.modules:
         atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _leave(code)
     sys.exit(code)
+
+
+def _leave(code: int) -> NoReturn:  # pragma: no cover (after coverage's own exit handler)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
