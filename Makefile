@@ -80,7 +80,7 @@ coverage: $(STAMP)
 	-$(BIN)/coverage combine --append -q
 	$(BIN)/coverage report > out/coverage/report.txt
 	@for p in operator trainer_image rollout_image wire; do \
-	  printf '%-15s' $$p; $(BIN)/coverage report --include="$$p/*" | tail -1; done
+	  printf '%-15s' $$p; $(BIN)/coverage report --include="$$p/*" | grep TOTAL; done
 
 # A real local control plane (e2e/README.md): binaries built once per version and cached under
 # ~/.cache/kuberl/e2e (cold: ~13 min on 2 cores), then a no-op; the tests start their own.

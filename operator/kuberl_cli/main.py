@@ -140,12 +140,12 @@ def entry() -> None:
     is flushed, first."""
     code = main()
     if "torch" in sys.modules:
-        atexit._run_exitfuncs()
         _leave(code)
     sys.exit(code)
 
 
-def _leave(code: int) -> NoReturn:  # pragma: no cover (after coverage's own exit handler)
+def _leave(code: int) -> NoReturn:  # pragma: no cover (coverage stops in its exit handler)
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
