@@ -76,3 +76,5 @@ def test_without_a_writable_ledger_the_os_port_is_used(monkeypatch: pytest.Monke
     monkeypatch.setattr(ray_actors, "PORT_LEDGER", tmp_path / "missing-dir" / "ports")
     port = ray_actors.free_port()
     assert 0 < port < 65536
+    monkeypatch.setattr(ray_actors, "_os_free_port", iter([7000, 7000, 7001]).__next__)
+    assert ray_actors.distinct_free_ports(2) == [7000, 7001]  # (the OS repeated itself)

@@ -4,6 +4,7 @@ ports, the node's address, where an actor's output goes, CPU threads, placement 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -45,9 +46,10 @@ def free_port() -> int:
         now = time.time()
         held: dict[int, float] = {}
         for entry in ledger.read().split():
-            number, _, at = entry.partition("@")
-            if number.isdigit() and _is_float(at) and now - float(at) < PORT_HOLD_S:
-                held[int(number)] = float(at)
+            with contextlib.suppress(ValueError):  # (a torn line: skipped)
+                number, _, at = entry.partition("@")
+                if now - float(at) < PORT_HOLD_S:
+                    held[int(number)] = float(at)
         port = _os_free_port()
         for _ in range(100):
             if port not in held:
@@ -60,17 +62,15 @@ def free_port() -> int:
     return port
 
 
-def _is_float(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
 def distinct_free_ports(count: int) -> list[int]:
-    """`count` different free ports (free_port never repeats one while it is held)."""
-    return [free_port() for _ in range(count)]
+    """`count` different free ports (free_port repeats none while it is held, but without a
+    writable ledger it has only the OS's word, and the OS may repeat one)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def node_ip() -> str:
