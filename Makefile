@@ -83,7 +83,7 @@ coverage: $(STAMP)
 	  printf '%-15s' $$p; $(BIN)/coverage report --include="$$p/*" | grep TOTAL; done
 
 # A real local control plane (e2e/README.md): binaries built once per version and cached under
-# ~/.cache/kuberl/e2e (cold: ~13 min on 2 cores), then a no-op; the tests start their own.
+# ~/.cache/kuberl/e2e (cold: ~20 min on 2 cores), then a no-op; the tests start their own.
 # The whole tier runs on the oldest supported KubeRay (e2e/versions.env); on the newest, the
 # tests where KubeRay acts on what kuberl renders (marker `kuberay`): the rest (the CRD's
 # validation, the chart, the make targets) never meets KubeRay's operator. The two runs go side

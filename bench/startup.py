@@ -1,7 +1,7 @@
 """Start-up of `kuberl run examples/tiny-grpo.yaml`: from the command to the first step (issue 33).
 
 Runs the example (two steps of it, from the repository root, as `make demo` runs it) N times and
-reports, per run, the start-up line the run prints (`start-up 7.9 s: checks 1.6, ray 1.3, ...`:
+reports, per run, the start-up line the run prints (`start-up 8.7 s: checks 0.6, ray 2.5, ...`:
 the command's start to the first step's start), the wall time until the first step's row, and
 the medians. With `--baseline REF` each run of this checkout alternates with a run of commit
 REF's code (a git worktree, put first on PYTHONPATH; same venv, same manifest), and the table
