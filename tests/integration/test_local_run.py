@@ -411,6 +411,9 @@ RESUMABLE = {
 # must not reach the terminal of a local run: it goes to <output-dir>/logs/.
 NOISE = ("\x1b[", "Loading weights", "Writing model shards", "FutureWarning", "updated ",
          " INFO ", "pid=")
+# What Ray's raylet says about the machine itself (its disk over 95% full, as on a shared CI
+# box): the machine's state, which a user should see on any run, not the run's own output.
+MACHINE_WARNINGS = ("file_system_monitor.cc",)
 
 
 def assert_terminal_is_clean(res: subprocess.CompletedProcess[str], out: Path,
@@ -423,7 +426,9 @@ def assert_terminal_is_clean(res: subprocess.CompletedProcess[str], out: Path,
     assert "step  reward" in res.stdout and "reward: first-" in res.stdout
     for noise in NOISE:
         assert noise not in terminal, (noise, terminal[-3000:])
-    assert res.stderr == "", res.stderr[-3000:]
+    own = [line for line in res.stderr.splitlines()
+           if not any(warning in line for warning in MACHINE_WARNINGS)]
+    assert own == [], res.stderr[-3000:]
     engine = (out / "logs" / "engine-0.log").read_text()
     assert "updated " in engine and "weight_version" in engine
     assert engine.count("==== ") == runs  # one header per run: reruns append, never truncate
