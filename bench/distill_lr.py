@@ -36,7 +36,7 @@ async def run(lr: float, steps: int, every: int) -> list[tuple[int, float, float
     from kuberl_api.spec import RLJobSpec
     from kuberl_trainer.backends.fsdp import FSDPBackend
     from kuberl_trainer.data import PromptSource
-    from kuberl_trainer.engine_client import EngineClient
+    from kuberl_trainer.engines.client import EngineClient
     from kuberl_trainer.rewards import load
     from kuberl_trainer.rollout import RolloutManager
     from kuberl_trainer.weight_sync.sender import send_tensors

@@ -104,7 +104,7 @@ def disaggregated(model_dir: Path, tp: int, gpus: str, args: argparse.Namespace,
                   out: Path, nodes: int = 1) -> dict[str, Any]:
     """`nodes` > 1: the engine as that many processes (SGLang's --nnodes), each on its own
     slice of `gpus`, as on separate nodes."""
-    from kuberl_trainer.engine_client import EngineClient
+    from kuberl_trainer.engines.client import EngineClient
     from kuberl_trainer.weight_sync.sender import DistributedWeightSender
 
     name = f"tp{tp}" + (f"-{nodes}nodes" if nodes > 1 else "")

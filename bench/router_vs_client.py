@@ -30,8 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kuberl_trainer.engine_client import EngineClient, GenerateResult  # noqa: E402
-from kuberl_trainer.router import Router  # noqa: E402
+from kuberl_trainer.engines.client import EngineClient, GenerateResult  # noqa: E402
+from kuberl_trainer.engines.router import Router  # noqa: E402
 from tests.integration.test_router import delta, served  # noqa: E402
 
 

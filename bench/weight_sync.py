@@ -320,7 +320,7 @@ class FullSync:
     """DistributedWeightSender to one engine, driven from one event loop (as TrainWorker)."""
 
     def __init__(self, url: str) -> None:
-        from kuberl_trainer.engine_client import EngineClient
+        from kuberl_trainer.engines.client import EngineClient
         from kuberl_trainer.weight_sync.sender import DistributedWeightSender
 
         self.url = url

@@ -45,7 +45,7 @@ from stand_in import head_reporter
 from kuberl_rollout.reference.metrics import CONTENT_TYPE, EngineMetrics as ReferenceMetrics
 from kuberl_trainer.backends.step_metrics import StepMetrics
 from kuberl_trainer.data import Sample
-from kuberl_trainer.engine_metrics import EngineMetrics
+from kuberl_trainer.engines.metrics import EngineMetrics
 from kuberl_trainer.metrics_log import MetricsLog
 from kuberl_trainer.reporter import StatusReporter
 from kuberl_trainer.rollout import Response, engine_throughput

@@ -20,7 +20,7 @@ from functools import cache
 from pathlib import Path
 
 TABLE_PATH = Path(__file__).with_name("sglang_flags.json")
-SWITCH_VALUES = ("", "true", "false")  # kuberl_trainer.engine_command's reading of them
+SWITCH_VALUES = ("", "true", "false")  # kuberl_trainer.engines.command's reading of them
 _ARTICLE = {"int": "an integer", "float": "a number", "json": "JSON", "str": "a string"}
 
 

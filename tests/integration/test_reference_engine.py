@@ -23,7 +23,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kuberl_trainer.engine_client import EngineClient, EngineError, SamplingParams
+from kuberl_trainer.engines.client import EngineClient, EngineError, SamplingParams
 from kuberl_trainer.ray_actors import free_port  # (the ports other runs here are given, too)
 from kuberl_trainer.weight_sync.sender import DistributedWeightSender, bucketize, send_tensors
 from kuberl_wire.codec import tensor_sha256
@@ -762,7 +762,7 @@ def served_by_the_trainer(url: str, tmp_path: Path) -> None:
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kuberl_trainer.engine_metrics import EngineMetrics
+    from kuberl_trainer.engines.metrics import EngineMetrics
     from kuberl_trainer.metrics_log import MetricsLog
 
     with socket.socket() as s:

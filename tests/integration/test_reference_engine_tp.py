@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from kuberl_trainer.engine_client import EngineClient, EngineError
+from kuberl_trainer.engines.client import EngineClient, EngineError
 from kuberl_trainer.weight_sync.sender import DistributedWeightSender, bucketize, send_tensors
 from kuberl_wire import codec, protocol
 from kuberl_wire.codec import tensor_sha256

@@ -1,5 +1,5 @@
-"""SGLang's router (a real sglang-router process, kuberl_trainer.router) in front of two real
-reference engines, driven by the trainer's own client: a GRPO group's samples land on one
+"""SGLang's router (a real sglang-router process, kuberl_trainer.engines.router) in front of
+two real reference engines, driven by the trainer's own client: a GRPO group's samples land on one
 engine, groups spread over the engines, the samples are the ones the engines make without the
 router (their seeds travel), and an engine taken out gets no more requests.
 (The router in whole runs, with engines dying and hanging: test_local_run.py.)"""
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from kuberl_trainer.engine_client import EngineClient
-from kuberl_trainer.router import Router
+from kuberl_trainer.engines.client import EngineClient
+from kuberl_trainer.engines.router import Router
 from tests.integration.test_reference_engine import Engine
 from tests.integration.tiny_model import build_tiny_model
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from kuberl_api import load, parse
 from kuberl_api.spec import RLJobSpec
-from kuberl_trainer.engine_command import engine_command
+from kuberl_trainer.engines.command import engine_command
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kuberl_trainer.engine_client import SamplingParams as KuberlSampling, generate_request
+from kuberl_trainer.engines.client import SamplingParams as KuberlSampling, generate_request
 from kuberl_wire import protocol
 from kuberl_wire.plan import TensorMeta
 from tests.sglang_contract.conftest import load_io_struct

@@ -19,7 +19,7 @@ from kuberl_api.engine_flags import (
     sglang_flags,
 )
 from kuberl_api.spec import ENGINE_FLAG_REFUSAL, KUBERL_ENGINE_FLAG_SOURCE
-from kuberl_trainer.engine_command import SGLANG_VERSION, engine_arg_flags
+from kuberl_trainer.engines.command import SGLANG_VERSION, engine_arg_flags
 from tests.sglang_contract.cases import Case, all_cases
 from tests.sglang_contract.flag_table import flag_table
 

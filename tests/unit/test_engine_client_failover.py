@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kuberl_trainer.engine_client import EngineClient, EngineError
+from kuberl_trainer.engines.client import EngineClient, EngineError
 
 
 async def answer(request: web.Request) -> web.Response:

@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kuberl_trainer.engine_client import EngineClient, EngineError, every_answer, first_error
+from kuberl_trainer.engines.client import EngineClient, EngineError, every_answer, first_error
 
 SLOW_S = 0.4
 

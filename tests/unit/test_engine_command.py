@@ -1,4 +1,4 @@
-"""The engine server's command line (kuberl_trainer.engine_command, run by
+"""The engine server's command line (kuberl_trainer.engines.command, run by
 engine_actors.EngineServer): kuberl's own flags, the colocated defaults and rollout.engineArgs /
 engineListArgs. The contract tier (tests/sglang_contract/) parses the same commands with the
 pinned SGLang's own parser."""
@@ -15,9 +15,9 @@ import pytest
 
 from kuberl_api import parse
 from kuberl_api.spec import RLJobSpec
-from kuberl_trainer.engine_actors import EngineServer
-from kuberl_trainer.engine_client import EngineError
-from kuberl_trainer.engine_command import engine_arg_flags, engine_dtype
+from kuberl_trainer.engines.actors import EngineServer
+from kuberl_trainer.engines.client import EngineError
+from kuberl_trainer.engines.command import engine_arg_flags, engine_dtype
 from kuberl_wire.protocol import ENGINE_SECRET_ENV
 from tests.sglang_contract.cases import DIST_INIT_ADDR, NCCL_PORT, PORT, all_cases
 
@@ -153,7 +153,7 @@ def test_engine_output_is_forwarded_and_its_tail_kept(monkeypatch: pytest.Monkey
                                     rollout={"engine": "reference", "gpus": 0}), 0, 7)
     script = "import sys\nfor i in range(300): print('line', i)\nsys.exit('bad flag')"
     monkeypatch.setattr(server, "_command", lambda *_: [sys.executable, "-c", script])
-    monkeypatch.setattr("kuberl_trainer.engine_actors.node_ip", lambda: "127.0.0.1")
+    monkeypatch.setattr("kuberl_trainer.engines.actors.node_ip", lambda: "127.0.0.1")
     server.start("/m")
     deadline = time.monotonic() + 30
     while (server.poll() is None or not server.log_tail() or server.log_tail()[-1] != "bad flag"):
@@ -167,7 +167,7 @@ def test_engine_output_is_forwarded_and_its_tail_kept(monkeypatch: pytest.Monkey
 async def test_start_wait_ends_when_the_server_exits() -> None:
     """The start-up wait stops at the first look that sees the server process gone, with its
     exit code, rather than polling /health until the start timeout."""
-    from kuberl_trainer.engine_client import EngineClient
+    from kuberl_trainer.engines.client import EngineClient
 
     url = "http://127.0.0.1:9"  # nothing listens: /health never answers
     looks = []

@@ -4,7 +4,7 @@ SGLang's HTTP server parses bodies into the request types of
 python/sglang/srt/managers/io_struct.py (and SamplingParams for `sampling_params`) and rejects
 unknown fields, so a misspelt field works against the reference engine but fails in a cluster.
 
-The field lists below are SGLang 0.5.6's (kuberl_trainer.engine_command.SGLANG_VERSION: the
+The field lists below are SGLang 0.5.6's (kuberl_trainer.engines.command.SGLANG_VERSION: the
 rollout image's base, Dockerfile.rollout), the subset relevant to RL. They need no SGLang
 install, so this file runs in `make unit`; the contract tier (`make contract`,
 tests/sglang_contract/) checks them against the pinned wheel's own dataclasses and builds
@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from kuberl_rollout.reference import sampling as ref_sampling, server as ref_server
-from kuberl_trainer.engine_client import SamplingParams, generate_request
-from kuberl_trainer.engine_command import SGLANG_VERSION
+from kuberl_trainer.engines.client import SamplingParams, generate_request
+from kuberl_trainer.engines.command import SGLANG_VERSION
 from kuberl_wire import protocol
 from kuberl_wire.plan import TensorMeta
 

@@ -13,8 +13,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kuberl_trainer.engine_client import EngineClient, EngineError
-from kuberl_trainer.fleet import Fleet
+from kuberl_trainer.engines.client import EngineClient, EngineError
+from kuberl_trainer.engines.fleet import Fleet
 
 
 async def healthy(_: web.Request) -> web.Response:

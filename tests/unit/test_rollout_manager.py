@@ -16,7 +16,7 @@ import torch
 
 from kuberl_api import parse
 from kuberl_trainer.data import PromptSource, Sample
-from kuberl_trainer.engine_client import EngineClient, GenerateResult
+from kuberl_trainer.engines.client import EngineClient, GenerateResult
 from kuberl_trainer.rollout import Response, RolloutManager, pack, sample_seed
 from tests.integration.tiny_model import build_tokenizer
 

@@ -1,7 +1,7 @@
-"""The router's command line (kuberl_trainer.router.router_command): what keeps the fleet the
-only judge of engine health and a request from being sent twice."""
+"""The router's command line (kuberl_trainer.engines.router.router_command): what keeps the
+fleet the only judge of engine health and a request from being sent twice."""
 
-from kuberl_trainer.router import router_command
+from kuberl_trainer.engines.router import router_command
 
 
 def flag(cmd: list[str], name: str) -> str:

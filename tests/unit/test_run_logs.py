@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kuberl_trainer.engine_client import EngineError
+from kuberl_trainer.engines.client import EngineError
 from kuberl_trainer.run import Options
 from kuberl_trainer.session import Session, tail
 

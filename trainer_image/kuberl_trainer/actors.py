@@ -19,7 +19,7 @@ import torch
 
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.backends.base import Backend, TrainBatch, make_backend, preload_backend
-from kuberl_trainer.engine_command import engine_dtype
+from kuberl_trainer.engines.command import engine_dtype
 from kuberl_trainer.placement import (
     Layout,
     colocated_engine_devices,
@@ -198,7 +198,7 @@ class TrainWorker:
                        sync_port: int) -> asyncio.AbstractEventLoop:
         """The trainer-to-engines group is built once and kept: an NCCL communicator takes
         seconds to set up, a broadcast over it milliseconds."""
-        from kuberl_trainer.engine_client import EngineClient
+        from kuberl_trainer.engines.client import EngineClient
         from kuberl_trainer.weight_sync.sender import DistributedWeightSender
 
         if self._sender is not None and _engines_changed(self._sender.client, engine_urls):

@@ -9,8 +9,8 @@ from typing import Any, Protocol
 
 from kuberl_trainer.actors import TrainGroup
 from kuberl_trainer.backends.base import TrainBatch
-from kuberl_trainer.engine_actors import EngineGroup
-from kuberl_trainer.fleet import Fleet
+from kuberl_trainer.engines.actors import EngineGroup
+from kuberl_trainer.engines.fleet import Fleet
 from kuberl_trainer.memory_handoff import MemoryHandoff
 from kuberl_trainer.metrics_log import MetricsLog
 from kuberl_trainer.rollout import DataPosition, Rollout, RolloutManager

@@ -38,7 +38,7 @@ import time
 from typing import Protocol
 
 from kuberl_api.spec import OffloadSpec
-from kuberl_trainer.engine_client import EngineClient
+from kuberl_trainer.engines.client import EngineClient
 from kuberl_wire.protocol import memory_occupation
 
 WEIGHTS = ("weights",)

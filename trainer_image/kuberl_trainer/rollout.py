@@ -29,7 +29,7 @@ from kuberl_trainer.algos import distillation, estimators, shaping, value_loss
 from kuberl_trainer.algos.filters import expand_to_samples, nonconstant_groups
 from kuberl_trainer.backends.base import TrainBatch
 from kuberl_trainer.data import PromptSource, Sample
-from kuberl_trainer.engine_client import EngineClient
+from kuberl_trainer.engines.client import EngineClient
 
 
 @dataclass

@@ -20,10 +20,11 @@ from kuberl_trainer import async_loop, checkpoint as ckpt
 from kuberl_trainer.actors import TrainGroup
 from kuberl_trainer.critic import CriticGroup
 from kuberl_trainer.data import PromptSource
-from kuberl_trainer.engine_actors import EngineGroup
-from kuberl_trainer.engine_client import EngineClient, EngineError
-from kuberl_trainer.engine_metrics import EngineMetrics
-from kuberl_trainer.fleet import Fleet, dead_after
+from kuberl_trainer.engines.actors import EngineGroup
+from kuberl_trainer.engines.client import EngineClient, EngineError
+from kuberl_trainer.engines.fleet import Fleet, dead_after
+from kuberl_trainer.engines.metrics import EngineMetrics
+from kuberl_trainer.engines.router import Router
 from kuberl_trainer.loop import Parts, train
 from kuberl_trainer.memory_handoff import MemoryHandoff, Ranks
 from kuberl_trainer.metrics_log import MetricsLog
@@ -31,7 +32,6 @@ from kuberl_trainer.placement import layout
 from kuberl_trainer.preflight import Checked
 from kuberl_trainer.progress import Progress
 from kuberl_trainer.rollout import DataPosition, RolloutManager
-from kuberl_trainer.router import Router
 from kuberl_trainer.startup import HeadStart
 from kuberl_trainer.stopping import GracefulStop
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from kuberl_api.spec import RLJobSpec
-from kuberl_trainer.engine_actors import EngineGroup
+from kuberl_trainer.engines.actors import EngineGroup
 from kuberl_trainer.placement import layout, local_resources
 
 if TYPE_CHECKING:

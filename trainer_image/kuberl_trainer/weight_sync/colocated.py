@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kuberl_trainer.engine_client import EngineClient
+from kuberl_trainer.engines.client import EngineClient
 from kuberl_trainer.weight_sync.routing import Gpu, colocated_sources, engine_gpus
 from kuberl_trainer.weight_sync.sender import (
     continue_generation,

@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 import torch
 from torch._utils import _flatten_dense_tensors
 
-from kuberl_trainer.engine_client import EngineClient, EngineError, first_error
+from kuberl_trainer.engines.client import EngineClient, EngineError, first_error
 from kuberl_wire import codec, protocol
 from kuberl_wire.dtypes import dtype_to_str
 from kuberl_wire.group import WeightSyncGroup, new_group

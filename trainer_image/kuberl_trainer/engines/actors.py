@@ -19,7 +19,7 @@ from typing import IO, Any
 import ray
 
 from kuberl_api.spec import RLJobSpec
-from kuberl_trainer.engine_command import engine_command
+from kuberl_trainer.engines.command import engine_command
 from kuberl_trainer.placement import Layout, colocated_engine_devices, cpu_sharing
 from kuberl_trainer.ray_actors import (
     distinct_free_ports,

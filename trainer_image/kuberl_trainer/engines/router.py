@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from kuberl_trainer.engine_client import EngineClient, EngineError
+from kuberl_trainer.engines.client import EngineClient, EngineError
 from kuberl_trainer.ray_actors import free_port
 
 START_TIMEOUT_S = 60.0

@@ -41,9 +41,9 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 
 from kuberl_api.spec import HealthProbe
-from kuberl_trainer.engine_actors import EngineGroup
-from kuberl_trainer.engine_client import EngineClient, EngineError
-from kuberl_trainer.router import Router
+from kuberl_trainer.engines.actors import EngineGroup
+from kuberl_trainer.engines.client import EngineClient, EngineError
+from kuberl_trainer.engines.router import Router
 
 LOG = logging.getLogger("kuberl.run")
 # A dying engine drops its connections a moment before its process is seen to exit: after an
