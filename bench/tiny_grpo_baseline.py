@@ -83,7 +83,7 @@ def response_logprobs(model: PreTrainedModel, prompts: torch.Tensor, s: Samples,
 
 
 class PromptStream:
-    """Seeded shuffle per epoch, wrapping (what kuberl_trainer.data.PromptSource does)."""
+    """Seeded shuffle per epoch, wrapping (kuberl_trainer.rollout.prompts.PromptSource)."""
 
     def __init__(self, problems: list[Problem], seed: int) -> None:
         self.problems, self.seed, self.epoch = problems, seed, 0

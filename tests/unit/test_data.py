@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kuberl_trainer.data import DataError, PromptSource, Sample
+from kuberl_trainer.rollout.prompts import DataError, PromptSource, Sample
 
 ROWS = [{"prompt": f"q{i}", "label": str(i)} for i in range(8)]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kuberl_api.spec import RewardSpec
-from kuberl_trainer import rewards
-from kuberl_trainer.rewards import RewardLoadError, exact_match, math_reward, token_f1
+from kuberl_trainer.rollout import rewards
+from kuberl_trainer.rollout.rewards import RewardLoadError, exact_match, math_reward, token_f1
 
 
 @pytest.mark.parametrize(("response", "label", "expected"), [

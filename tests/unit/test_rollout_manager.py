@@ -15,9 +15,11 @@ import pytest
 import torch
 
 from kuberl_api import parse
-from kuberl_trainer.data import PromptSource, Sample
 from kuberl_trainer.engines.client import EngineClient, GenerateResult
-from kuberl_trainer.rollout import Response, RolloutManager, pack, sample_seed
+from kuberl_trainer.rollout.batch import pack
+from kuberl_trainer.rollout.generate import Response, sample_seed
+from kuberl_trainer.rollout.manager import RolloutManager
+from kuberl_trainer.rollout.prompts import PromptSource, Sample
 from tests.integration.tiny_model import build_tokenizer
 
 
@@ -75,7 +77,7 @@ def setup(tmp_path: Path, ref_logprobs: Any = None, values: Any = None, sft: boo
                            "rollout": {"engine": "reference"}}}).spec
     tok = build_tokenizer()
     engine = TableEngine({r["prompt"]: r["label"] for r in rows}, tok)
-    from kuberl_trainer.rewards import load
+    from kuberl_trainer.rollout.rewards import load
 
     mgr = RolloutManager(spec, PromptSource(data, "prompt", "label", seed=0), engine,  # type: ignore[arg-type]
                          tok, load(spec.reward), seed=7, ref_logprobs=ref_logprobs,
@@ -305,7 +307,7 @@ def test_a_checkpoint_records_where_the_untrained_rollouts_began_drawing(tmp_pat
 
 def test_engine_throughput_per_engine_and_spread() -> None:
     """Tokens per second of each engine over its own requests (hand-computed)."""
-    from kuberl_trainer.rollout import engine_throughput
+    from kuberl_trainer.rollout.batch import engine_throughput
 
     sample = Sample(prompt="p", label="l", index=0, epoch=0)
 

@@ -33,7 +33,7 @@ from kuberl_trainer.loop import (
     sync_bytes,
     train_on,
 )
-from kuberl_trainer.rollout import Rollout
+from kuberl_trainer.rollout.manager import Rollout
 from kuberl_trainer.staleness import overlap_times, staleness_metrics
 
 

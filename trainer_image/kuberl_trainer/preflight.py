@@ -41,7 +41,7 @@ def check_tokenizer(path: str, field: str) -> None:
 
 
 def check_data(spec: RLJobSpec) -> None:
-    from kuberl_trainer.data import DataError, PromptSource
+    from kuberl_trainer.rollout.prompts import DataError, PromptSource
 
     d = spec.data
     paths = [("spec.data.prompts", d.prompts)] + [
@@ -121,7 +121,7 @@ def check_engine_tp(spec: RLJobSpec) -> None:
 
 
 def check(spec: RLJobSpec) -> Checked:
-    from kuberl_trainer import rewards
+    from kuberl_trainer.rollout import rewards
 
     check_model(spec.model.path)
     if spec.algorithm.teacher_path:

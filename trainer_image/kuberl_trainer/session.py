@@ -19,7 +19,6 @@ from kuberl_api import RLJob
 from kuberl_trainer import async_loop, checkpoint as ckpt
 from kuberl_trainer.actors import TrainGroup
 from kuberl_trainer.critic import CriticGroup
-from kuberl_trainer.data import PromptSource
 from kuberl_trainer.engines.actors import EngineGroup
 from kuberl_trainer.engines.client import EngineClient, EngineError
 from kuberl_trainer.engines.fleet import Fleet, dead_after
@@ -31,7 +30,8 @@ from kuberl_trainer.metrics_log import MetricsLog
 from kuberl_trainer.placement import layout
 from kuberl_trainer.preflight import Checked
 from kuberl_trainer.progress import Progress
-from kuberl_trainer.rollout import DataPosition, RolloutManager
+from kuberl_trainer.rollout.manager import DataPosition, RolloutManager
+from kuberl_trainer.rollout.prompts import PromptSource
 from kuberl_trainer.startup import HeadStart
 from kuberl_trainer.stopping import GracefulStop
 

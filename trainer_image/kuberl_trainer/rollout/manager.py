@@ -1,12 +1,13 @@
 """Rollout manager: prompts -> engines -> rewards -> advantages -> a TrainBatch.
 
-One step's rollout: take `rolloutBatchSize` prompts from the data source, ask the engines for
-`nSamplesPerPrompt` responses each (one batched request per engine), grade them, and then:
+One step's rollout (`RolloutManager.generate`, top to bottom): take `rolloutBatchSize` prompts
+from the data source, have `nSamplesPerPrompt` responses made of each (generate.py: one batched
+request per engine), grade them, and then:
 
 1. dynamic sampling (DAPO, `dynamicSamplingRounds`): replace groups whose rewards are all
    equal by the groups of fresh prompts, for up to that many extra rounds;
 2. shape the scores (DAPO's overlong penalty, `overlongBuffer`);
-3. pack token tensors; groups with no reward spread leave the loss when asked
+3. pack token tensors (batch.py); groups with no reward spread leave the loss when asked
    (`dropConstantGroups`, or those dynamic sampling could not replace);
 4. advantages by the job's estimator over the tokens that stay in the loss (with the KL
    penalty in the rewards, the trainer's reference log-probs first).
@@ -28,24 +29,10 @@ from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.algos import distillation, estimators, shaping, value_loss
 from kuberl_trainer.algos.filters import expand_to_samples, nonconstant_groups
 from kuberl_trainer.backends.base import TrainBatch
-from kuberl_trainer.data import PromptSource, Sample
 from kuberl_trainer.engines.client import EngineClient
-
-
-@dataclass
-class Response:
-    sample: Sample
-    prompt_ids: list[int]
-    output_ids: list[int]
-    logprobs: list[float]
-    text: str
-    truncated: bool
-    weight_version: str | None = None  # the engine's, as it reported it (the behaviour policy)
-    engine: str = ""  # the URL of the engine that generated it
-    seconds: float = 0.0  # its engine's request for it, from send to answer
-    request: int = 0  # which request that was
-    reward: float = 0.0  # the verifier's
-    score: float = 0.0   # what advantages are computed from: reward + shaping
+from kuberl_trainer.rollout.batch import engine_throughput, pack, step_metrics
+from kuberl_trainer.rollout.generate import Response, SingleTurn
+from kuberl_trainer.rollout.prompts import PromptSource, Sample
 
 
 @dataclass(frozen=True)
@@ -84,6 +71,7 @@ class RolloutManager:
         # (colocated: the GPUs go from the engines to the trainers, memory_handoff.py).
         self.sampled = sampled
         self.tokenizer, self.reward_fn = tokenizer, reward_fn
+        self._sample = SingleTurn(spec, client, tokenizer, seed)  # (generate.py: the seam)
         if estimators.needs_reference(spec.algorithm) and ref_logprobs is None:
             raise ValueError("klPenalty: reward and on_policy_distillation need the trainer's "
                              "reference (teacher) log-probs")
@@ -99,36 +87,6 @@ class RolloutManager:
                                   seed=seed).samples(), e.n_samples_per_prompt)
             for e in spec.data.eval_sets]
 
-    def sampling_params(self, step: int, sample: Sample, k: int) -> dict[str, Any]:
-        """Each response gets its own seed, a function of (run seed, step, prompt, k): the same
-        sample comes out whichever engine serves it, so a resumed run regenerates exactly what
-        an uninterrupted one would have."""
-        return {
-            "temperature": self.spec.algorithm.temperature,
-            "top_p": 1.0,
-            "max_new_tokens": self.spec.data.max_response_len,
-            "stop_token_ids": [self.tokenizer.eos_token_id],
-            "sampling_seed": sample_seed(self.seed, step, sample, k),
-        }
-
-    async def _sample(self, step: int, samples: list[Sample], n: int, *,
-                      greedy: bool = False) -> list[Response]:
-        """`n` responses per sample, groups consecutive, from one request per engine."""
-        encoded = self.tokenizer([s.prompt for s in samples], add_special_tokens=False)
-        cut = self.spec.data.max_prompt_len
-        prompt_ids = [list(ids[-cut:]) for ids in encoded["input_ids"]]
-        params = [self.sampling_params(step, s, k) for s in samples for k in range(n)]
-        if greedy:
-            params = [p | {"temperature": 0.0} for p in params]
-        outs = await self.client.generate_spread(
-            [ids for ids in prompt_ids for _ in range(n)], params, group=n)
-        return [Response(sample=samples[i // n], prompt_ids=prompt_ids[i // n],
-                         output_ids=list(o.output_ids), logprobs=list(o.logprobs or []),
-                         text=o.text, truncated=o.finish_reason == "length",
-                         weight_version=o.weight_version, engine=o.engine_url,
-                         seconds=o.seconds, request=o.request)
-                for i, o in enumerate(outs)]
-
     def position_at(self, step: int) -> DataPosition:
         """Where the prompt sources stood when step `step`'s rollout began drawing, or stand
         now if it has not begun: what a checkpoint after `step` steps records (mode async may
@@ -143,14 +101,16 @@ class RolloutManager:
                             self.sft_source.state_dict() if self.sft_source is not None else {})
 
     async def generate(self, step: int) -> Rollout:
+        """Step `step`'s rollout, in the order its parts happen."""
         d, algo = self.spec.data, self.spec.algorithm
         n = d.n_samples_per_prompt
         started = time.perf_counter()
         self._positions[step] = self._position_now()
+        # generate and grade (each response's score: its reward plus the shaping)
         samples = self.source.next_batch(d.rollout_batch_size)
         responses = await self._graded(step, samples, n)
         metrics: dict[str, Any] = {}
-        if algo.dynamic_sampling_rounds:
+        if algo.dynamic_sampling_rounds:  # replace groups without spread by fresh ones
             responses, extra, rounds = await self._refill(step, responses)
             samples = samples + extra
             metrics["dynamic_sampling_rounds"] = rounds
@@ -159,6 +119,7 @@ class RolloutManager:
             "\n".join(f"{s.epoch}:{s.index}" for s in samples).encode()).hexdigest()[:16]
         if self.sampled is not None:
             await self.sampled()
+        # pack, and filter: groups without spread leave the loss
         rewards = torch.tensor([r.reward for r in responses], dtype=torch.float32)
         scores = torch.tensor([r.score for r in responses], dtype=torch.float32)
         batch = pack(responses, torch.zeros(len(responses)), self.tokenizer.pad_token_id)
@@ -168,6 +129,19 @@ class RolloutManager:
             keep = expand_to_samples(nonconstant_groups(scores, n), n)
             batch.loss_mask *= keep[:, None].to(batch.loss_mask.dtype)
             metrics["kept_group_fraction"] = float(keep.float().mean())
+        # advantages, over the tokens that stay in the loss
+        metrics.update(self._advantages(batch, scores, n))
+        metrics.update(step_metrics(responses, rewards, scores, batch))
+        metrics.update(engine_throughput(responses))
+        return Rollout(batch=batch, metrics=metrics, sft=self._demonstrations(),
+                       versions=[r.weight_version for r in responses],
+                       seconds=time.perf_counter() - started)
+
+    def _advantages(self, batch: TrainBatch, scores: torch.Tensor, n: int
+                    ) -> dict[str, float]:
+        """Set the batch's advantages (and ppo's values and returns) by the job's estimator;
+        the metrics only some estimators have."""
+        algo, metrics = self.spec.algorithm, {}
         kl = None
         if self.ref_logprobs is not None and estimators.needs_reference(algo):
             # The sampling policy's log-probs are the engines' (the trainer's would need one
@@ -189,11 +163,7 @@ class RolloutManager:
         else:
             batch.advantages = estimators.token_advantages(algo, scores, n, batch.loss_mask,
                                                            kl=kl)
-        metrics.update(self._metrics(responses, rewards, scores, batch))
-        metrics.update(engine_throughput(responses))
-        return Rollout(batch=batch, metrics=metrics, sft=self._demonstrations(),
-                       versions=[r.weight_version for r in responses],
-                       seconds=time.perf_counter() - started)
+        return metrics
 
     def _demonstrations(self) -> TrainBatch | None:
         """`data.sft.batchSize` demonstrations, packed like responses: the prompt, then the
@@ -262,41 +232,6 @@ class RolloutManager:
             out[f"eval_{name}_reward"] = statistics.fmean(rewards)
         return out
 
-    @staticmethod
-    def _metrics(responses: list[Response], rewards: torch.Tensor, scores: torch.Tensor,
-                 batch: TrainBatch) -> dict[str, float]:
-        lengths = [len(r.output_ids) for r in responses]
-        on = batch.loss_mask.bool()
-        adv = batch.advantages[on]
-        return {
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std(unbiased=False)),
-            "score_mean": float(scores.mean()),  # after shaping (= reward_mean without it)
-            "advantage_mean": float(adv.mean()) if adv.numel() else 0.0,
-            "advantage_std": float(adv.std(unbiased=False)) if adv.numel() else 0.0,
-            "response_length_mean": statistics.fmean(lengths),
-            "response_length_min": float(min(lengths)),
-            "response_length_max": float(max(lengths)),
-            "truncated_fraction": sum(r.truncated for r in responses) / len(responses),
-        }
-
-
-def engine_throughput(responses: list[Response]) -> dict[str, float]:
-    """Generated tokens per second of each engine over its requests in this rollout: the
-    slowest, the mean and the fastest engine, and the spread (fastest / slowest; 1 when they
-    keep pace; a lagging engine holds every synchronous step back)."""
-    tokens: dict[str, int] = {}
-    seconds: dict[str, dict[int, float]] = {}  # engine -> request -> its time
-    for r in responses:
-        if r.engine and r.seconds > 0:
-            tokens[r.engine] = tokens.get(r.engine, 0) + len(r.output_ids)
-            seconds.setdefault(r.engine, {})[r.request] = r.seconds
-    rates = [tokens[e] / sum(seconds[e].values()) for e in tokens]
-    if not rates:
-        return {}
-    return {"engine_tokens_per_s_min": min(rates), "engine_tokens_per_s_max": max(rates),
-            "engine_tokens_per_s_mean": statistics.fmean(rates),
-            "engine_throughput_spread": max(rates) / min(rates) if min(rates) > 0 else 0.0}
 
 
 def _groups(responses: list[Response], n: int) -> tuple[list[list[Response]], list[bool]]:
@@ -307,33 +242,3 @@ def _groups(responses: list[Response], n: int) -> tuple[list[list[Response]], li
     return groups, nonconstant_groups(scores, n).tolist()
 
 
-def sample_seed(seed: int, step: int, sample: Sample, k: int) -> int:
-    digest = hashlib.sha256(f"{seed}:{step}:{sample.epoch}:{sample.index}:{k}".encode())
-    return int.from_bytes(digest.digest()[:4], "little") & 0x7FFFFFFF
-
-
-def pack(responses: list[Response], advantages: torch.Tensor, pad_id: int) -> TrainBatch:
-    """Right-padded [B, T] tensors of prompt+response; loss on response tokens only.
-
-    Token-level tensors (advantages, rollout logprobs) sit at the response tokens' positions in
-    input_ids, the convention the backend's log-probs use (position t scores token t).
-    """
-    width = max((len(r.prompt_ids) + len(r.output_ids) for r in responses), default=1)
-    # Rows built as Python lists, then one tensor each: per-row tensor writes cost more than
-    # the rest of a tiny step's packing.
-    ids, attention, loss, logprobs = [], [], [], []
-    for r in responses:
-        p, o = len(r.prompt_ids), len(r.output_ids)
-        pad = width - p - o
-        ids.append(r.prompt_ids + r.output_ids + [pad_id] * pad)
-        attention.append([1] * (p + o) + [0] * pad)
-        loss.append([0.0] * p + [1.0] * o + [0.0] * pad)
-        lp = list(r.logprobs[:o]) if r.logprobs else []
-        logprobs.append([0.0] * p + lp + [0.0] * (o - len(lp) + pad))
-    input_ids = torch.tensor(ids, dtype=torch.long)
-    attention_mask = torch.tensor(attention, dtype=torch.long)
-    loss_mask = torch.tensor(loss, dtype=torch.float32)
-    rollout_lp = torch.tensor(logprobs, dtype=torch.float32)
-    token_adv = advantages[:, None] * loss_mask
-    return TrainBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask,
-                      advantages=token_adv, rollout_logprobs=rollout_lp)

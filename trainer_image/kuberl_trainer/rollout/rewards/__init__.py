@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from kuberl_api.spec import RewardSpec
-from kuberl_trainer.rewards.custom import RewardFn, RewardLoadError, import_reward
-from kuberl_trainer.rewards.text import exact_match, token_f1
+from kuberl_trainer.rollout.rewards.custom import RewardFn, RewardLoadError, import_reward
+from kuberl_trainer.rollout.rewards.text import exact_match, token_f1
 
 # The math reward is imported when asked for: math-verify brings sympy, half a second of every
 # run's start-up on 2 cores that only a math reward needs.
@@ -22,7 +22,7 @@ __all__ = ["TEXT", "RewardFn", "RewardLoadError", "exact_match", "load", "math_r
 
 def __getattr__(name: str) -> Any:
     if name == "math_reward":
-        from kuberl_trainer.rewards.math_answers import math_reward
+        from kuberl_trainer.rollout.rewards.math_answers import math_reward
 
         return math_reward
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -40,7 +40,7 @@ def load(spec: RewardSpec) -> RewardFn:
             raise RewardLoadError("reward type custom needs function: 'module:function'")
         return import_reward(spec.function)
     if spec.type == "math":
-        from kuberl_trainer.rewards.math_answers import math_reward
+        from kuberl_trainer.rollout.rewards.math_answers import math_reward
 
         return math_reward
     return TEXT[spec.type]

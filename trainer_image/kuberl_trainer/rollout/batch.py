@@ -1,0 +1,74 @@
+"""A step's responses as the trainers take them (a TrainBatch), and what the step reports
+about them (rewards, lengths, advantages, each engine's throughput)."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from kuberl_trainer.backends.base import TrainBatch
+from kuberl_trainer.rollout.generate import Response
+
+
+def pack(responses: list[Response], advantages: torch.Tensor, pad_id: int) -> TrainBatch:
+    """Right-padded [B, T] tensors of prompt+response; loss on response tokens only.
+
+    Token-level tensors (advantages, rollout logprobs) sit at the response tokens' positions in
+    input_ids, the convention the backend's log-probs use (position t scores token t).
+    """
+    width = max((len(r.prompt_ids) + len(r.output_ids) for r in responses), default=1)
+    # Rows built as Python lists, then one tensor each: per-row tensor writes cost more than
+    # the rest of a tiny step's packing.
+    ids, attention, loss, logprobs = [], [], [], []
+    for r in responses:
+        p, o = len(r.prompt_ids), len(r.output_ids)
+        pad = width - p - o
+        ids.append(r.prompt_ids + r.output_ids + [pad_id] * pad)
+        attention.append([1] * (p + o) + [0] * pad)
+        loss.append([0.0] * p + [1.0] * o + [0.0] * pad)
+        lp = list(r.logprobs[:o]) if r.logprobs else []
+        logprobs.append([0.0] * p + lp + [0.0] * (o - len(lp) + pad))
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    attention_mask = torch.tensor(attention, dtype=torch.long)
+    loss_mask = torch.tensor(loss, dtype=torch.float32)
+    rollout_lp = torch.tensor(logprobs, dtype=torch.float32)
+    token_adv = advantages[:, None] * loss_mask
+    return TrainBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask,
+                      advantages=token_adv, rollout_logprobs=rollout_lp)
+
+
+def step_metrics(responses: list[Response], rewards: torch.Tensor, scores: torch.Tensor,
+                 batch: TrainBatch) -> dict[str, float]:
+    lengths = [len(r.output_ids) for r in responses]
+    on = batch.loss_mask.bool()
+    adv = batch.advantages[on]
+    return {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std(unbiased=False)),
+        "score_mean": float(scores.mean()),  # after shaping (= reward_mean without it)
+        "advantage_mean": float(adv.mean()) if adv.numel() else 0.0,
+        "advantage_std": float(adv.std(unbiased=False)) if adv.numel() else 0.0,
+        "response_length_mean": statistics.fmean(lengths),
+        "response_length_min": float(min(lengths)),
+        "response_length_max": float(max(lengths)),
+        "truncated_fraction": sum(r.truncated for r in responses) / len(responses),
+    }
+
+
+def engine_throughput(responses: list[Response]) -> dict[str, float]:
+    """Generated tokens per second of each engine over its requests in this rollout: the
+    slowest, the mean and the fastest engine, and the spread (fastest / slowest; 1 when they
+    keep pace; a lagging engine holds every synchronous step back)."""
+    tokens: dict[str, int] = {}
+    seconds: dict[str, dict[int, float]] = {}  # engine -> request -> its time
+    for r in responses:
+        if r.engine and r.seconds > 0:
+            tokens[r.engine] = tokens.get(r.engine, 0) + len(r.output_ids)
+            seconds.setdefault(r.engine, {})[r.request] = r.seconds
+    rates = [tokens[e] / sum(seconds[e].values()) for e in tokens]
+    if not rates:
+        return {}
+    return {"engine_tokens_per_s_min": min(rates), "engine_tokens_per_s_max": max(rates),
+            "engine_tokens_per_s_mean": statistics.fmean(rates),
+            "engine_throughput_spread": max(rates) / min(rates) if min(rates) > 0 else 0.0}

@@ -1,0 +1,79 @@
+"""How prompts become responses: the one place a rollout's samples are produced.
+
+Today a sample is one turn: each prompt's `nSamplesPerPrompt` responses come from one batched
+request per engine (the client spreads the groups), each response with its own seed. This is
+the seam where user rollout functions and multi-turn environments plug in: whatever produces
+the samples hands the manager `Response`s (token ids in and out, the engine's log-probs, which
+engine and weight version made them), and the manager grades, shapes, filters and packs them
+the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from kuberl_api.spec import RLJobSpec
+from kuberl_trainer.engines.client import EngineClient
+from kuberl_trainer.rollout.prompts import Sample
+
+
+@dataclass
+class Response:
+    sample: Sample
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    text: str
+    truncated: bool
+    weight_version: str | None = None  # the engine's, as it reported it (the behaviour policy)
+    engine: str = ""  # the URL of the engine that generated it
+    seconds: float = 0.0  # its engine's request for it, from send to answer
+    request: int = 0  # which request that was
+    reward: float = 0.0  # the verifier's
+    score: float = 0.0   # what advantages are computed from: reward + shaping
+
+
+class SingleTurn:
+    """One response per sample and seed: the prompt, as the tokenizer cuts it to
+    `data.maxPromptLen`, then the engine's tokens up to EOS or `data.maxResponseLen`."""
+
+    def __init__(self, spec: RLJobSpec, client: EngineClient, tokenizer: Any, seed: int
+                 ) -> None:
+        self.spec, self.client, self.tokenizer, self.seed = spec, client, tokenizer, seed
+
+    def sampling_params(self, step: int, sample: Sample, k: int) -> dict[str, Any]:
+        """Each response gets its own seed, a function of (run seed, step, prompt, k): the same
+        sample comes out whichever engine serves it, so a resumed run regenerates exactly what
+        an uninterrupted one would have."""
+        return {
+            "temperature": self.spec.algorithm.temperature,
+            "top_p": 1.0,
+            "max_new_tokens": self.spec.data.max_response_len,
+            "stop_token_ids": [self.tokenizer.eos_token_id],
+            "sampling_seed": sample_seed(self.seed, step, sample, k),
+        }
+
+    async def __call__(self, step: int, samples: list[Sample], n: int, *,
+                       greedy: bool = False) -> list[Response]:
+        """`n` responses per sample, groups consecutive, from one request per engine."""
+        encoded = self.tokenizer([s.prompt for s in samples], add_special_tokens=False)
+        cut = self.spec.data.max_prompt_len
+        prompt_ids = [list(ids[-cut:]) for ids in encoded["input_ids"]]
+        params = [self.sampling_params(step, s, k) for s in samples for k in range(n)]
+        if greedy:
+            params = [p | {"temperature": 0.0} for p in params]
+        outs = await self.client.generate_spread(
+            [ids for ids in prompt_ids for _ in range(n)], params, group=n)
+        return [Response(sample=samples[i // n], prompt_ids=prompt_ids[i // n],
+                         output_ids=list(o.output_ids), logprobs=list(o.logprobs or []),
+                         text=o.text, truncated=o.finish_reason == "length",
+                         weight_version=o.weight_version, engine=o.engine_url,
+                         seconds=o.seconds, request=o.request)
+                for i, o in enumerate(outs)]
+
+
+def sample_seed(seed: int, step: int, sample: Sample, k: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{step}:{sample.epoch}:{sample.index}:{k}".encode())
+    return int.from_bytes(digest.digest()[:4], "little") & 0x7FFFFFFF
