@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs a GPU (--device cpu for a smoke run)", file=sys.stderr)
         return 2
-    from kuberl_trainer.backends.base import make_backend
+    from kuberl_trainer.backends.factory import make_backend
 
     out = args.out / args.shape
     model_dir = build_model(out, args.shape)

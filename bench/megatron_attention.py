@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer_image"))
 
-from kuberl_trainer.megatron import hf_layout as L
-from kuberl_trainer.megatron.sdpa_attention import local_spec_with_sdpa
+from kuberl_trainer.backends.megatron import hf_layout as L
+from kuberl_trainer.backends.megatron.sdpa_attention import local_spec_with_sdpa
 
 QWEN25_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
               "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,

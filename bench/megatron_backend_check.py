@@ -83,7 +83,7 @@ def my_rows(backend: Any, batch: Any) -> Any:
 def check_family(name: str, model_dir: Path, args: argparse.Namespace, world: int,
                  rank: int) -> dict[str, Any]:
     from kuberl_trainer.backends.hf_files import read_safetensors_dir
-    from kuberl_trainer.backends.megatron import MegatronBackend
+    from kuberl_trainer.backends.megatron.backend import MegatronBackend
 
     spec = make_spec(model_dir, backend="megatron", samples=SAMPLES, micro_batch=2,
                      tp=args.tp, pp=args.pp, gpus=world, lr=1e-4)

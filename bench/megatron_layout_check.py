@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from gpu_common import family_configs  # bench/ is on sys.path; it adds trainer_image/
 
-from kuberl_trainer.megatron import hf_layout as L
+from kuberl_trainer.backends.megatron import hf_layout as L
 
 COMMON = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3,
           "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000,

@@ -114,7 +114,7 @@ def profile_step(backend: Any, batch: Any, title: str) -> None:
 
 
 def build(spec: Any, rank: int = 0, world: int = 1, device: str = "cuda") -> Any:
-    from kuberl_trainer.backends.base import make_backend
+    from kuberl_trainer.backends.factory import make_backend
 
     return make_backend(spec, rank=rank, world_size=world, device=device)
 

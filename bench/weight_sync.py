@@ -286,7 +286,7 @@ class RawPeer:
 
 
 def build_backend(model_dir: Path) -> Any:
-    from kuberl_trainer.backends.megatron import MegatronBackend
+    from kuberl_trainer.backends.megatron.backend import MegatronBackend
 
     spec = make_spec(model_dir, backend="megatron", samples=8, micro_batch=1, gpus=1)
     return MegatronBackend(spec, rank=0, world_size=1, device="cuda")

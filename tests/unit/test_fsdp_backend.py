@@ -23,7 +23,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.backends import fsdp
-from kuberl_trainer.backends.base import Backend, TrainBatch, make_backend
+from kuberl_trainer.backends.base import Backend, TrainBatch
+from kuberl_trainer.backends.factory import make_backend
 from kuberl_trainer.backends.fsdp import FSDPBackend
 from kuberl_trainer.backends.optim import OptimConfig, clip_gradients
 from tests.unit.tiny_lm import VOCAB, save_tiny_qwen2

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from kuberl_trainer.megatron import export as X, hf_layout as L
+from kuberl_trainer.backends.megatron import export as X, hf_layout as L
 
 COMMON = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
           "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 300,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kuberl_trainer.megatron.grad_norm import foreach_l2_norm
+from kuberl_trainer.backends.megatron.grad_norm import foreach_l2_norm
 
 
 def test_hand_computed() -> None:

@@ -17,7 +17,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from kuberl_trainer.megatron import hf_layout as L
+from kuberl_trainer.backends.megatron import hf_layout as L
 
 COMMON = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
           "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 300,

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from kuberl_trainer.megatron import hf_layout as L, model as M
+from kuberl_trainer.backends.megatron import hf_layout as L, model as M
 
 COMMON = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
           "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 300,

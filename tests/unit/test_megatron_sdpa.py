@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kuberl_trainer.megatron.sdpa_attention import sdpa
+from kuberl_trainer.backends.megatron.sdpa_attention import sdpa
 
 
 def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor,

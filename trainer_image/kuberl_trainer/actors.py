@@ -18,7 +18,8 @@ import ray
 import torch
 
 from kuberl_api.spec import RLJobSpec
-from kuberl_trainer.backends.base import Backend, TrainBatch, make_backend, preload_backend
+from kuberl_trainer.backends.base import Backend, TrainBatch
+from kuberl_trainer.backends.factory import make_backend, preload_backend
 from kuberl_trainer.engines.command import engine_dtype
 from kuberl_trainer.placement import (
     Layout,

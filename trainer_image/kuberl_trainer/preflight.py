@@ -63,7 +63,7 @@ def check_backend(spec: RLJobSpec) -> None:
     import importlib.util
     import json
 
-    from kuberl_trainer.megatron.hf_layout import DecoderShape
+    from kuberl_trainer.backends.megatron.hf_layout import DecoderShape
 
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec(
             "megatron.core") is None:

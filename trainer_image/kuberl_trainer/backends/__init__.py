@@ -1,6 +1,4 @@
-"""Training backends behind one interface: `fsdp` (HF transformers + torch DDP/FSDP2) today,
-`megatron` (megatron-core) in issue 6. See ``base.py`` and docs/trainer-contracts.md."""
-
-from kuberl_trainer.backends.base import Backend, TrainBatch, make_backend
-
-__all__ = ["Backend", "TrainBatch", "make_backend"]
+"""Training backends behind one interface (base.py, docs/trainer-contracts.md): `fsdp` (HF
+transformers + torch DDP/FSDP2) and `megatron` (megatron-core, in megatron/); factory.py
+picks one for a job. The rest are the parts both share: micro-batches and packing, optimizer
+and offload, log-probs over the vocabulary, weight buckets, HF files, RNG state."""

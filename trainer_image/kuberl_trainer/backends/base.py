@@ -17,13 +17,11 @@ import dataclasses
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from kuberl_api.spec import RLJobSpec
 
 @dataclass
 class TrainBatch:
@@ -202,32 +200,3 @@ class Backend(Protocol):
     def load(self, dir: str | Path) -> None:
         """Collective. Restore what ``save`` wrote into this (freshly built) backend."""
         ...
-
-
-def preload_backend(spec: RLJobSpec) -> None:
-    """Import what building ``spec``'s backend takes, without building it: a rank's actor does
-    this as it starts, while the engines load, so that its build (after the engines are up,
-    colocated) is only the build (the imports were 3 s of the tiny job's 2-core start-up).
-    Imports touch no GPU. The megatron backend is left to ``make_backend``: Transformer
-    Engine's import may open a CUDA context, which must wait until colocated engines have
-    sized their memory pool from the free memory."""
-    if spec.training.backend == "fsdp":
-        from kuberl_trainer.backends.fsdp import preload
-
-        preload(spec.model.path)
-
-
-def make_backend(spec: RLJobSpec, rank: int, world_size: int, device: str) -> Backend:
-    """The backend ``spec.training.backend`` names, built for this rank."""
-    kind = spec.training.backend
-    if kind == "fsdp":
-        # Imported here: transformers is slow to import and only the chosen backend needs it.
-        from kuberl_trainer.backends.fsdp import FSDPBackend
-
-        return FSDPBackend(spec, rank=rank, world_size=world_size, device=device)
-    if kind == "megatron":
-        # Imported here: megatron-core is only installed where the backend runs (GPU images).
-        from kuberl_trainer.backends.megatron import MegatronBackend
-
-        return MegatronBackend(spec, rank=rank, world_size=world_size, device=device)
-    raise ValueError(f"unknown training.backend {kind!r}; expected 'fsdp' or 'megatron'")

@@ -482,7 +482,7 @@ def rank_batch_size(global_batch: int, world_size: int, micro_batch: int) -> int
 
 def preload(path: str) -> None:
     """Import the model's classes (transformers imports a model family's module when a
-    checkpoint first names it) ahead of ``build_model`` (base.preload_backend). Best effort:
+    checkpoint first names it) ahead of ``build_model`` (factory.preload_backend). Best effort:
     a checkpoint it cannot read fails later, in the build, with the build's error."""
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)

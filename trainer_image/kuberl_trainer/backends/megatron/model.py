@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kuberl_trainer.megatron import hf_layout as L
-from kuberl_trainer.megatron.sdpa_attention import local_spec_with_sdpa
+from kuberl_trainer.backends.megatron import hf_layout as L
+from kuberl_trainer.backends.megatron.sdpa_attention import local_spec_with_sdpa
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 

@@ -51,6 +51,8 @@ from kuberl_trainer.backends.hf_files import (
     copy_tokenizer,
     read_safetensors_dir,
 )
+from kuberl_trainer.backends.megatron import export, hf_layout as L, model as M
+from kuberl_trainer.backends.megatron.grad_norm import use_sync_free_grad_norm
 from kuberl_trainer.backends.micro_batches import MicroBatch, micro_batches
 from kuberl_trainer.backends.offload import Offloads, optimizer_state, release_cached
 from kuberl_trainer.backends.optim import MAX_GRAD_NORM, LrMultiplier, optim_config
@@ -59,8 +61,6 @@ from kuberl_trainer.backends.rng import rng_state, set_rng_state
 from kuberl_trainer.backends.step_metrics import StepMetrics
 from kuberl_trainer.backends.tokens import response_mask
 from kuberl_trainer.backends.vocab_logprobs import token_logprobs_and_entropy
-from kuberl_trainer.megatron import export, hf_layout as L, model as M
-from kuberl_trainer.megatron.grad_norm import use_sync_free_grad_norm
 
 LOG = logging.getLogger("kuberl.backend.megatron")
 

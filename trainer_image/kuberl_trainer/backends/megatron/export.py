@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from kuberl_trainer.megatron.hf_layout import DecoderShape, split_qkv, stage_layers
+from kuberl_trainer.backends.megatron.hf_layout import DecoderShape, split_qkv, stage_layers
 from kuberl_wire.plan import iter_buckets
 
 
