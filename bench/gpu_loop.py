@@ -105,9 +105,9 @@ def main() -> int:
         args.out = args.out.with_name(args.out.name + "-cpu")
 
     from kuberl_api import parse
+    from kuberl_trainer.options import Options
     from kuberl_trainer.preflight import check
     from kuberl_trainer.progress import Progress
-    from kuberl_trainer.run import Options
     from kuberl_trainer.session import Session
 
     args.out.mkdir(parents=True, exist_ok=True)

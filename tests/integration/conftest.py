@@ -112,7 +112,7 @@ def shared_ray() -> Iterator[str]:
     """One Ray per test process that its local runs join (`kuberl run --address`, and the
     Sessions tests drive themselves) instead of each starting and stopping its own: 2.3 s of
     every run on 2 cores. A Ray whose nodes are all this machine makes `kuberl run` behave as
-    a local run (log files, cores shared, free ports: run.Options.one_machine). The runs that
+    a local run (log files, cores shared, free ports: options.Options.one_machine). The runs that
     test what only a run's own Ray does (its process tree, `make demo`) start theirs."""
     from tests.integration.local_run import ENV, SHARED_RAY
 

@@ -105,7 +105,7 @@ def failed(res: subprocess.CompletedProcess[str]) -> str:
 
 def session_options(tmp: Path) -> Any:
     """run.Options for a Session a test drives in its own process (the shared Ray, if any)."""
-    from kuberl_trainer.run import Options
+    from kuberl_trainer.options import Options
 
     return Options(address=os.environ.get(SHARED_RAY), in_cluster=False,
                    output_dir=tmp / "out", checkpoint_dir=tmp / "ckpt", prometheus_port=0,

@@ -189,10 +189,8 @@ async def test_start_wait_ends_when_the_server_exits() -> None:
 def test_a_cluster_engine_death_quotes_the_lines_its_actor_kept(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """In a cluster there is no log file to read: the error quotes EngineServer.log_tail."""
-    from pathlib import Path
 
-    from kuberl_trainer import session as session_mod
-    from kuberl_trainer.run import Options
+    from kuberl_trainer import explain as explain_mod
 
     url = "http://10.0.0.2:30000"
 
@@ -214,12 +212,10 @@ def test_a_cluster_engine_death_quotes_the_lines_its_actor_kept(
         def log_of(self, url: str) -> Path | None:
             return None
 
-    monkeypatch.setattr(session_mod.ray, "get", lambda ref, timeout=None: ref)
-    s = session_mod.Session.__new__(session_mod.Session)
-    s.opts = Options(address="auto", in_cluster=True, output_dir=Path("/tmp/o"),
-                     checkpoint_dir=Path("/tmp/c"), prometheus_port=0, tensorboard=None, seed=0)
-    s.engines = Engines()  # type: ignore[assignment]
-    text = s.explain(EngineError(url, "exited with code 2 while starting"))
+    monkeypatch.setattr(explain_mod.ray, "get", lambda ref, timeout=None: ref)
+    # (in a cluster: no log directory)
+    text = explain_mod.explain(EngineError(url, "exited with code 2 while starting"),
+                               Engines(), log_dir=None)  # type: ignore[arg-type]
     assert text.startswith(f"engine died: {url} exited with code 2")
     assert text.splitlines()[-1] == "  error: unrecognized arguments: --bogus"
 

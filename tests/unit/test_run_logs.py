@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kuberl_trainer.engines.client import EngineError
-from kuberl_trainer.run import Options
-from kuberl_trainer.session import Session, tail
+from kuberl_trainer.explain import explain as explain_error, tail
+from kuberl_trainer.options import Options
 
 
 def opts(tmp_path: Path, address: str | None = None, in_cluster: bool = False) -> Options:
@@ -79,9 +79,7 @@ class _Engines:
 
 def explain(tmp_path: Path, exc: BaseException, engines: _Engines | None,
             address: str | None = None) -> str:
-    session = Session.__new__(Session)  # only what explain reads: no Ray, no job
-    session.opts, session.engines = opts(tmp_path, address), engines  # type: ignore[assignment]
-    return session.explain(exc)
+    return explain_error(exc, engines, opts(tmp_path, address).log_dir)  # type: ignore[arg-type]
 
 
 def test_an_engine_death_names_its_log_and_quotes_its_end(tmp_path: Path) -> None:

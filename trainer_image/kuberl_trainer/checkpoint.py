@@ -16,6 +16,9 @@ atomic rename): ``latest`` trusts only ``step_<N>`` directories that hold it.
 All training ranks write into the same staging directory, so it must be on storage they all
 see (the checkpoint PVC in a cluster). This module never talks to other ranks: the caller's
 ``write`` function returns once every rank's files are written.
+
+``Checkpointer`` is a run's use of them: when one is due, what goes in it, what a resumed run
+reads back.
 """
 
 from __future__ import annotations
@@ -26,10 +29,10 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 STEP_PREFIX = "step_"
 STAGING_PREFIX = ".step_"
@@ -58,6 +61,75 @@ class TrainerState:
                    weight_version=int(raw.get("weight_version", 0)),
                    metrics=dict(raw.get("metrics", {})),
                    sft_data=dict(raw.get("sft_data", {})))
+
+
+class Position(Protocol):
+    """Where the prompt sources stand (rollout.manager.DataPosition)."""
+
+    @property
+    def data(self) -> dict[str, Any]: ...
+    @property
+    def sft_data(self) -> dict[str, Any]: ...
+
+
+class Models(Protocol):
+    """Rank groups that write and read their own files in a checkpoint (the training ranks,
+    a critic's)."""
+
+    def save(self, path: str) -> None: ...
+    def load(self, path: str) -> None: ...
+
+
+class Checkpointer:
+    """A run's checkpoints under `root`: one every `every` steps (None: only as the run ends),
+    the newest `keep` kept. It holds the run's progress as last recorded (steps finished,
+    the engines' weight version): what a save as the run stops writes. `position(step)`:
+    where the prompt sources stood as step `step`'s rollout began drawing (mode async draws
+    ahead; a checkpoint holds no rollout, so a resumed run draws those prompts again)."""
+
+    def __init__(self, root: Path, every: int | None, keep: int,
+                 position: Callable[[int], Position]) -> None:
+        self.root, self.every, self.keep, self.position = root, every, keep, position
+        self.models: Sequence[Models] = ()  # (set once the ranks exist)
+        self.step = 0
+        self.weight_version = 0
+
+    def due(self, step: int) -> bool:
+        """Whether a checkpoint is due after `step` finished steps (the loop asks once per
+        step)."""
+        self.step = step
+        return self.every is not None and step % self.every == 0
+
+    def save(self, step: int, weight_version: int, position: Position | None = None) -> str:
+        """Checkpoint `step`: the models' files and the state beside them. `position`: the
+        sources' position when the caller knows it better than `self.position`."""
+        self.weight_version = weight_version
+        drawn = position or self.position(step)
+        state = TrainerState(step=step, weight_version=weight_version, data=drawn.data,
+                             sft_data=drawn.sft_data)
+        return str(save(self.root, step, state, self._write_models, keep=self.keep))
+
+    def _write_models(self, dir: str) -> None:
+        for models in self.models:
+            models.save(dir)
+
+    def unsaved(self) -> bool:
+        """Whether steps were trained since the newest checkpoint on disk."""
+        newest = latest(self.root)
+        return self.step > 0 and (newest is None or newest[0] < self.step)
+
+    def resume(self) -> tuple[TrainerState, Path] | None:
+        """Load the newest complete checkpoint into the models; its state and directory (None:
+        there is none, a new run)."""
+        found = latest(self.root)
+        if found is None:
+            return None
+        path = found[1]
+        for models in self.models:
+            models.load(str(path))
+        state = TrainerState.read(path)
+        self.step, self.weight_version = state.step, state.weight_version
+        return state, path
 
 
 def step_dir(root: str | Path, step: int) -> Path:

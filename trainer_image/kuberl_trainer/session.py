@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import re
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -20,8 +17,8 @@ from kuberl_trainer import async_loop, checkpoint as ckpt
 from kuberl_trainer.actors import TrainGroup
 from kuberl_trainer.critic import CriticGroup
 from kuberl_trainer.engines.actors import EngineGroup
-from kuberl_trainer.engines.client import EngineClient, EngineError
-from kuberl_trainer.engines.fleet import Fleet, dead_after
+from kuberl_trainer.engines.client import EngineClient
+from kuberl_trainer.engines.fleet import Fleet
 from kuberl_trainer.engines.metrics import EngineMetrics
 from kuberl_trainer.engines.router import Router
 from kuberl_trainer.loop import Parts, train
@@ -36,19 +33,17 @@ from kuberl_trainer.startup import HeadStart
 from kuberl_trainer.stopping import GracefulStop
 
 if TYPE_CHECKING:
+    from kuberl_trainer.options import Options
     from kuberl_trainer.reporter import StatusReporter
-    from kuberl_trainer.run import Options
 
 LOG = logging.getLogger("kuberl.run")
 ENGINE_START_TIMEOUT_S = 600.0
-LOG_TAIL_LINES = 20  # of a dead engine's log, with the error that names it
 # Weight-sync bucket: each costs a round trip and the engine's per-bucket work, so fewer is
 # faster (1.5B over NCCL on H200s: 0.107 s a sync in 64 MB buckets, 0.024 s in 512 MB;
 # colocated 1 GB: 74 ms, 30 ms; bench/RESULTS.md). A sync holds up to three buckets on the
 # trainer's GPU (two colocated, in the engines' dtype) and one receive buffer on the engine's,
 # slime's default size for that buffer.
 BUCKET_BYTES = 512 << 20
-ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its exceptions' headers
 
 
 class Session:
@@ -61,8 +56,8 @@ class Session:
         self.sft_source: PromptSource | None = None
         self.rollout: RolloutManager | None = None
         self.router: Router | None = None
-        self.step = 0
-        self.weight_version = 0
+        self.ckpt = ckpt.Checkpointer(opts.checkpoint_dir, job.spec.schedule.save_interval,
+                                      job.spec.checkpoint.keep, self._position)
         self.aio = asyncio.new_event_loop()  # one loop for the run: the HTTP session lives on it
         self.status: StatusReporter | None = None
         if opts.in_cluster:  # (the kubernetes client: imported only where it reports)
@@ -86,6 +81,7 @@ class Session:
         self.critic = (CriticGroup(self.spec, lay, self.trainers, one_machine=local,
                                    log_dir=logs)
                        if self.spec.has_critic else None)
+        self.ckpt.models = [self.trainers, *([self.critic] if self.critic else [])]
         clock.mark("placement")
         self.client = EngineClient(self.engines.urls)
         self.fleet = Fleet(self.engines, self.client, budget=self.spec.engine_restart_budget,
@@ -152,20 +148,14 @@ class Session:
         self.memory.step_metrics()  # (start-up's moves are not the first step's)
 
     def _resume(self) -> bool:
-        found = ckpt.latest(self.opts.checkpoint_dir)
-        if found is None:
+        resumed = self.ckpt.resume()
+        if resumed is None:
             return False
-        step, path = found
-        assert self.trainers is not None and self.engines is not None
-        self.trainers.load(str(path))
-        if self.critic is not None:
-            self.critic.load(str(path))
-        state = ckpt.TrainerState.read(path)
+        state, path = resumed
         self.source.load_state_dict(state.data)
         if self.sft_source is not None and state.sft_data:
             self.sft_source.load_state_dict(state.sft_data)
-        self.step, self.weight_version = state.step, state.weight_version
-        LOG.info("resumed from %s (step %d)", path, step)
+        LOG.info("resumed from %s (step %d)", path, state.step)
         return True
 
     def train(self, progress: Progress, stop: GracefulStop | None = None) -> None:
@@ -184,7 +174,7 @@ class Session:
             log=MetricsLog(self.opts.output_dir, prometheus_port=self.opts.prometheus_port,
                            tensorboard_dir=self.opts.tensorboard,
                            wandb_project=self.opts.wandb_project, run_name=self.job.name),
-            checkpointer=self, reporter=_Watchers(progress, self),
+            checkpointer=self.ckpt, reporter=_Watchers(progress, self),
             bucket_bytes=BUCKET_BYTES, eval_interval=self.spec.schedule.eval_interval,
             memory=memory,
             fleet=self.fleet, stop=stop or GracefulStop())
@@ -214,46 +204,43 @@ class Session:
         return [self.trainers, *([self.critic] if shared and self.critic else [])]
 
     # ------------------------------------------------------------ checkpoints
-    def due(self, step: int) -> bool:
-        self.step = step  # the loop calls this once per finished step
-        every = self.spec.schedule.save_interval
-        return every is not None and step % every == 0
+    @property
+    def step(self) -> int:
+        """Training steps finished (as the checkpointer last heard)."""
+        return self.ckpt.step
 
-    def save(self, step: int, weight_version: int, position: DataPosition | None = None
-             ) -> str:
-        assert self.trainers is not None
-        self.weight_version = weight_version
-        # Where the prompts stood before step `step`'s rollout: mode async has drawn them
-        # already, and a checkpoint holds no rollout (a resumed run generates it again).
-        drawn = position or (self.rollout.position_at(step) if self.rollout is not None
-                             else None)  # (None: no step has begun; the sources as loaded)
-        state = ckpt.TrainerState(
-            step=step, weight_version=weight_version,
-            data=drawn.data if drawn else self.source.state_dict(),
-            sft_data=(drawn.sft_data if drawn else
-                      self.sft_source.state_dict() if self.sft_source else {}))
-        path = ckpt.save(self.opts.checkpoint_dir, step, state, self._write_models,
-                         keep=self.spec.checkpoint.keep)
-        return str(path)
+    @step.setter
+    def step(self, step: int) -> None:
+        self.ckpt.step = step
 
-    def _write_models(self, path: str) -> None:
-        assert self.trainers is not None
-        self.trainers.save(path)
-        if self.critic is not None:
-            self.critic.save(path)  # into path/critic/
+    @property
+    def weight_version(self) -> int:
+        """The engines' weight version (as the checkpointer last heard)."""
+        return self.ckpt.weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self.ckpt.weight_version = version
+
+    def _position(self, step: int) -> DataPosition:
+        """Where the prompts stood before step `step`'s rollout (mode async has drawn them
+        already); the sources as they stand when no step has begun."""
+        if self.rollout is not None:
+            return self.rollout.position_at(step)
+        return DataPosition(self.source.state_dict(),
+                            self.sft_source.state_dict() if self.sft_source else {})
 
     def save_now(self) -> None:
-        if self.trainers is not None and self.step > 0:
-            latest = ckpt.latest(self.opts.checkpoint_dir)
-            if latest is None or latest[0] < self.step:
-                self._room_to_save()
-                self.save(self.step, self.weight_version)
+        """Save the steps trained since the last checkpoint (the run ends or is stopped)."""
+        if self.trainers is not None and self.ckpt.unsaved():
+            self._room_to_save()
+            self.ckpt.save(self.step, self.weight_version)
 
     def save_and_report(self) -> None:
         """Save as the job stops (SIGTERM), and tell the RLJob where: the operator's Preempted
         condition and the next attempt read it."""
         self.save_now()
-        latest = ckpt.latest(self.opts.checkpoint_dir)
+        latest = ckpt.latest(self.ckpt.root)
         if self.status is None or latest is None:
             return
         try:
@@ -281,53 +268,6 @@ class Session:
         except (OSError, KeyError, ValueError) as exc:
             LOG.warning("could not post the EngineReplaced Event on the RLJob: %s", exc)
 
-    # ------------------------------------------------------------------ errors
-    def explain(self, exc: BaseException) -> str:
-        """The error line for `exc`: which engine died, with the end of its log, or the error
-        itself; on a local run, where the actors' logs are."""
-        dead = self._dead_engines(exc)
-        if dead:
-            codes = ", ".join(f"{url} exited with code {c}" for url, c in dead.items())
-            return ANSI.sub("", f"engine died: {codes} ({exc})") + "".join(
-                self._engine_log(url) for url in dead)
-        if isinstance(exc, EngineError):  # alive but failing: its log says why
-            return ANSI.sub("", str(exc)) + self._engine_log(exc.url)
-        logs = self.opts.log_dir
-        return ANSI.sub("", f"{type(exc).__name__}: {exc}") + (
-            f"\n(the engines' and training workers' logs: {logs}/)" if logs is not None
-            else "")
-
-    def _dead_engines(self, exc: BaseException) -> dict[str, int]:
-        """Engines whose server exited, with the code (fleet.dead_after)."""
-        if self.engines is None:
-            return {}
-        try:
-            return dead_after(self.engines, exc)
-        except Exception:  # explaining an error must not raise another (a dead actor)
-            return {}
-
-    def _engine_log(self, url: str) -> str:
-        """The last lines of the log of the engine at `url`, naming the file (on a local run;
-        in a cluster its output is in its pod's log: nothing)."""
-        path = self.engines.log_of(url) if self.engines is not None else None
-        if path is None:  # in a cluster: the lines its actor kept (EngineServer.log_tail)
-            lines = self._actor_log_tail(url)
-            return "".join([f"\nlast lines of the engine at {url}:\n",
-                            *(f"  {line}\n" for line in lines)]).rstrip("\n") if lines else ""
-        if not path.exists():
-            return ""
-        return f"\nlast lines of {path} ({url}):\n" + "\n".join(
-            f"  {line}" for line in tail(path, LOG_TAIL_LINES))
-
-    def _actor_log_tail(self, url: str) -> list[str]:
-        if self.engines is None or url not in self.engines.urls:
-            return []
-        try:  # explaining an error must not raise another (a dead actor)
-            return [str(line) for line in ray.get(
-                self.engines.actor_of(url).log_tail.remote(LOG_TAIL_LINES), timeout=10)]
-        except Exception:
-            return []
-
     def close(self) -> None:
         try:
             if self.router is not None:
@@ -340,13 +280,6 @@ class Session:
             self.aio.close()
             if ray.is_initialized():
                 ray.shutdown()
-
-
-def tail(path: Path, lines: int, max_bytes: int = 64 << 10) -> list[str]:
-    """The last `lines` lines of a text file that may be long (read from its end)."""
-    with path.open("rb") as f:
-        f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
-        return f.read().decode(errors="replace").splitlines()[-lines:]
 
 
 class _Watchers:

@@ -30,7 +30,7 @@ from kuberl_trainer.engines.actors import EngineGroup
 from kuberl_trainer.placement import layout, local_resources
 
 if TYPE_CHECKING:
-    from kuberl_trainer.run import Options
+    from kuberl_trainer.options import Options
 
 
 def process_start_time() -> float:
