@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kuberl_trainer.staleness import behaviour_version, overlap_times, staleness_metrics
+from kuberl_trainer.loops.staleness import behaviour_version, overlap_times, staleness_metrics
 
 
 def test_reported_versions_are_read_as_update_counts() -> None:

@@ -25,7 +25,7 @@ import torch
 
 from kuberl_rollout.reference.weights import Receiver
 from kuberl_trainer import actors
-from kuberl_trainer.loop import sync_bytes
+from kuberl_trainer.loops.parts import sync_bytes
 from kuberl_trainer.weight_sync.colocated import Poster, push_colocated
 from kuberl_trainer.weight_sync.sender import DistributedWeightSender, bucketize, send_tensors
 from kuberl_wire import codec

@@ -13,7 +13,7 @@ import ray
 from transformers import AutoTokenizer
 
 from kuberl_api import RLJob
-from kuberl_trainer import async_loop, checkpoint as ckpt
+from kuberl_trainer import checkpoint as ckpt
 from kuberl_trainer.actors import TrainGroup
 from kuberl_trainer.critic import CriticGroup
 from kuberl_trainer.engines.actors import EngineGroup
@@ -21,7 +21,8 @@ from kuberl_trainer.engines.client import EngineClient
 from kuberl_trainer.engines.fleet import Fleet
 from kuberl_trainer.engines.metrics import EngineMetrics
 from kuberl_trainer.engines.router import Router
-from kuberl_trainer.loop import Parts, train
+from kuberl_trainer.loops import async_loop, sync_loop
+from kuberl_trainer.loops.parts import Parts
 from kuberl_trainer.memory_handoff import MemoryHandoff, Ranks
 from kuberl_trainer.metrics_log import MetricsLog
 from kuberl_trainer.placement import layout
@@ -189,7 +190,7 @@ class Session:
                                  max_staleness=a.max_staleness,
                                  partial_rollout=a.partial_rollout)
                 if self.spec.mode == "async" else
-                train(parts, self.step, total, self.weight_version))
+                sync_loop.train(parts, self.step, total, self.weight_version))
             self.step = self.spec.schedule.num_rollouts
             self.save_now()
         finally:

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kuberl_trainer.loop import (
+from kuberl_trainer.loops.parts import (
     Parts,
     evaluation_due,
     report_step,
@@ -33,8 +33,8 @@ from kuberl_trainer.loop import (
     sync_bytes,
     train_on,
 )
+from kuberl_trainer.loops.staleness import overlap_times, staleness_metrics
 from kuberl_trainer.rollout.manager import Rollout
-from kuberl_trainer.staleness import overlap_times, staleness_metrics
 
 
 @dataclass
