@@ -102,7 +102,7 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     from kuberl_trainer.memory_handoff import MemoryHandoff
     from kuberl_trainer.options import Options
     from kuberl_trainer.preflight import check
-    from kuberl_trainer.progress import Progress
+    from kuberl_trainer.report.progress import Progress
     from kuberl_trainer.session import Session
 
     rlj = parse(job(args.out, args))

@@ -107,7 +107,7 @@ def main() -> int:
     from kuberl_api import parse
     from kuberl_trainer.options import Options
     from kuberl_trainer.preflight import check
-    from kuberl_trainer.progress import Progress
+    from kuberl_trainer.report.progress import Progress
     from kuberl_trainer.session import Session
 
     args.out.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ from cluster import Cluster
 from polling import wait_for
 
 from kuberl_operator.render import names
-from kuberl_trainer.reporter import StatusReporter
+from kuberl_trainer.report.status import StatusReporter
 
 KUBERAY = "kuberay-operator"  # the process Cluster.paused freezes
 

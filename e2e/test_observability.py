@@ -46,8 +46,8 @@ from kuberl_rollout.reference.metrics import CONTENT_TYPE, EngineMetrics as Refe
 from kuberl_trainer.backends.step_metrics import StepMetrics
 from kuberl_trainer.engines.metrics import EngineMetrics
 from kuberl_trainer.loops.staleness import overlap_times, staleness_metrics
-from kuberl_trainer.metrics_log import MetricsLog
-from kuberl_trainer.reporter import StatusReporter
+from kuberl_trainer.report.metrics_log import MetricsLog
+from kuberl_trainer.report.status import StatusReporter
 from kuberl_trainer.rollout.batch import engine_throughput
 from kuberl_trainer.rollout.generate import Response
 from kuberl_trainer.rollout.prompts import Sample

@@ -575,9 +575,9 @@ def test_longest_name_runs_on_cpu(k8s_cluster: Cluster, operator: Operator,
 def test_head_service_account_reports_only_its_own_status(
         k8s_cluster: Cluster, operator: Operator, operator_ns: str) -> None:
     """The trainer on the Ray head reports progress with its pod's ServiceAccount token
-    (kuberl_trainer.reporter, the real class): the Role the operator renders lets it patch its
+    (kuberl_trainer.report.status, the real class): the Role the operator renders lets it patch its
     own RLJob's status, and nothing else - not its spec, not another RLJob's status."""
-    from kuberl_trainer.reporter import StatusReporter
+    from kuberl_trainer.report.status import StatusReporter
 
     c, ns = k8s_cluster, operator_ns
     job, other = "report-own", "report-other"

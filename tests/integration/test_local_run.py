@@ -183,7 +183,7 @@ def test_every_engine_process_holds_the_trainers_weights_after_every_step(
 
     from kuberl_api import load
     from kuberl_trainer.preflight import check
-    from kuberl_trainer.progress import Progress
+    from kuberl_trainer.report.progress import Progress
     from kuberl_trainer.session import Session
 
     placement, rollout = ENGINE_LAYOUTS[layout]
@@ -284,7 +284,7 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
 
     from kuberl_api import load
     from kuberl_trainer.preflight import check
-    from kuberl_trainer.progress import Progress
+    from kuberl_trainer.report.progress import Progress
     from kuberl_trainer.session import Session
 
     def job(name: str) -> Path:

@@ -763,7 +763,7 @@ def served_by_the_trainer(url: str, tmp_path: Path) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     from kuberl_trainer.engines.metrics import EngineMetrics
-    from kuberl_trainer.metrics_log import MetricsLog
+    from kuberl_trainer.report.metrics_log import MetricsLog
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

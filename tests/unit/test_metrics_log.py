@@ -8,7 +8,7 @@ import socket
 import urllib.request
 from pathlib import Path
 
-from kuberl_trainer.metrics_log import MetricsLog
+from kuberl_trainer.report.metrics_log import MetricsLog
 
 
 def free_port() -> int:
@@ -51,7 +51,7 @@ def test_engine_metric_names_keep_their_colons_for_an_openmetrics_scraper() -> N
 
     from prometheus_client import CollectorRegistry, Gauge
 
-    from kuberl_trainer.metrics_log import serve_text_format
+    from kuberl_trainer.report.metrics_log import serve_text_format
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kuberl_api.status import Progress
-from kuberl_trainer.reporter import ReportError, StatusReporter
+from kuberl_trainer.report.status import ReportError, StatusReporter
 
 
 def test_report_patches_only_progress() -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from kuberl_api import RLJob, runtime
 from kuberl_trainer import preflight
 from kuberl_trainer.options import options
-from kuberl_trainer.progress import Progress
+from kuberl_trainer.report.progress import Progress
 from kuberl_trainer.stopping import GracefulStop, PidFile, StopRequested
 
 if TYPE_CHECKING:

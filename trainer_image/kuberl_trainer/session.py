@@ -24,10 +24,10 @@ from kuberl_trainer.engines.router import Router
 from kuberl_trainer.loops import async_loop, sync_loop
 from kuberl_trainer.loops.parts import Parts
 from kuberl_trainer.memory_handoff import MemoryHandoff, Ranks
-from kuberl_trainer.metrics_log import MetricsLog
 from kuberl_trainer.placement import layout
 from kuberl_trainer.preflight import Checked
-from kuberl_trainer.progress import Progress
+from kuberl_trainer.report.metrics_log import MetricsLog
+from kuberl_trainer.report.progress import Progress
 from kuberl_trainer.rollout.manager import DataPosition, RolloutManager
 from kuberl_trainer.rollout.prompts import PromptSource
 from kuberl_trainer.startup import HeadStart
@@ -35,7 +35,7 @@ from kuberl_trainer.stopping import GracefulStop
 
 if TYPE_CHECKING:
     from kuberl_trainer.options import Options
-    from kuberl_trainer.reporter import StatusReporter
+    from kuberl_trainer.report.status import StatusReporter
 
 LOG = logging.getLogger("kuberl.run")
 ENGINE_START_TIMEOUT_S = 600.0
@@ -62,7 +62,7 @@ class Session:
         self.aio = asyncio.new_event_loop()  # one loop for the run: the HTTP session lives on it
         self.status: StatusReporter | None = None
         if opts.in_cluster:  # (the kubernetes client: imported only where it reports)
-            from kuberl_trainer.reporter import StatusReporter
+            from kuberl_trainer.report.status import StatusReporter
 
             self.status = StatusReporter.in_cluster()
 

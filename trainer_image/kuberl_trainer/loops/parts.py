@@ -13,7 +13,7 @@ from kuberl_trainer.backends.base import TrainBatch
 from kuberl_trainer.engines.actors import EngineGroup
 from kuberl_trainer.engines.fleet import Fleet
 from kuberl_trainer.memory_handoff import MemoryHandoff
-from kuberl_trainer.metrics_log import MetricsLog
+from kuberl_trainer.report.metrics_log import MetricsLog
 from kuberl_trainer.rollout.manager import DataPosition, Rollout, RolloutManager
 from kuberl_trainer.stopping import GracefulStop
 
