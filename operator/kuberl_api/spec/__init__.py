@@ -13,7 +13,21 @@ from pydantic import Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from kuberl_api.base import ApiModel, cel, cel_rules, check
-from kuberl_api.engine_flags import engine_arg_problem, engine_list_arg_problem
+from kuberl_api.engine_flags import (
+    ENGINE_ARG_NAMES,
+    ENGINE_ARG_PATTERN,
+    ENGINE_FLAG_REFUSAL,
+    ENGINE_FLAGS_REFUSED,
+    ENGINE_LIST_ARGS_TWICE,
+    KUBERL_ENGINE_FLAG_SOURCE,
+    KUBERL_ENGINE_FLAGS,
+    MAX_ENGINE_LIST_ITEMS,
+    REFERENCE_ENGINE_ARGS,
+    REFERENCE_ENGINE_FLAGS,
+    REFERENCE_ENGINE_LIST_ARGS,
+    engine_arg_problem,
+    engine_list_arg_problem,
+)
 
 # Kubernetes' own quantity grammar (resource.Quantity), so "500m", "64Gi" and "1e3" pass here
 # exactly when the API server would accept them.
@@ -655,52 +669,6 @@ class TrainingSpec(ApiModel):
         return self
 
 
-ENGINE_ARG_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
-# The engine server flags kuberl passes itself (engine_command.py: SGLang's
-# and the reference engine's), with SGLang's aliases of them, and where each value comes from.
-# An engineArgs entry for one would be a second, conflicting value of the flag.
-KUBERL_ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
-    "model.path": ("model-path", "model"),
-    "model.tokenizer": ("tokenizer-path",),
-    "the Ray node the engine runs on: host 0.0.0.0, a free port": ("host", "port"),
-    "rollout.gpusPerEngine": ("tp-size", "tensor-parallel-size", "tp"),
-    "the run's seed and the engine's index": ("random-seed", "seed"),
-    "the rollout GPUs (cuda with GPUs, cpu without)": ("device",),
-    "the CPU cores the engine shares": ("torch-threads",),
-    "the Ray node the engine runs on: a second free port": ("nccl-port",),
-    "rollout.memoryFraction": ("mem-fraction-static",),
-    "rollout.gpusPerEngine and gpusPerNode (an engine spans gpusPerEngine / gpusPerNode "
-    "nodes) and the Ray nodes its parts run on": (
-        "dist-init-addr", "nccl-init-addr", "nnodes", "node-rank"),
-}
-KUBERL_ENGINE_FLAG_SOURCE = {flag: source for source, flags in KUBERL_ENGINE_FLAGS.items()
-                             for flag in flags}
-# SGLang flags that would contradict what the spec decides or what the trainer relies on,
-# with the reason each is refused.
-ENGINE_FLAGS_REFUSED: dict[str, tuple[str, ...]] = {
-    "an engine's GPUs are rollout.gpusPerEngine tensor parallel ranks, each a member of the "
-    "weight-update group (data or pipeline parallel ranks would change the GPU count and "
-    "the group's layout)": ("data-parallel-size", "dp-size", "pipeline-parallel-size",
-                            "pp-size"),
-    "the engine's GPUs are the ones its Ray actor holds, from the first": (
-        "base-gpu-id", "gpu-id-step"),
-    "rewards read the text the engines detokenize": ("skip-tokenizer-init",),
-    "kuberl's engine client sends no API key (keep the engines on the job's network)": (
-        "api-key",),
-}
-ENGINE_FLAG_REFUSAL = {flag: reason for reason, flags in ENGINE_FLAGS_REFUSED.items()
-                       for flag in flags}
-# The reference engine's own flags (kuberl_rollout.reference's argparse) that kuberl leaves to
-# the user; it refuses any other flag at start.
-REFERENCE_ENGINE_FLAGS = ("dtype", "weight-version", "max-batch-size", "batch-wait-ms",
-                          "weight-sync-timeout", "enable-weights-cpu-backup", "enable-metrics")
-ENGINE_ARG_NAMES = ("engineArgs keys are flag names without the leading '--': lowercase "
-                    "letters, digits and '-' (e.g. chunked-prefill-size)")
-REFERENCE_ENGINE_ARGS = ("the reference engine takes only these engineArgs: "
-                         + ", ".join(REFERENCE_ENGINE_FLAGS))
-MAX_ENGINE_LIST_ITEMS = 256
-ENGINE_LIST_ARGS_TWICE = "a flag may be in engineArgs or in engineListArgs, not in both"
-REFERENCE_ENGINE_LIST_ARGS = "the reference engine has no list flags: engineListArgs must be empty"
 
 
 def _kuberl_flag_rule(source: str, flags: tuple[str, ...],
