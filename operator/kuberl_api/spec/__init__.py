@@ -28,108 +28,40 @@ from kuberl_api.engine_flags import (
     engine_arg_problem,
     engine_list_arg_problem,
 )
+from kuberl_api.spec.common import (
+    DEFAULT_GPUS_PER_NODE,
+    DEFAULT_ROLLOUT_IMAGE,
+    DEFAULT_TRAINER_IMAGE,
+    ENV_NAME_PATTERN,
+    IMPORT_PATH_PATTERN,
+    LABEL_KEY_PATTERN,
+    MAX_ENGINE_RESTARTS,
+    MAX_GLOBAL_BATCH,
+    MAX_GPUS_PER_ENGINE,
+    MAX_GPUS_PER_NODE,
+    MAX_ITEMS,
+    MAX_MICRO_BATCH,
+    MAX_MICRO_BATCH_TOKENS,
+    MAX_NODES,
+    MAX_PARALLEL,
+    MAX_ROLLOUT_BATCH,
+    MAX_ROLLOUT_GPUS,
+    MAX_SAMPLES_PER_PROMPT,
+    MAX_STR,
+    PVC_NAME_PATTERN,
+    QUANTITY_PATTERN,
+    RESERVED_PATHS,
+    _at_default,
+    _at_defaults,
+    _gpus_outside,
+    _is_default,
+    _mp_outside,
+    _outside,
+    _shown,
+)
 
-# Kubernetes' own quantity grammar (resource.Quantity), so "500m", "64Gi" and "1e3" pass here
-# exactly when the API server would accept them.
-QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
-LABEL_KEY_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-                     r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
-IMPORT_PATH_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
-PVC_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
-ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
-
-# Bounds keep CEL cost estimates finite (the API server refuses rules over unbounded lists).
-MAX_STR = 1024
-MAX_ITEMS = 64
-
-# Mount points kuberl itself uses in every pod (config, shared memory for NCCL).
-RESERVED_PATHS = ("/etc/kuberl", "/dev/shm")
-
-# Upper bounds of the integers that CEL rules multiply, divide or take a modulus of: far above
-# any real job, and low enough that no product in a rule can overflow CEL's int64 (the largest,
-# microBatchSize * dataParallel, is at most 65536 * (4096 * 16) = 2**32).
-MAX_NODES = 4096
-MAX_GPUS_PER_NODE = 16
-MAX_PARALLEL = 1024  # tp, pp, cp (and ep)
-MAX_MICRO_BATCH = 65536
-MAX_MICRO_BATCH_TOKENS = 16777216
-MAX_GLOBAL_BATCH = 16777216
-MAX_ROLLOUT_BATCH = 65536
-MAX_SAMPLES_PER_PROMPT = 1024
-MAX_ROLLOUT_GPUS = 65536
-MAX_GPUS_PER_ENGINE = 64
-MAX_ENGINE_RESTARTS = 1000
 DEFAULT_ENGINE_RESTARTS = 3  # engine deaths a disaggregated run survives by default
 
-# A CEL rule that multiplies, divides or takes a modulus first passes when one of its operands
-# lies outside its schema range: the API server still runs the CEL rules after such a schema
-# error (a minimum or a maximum; only a wrong type, a missing field, an enum or a length stops
-# them), and an unguarded rule would add "division by zero" or "integer overflow evaluating
-# rule", or a cross-field message worked out from the refused value, to the field's own minimum
-# or maximum error. The Python twins never see such values (pydantic runs a model validator
-# only once every field is valid).
-
-
-def _outside(path: str, low: int, high: int, *, optional: bool = False) -> str:
-    """CEL: the integer at `path` lies outside [low, high] (an unset optional one does not)."""
-    test = f"{path} < {low} || {path} > {high}"
-    return f"(has({path}) && ({test}))" if optional else test
-
-
-def _gpus_outside(training: str) -> str:
-    """CEL: nodes or gpusPerNode of the training section at `training` is out of range."""
-    return (f"{_outside(f'{training}.nodes', 1, MAX_NODES)} || "
-            f"{_outside(f'{training}.gpusPerNode', 0, MAX_GPUS_PER_NODE)}")
-
-
-def _mp_outside(training: str) -> str:
-    """CEL: tp, pp or cp of the training section at `training` is out of range."""
-    return " || ".join(_outside(f"{training}.parallelism.{p}", 1, MAX_PARALLEL)
-                       for p in ("tp", "pp", "cp"))
-
-
-def _at_defaults(path: str, model: type[ApiModel]) -> str:
-    """CEL: the section at `path` holds only `model`'s defaults. The API server fills in every
-    default before the rules run, so an untouched section reads as exactly these values."""
-    return "(" + " && ".join(_at_default(path, model, name)
-                             for name in model.model_fields) + ")"
-
-
-def _at_default(path: str, model: type[ApiModel], name: str) -> str:
-    """CEL: field `name` of `model`'s section at `path` holds its default."""
-    info = model.model_fields[name]
-    field = f"{path}.{info.alias or name}"
-    default = info.get_default(call_default_factory=True)
-    if default is None:
-        return f"!has({field})"
-    if isinstance(default, ApiModel):
-        return _at_defaults(field, type(default))
-    if isinstance(default, (dict, list)):
-        if default:
-            raise ValueError(f"{field}: only empty map or list defaults are supported")
-        return f"size({field}) == 0"
-    if isinstance(default, bool):
-        return f"{field} == {str(default).lower()}"
-    if isinstance(default, str):
-        return f"{field} == '{default}'"
-    return f"{field} == {default!r}"  # int or float: repr keeps a float a double (1.0, not 1)
-
-
-def _is_default(section: ApiModel, name: str) -> bool:
-    """Python's twin of `_at_default`."""
-    info = type(section).model_fields[name]
-    return bool(getattr(section, name) == info.get_default(call_default_factory=True))
-
-
-def _shown(value: object) -> object:
-    """A field's value for an error message: a section as the fields set away from defaults."""
-    return value.model_dump(by_alias=True, exclude_defaults=True) if isinstance(
-        value, ApiModel) else value
-
-
-DEFAULT_TRAINER_IMAGE = "ghcr.io/kuberl/trainer:0.1.0"
-DEFAULT_ROLLOUT_IMAGE = "ghcr.io/kuberl/rollout:0.1.0"
-DEFAULT_GPUS_PER_NODE = 8
 # The share of each GPU a colocated engine's static pool (weights, KV cache) takes unless
 # rollout.memoryFraction says otherwise. SGLang sizes its pool as if alone on the GPU (up to
 # ~0.9 of large cards); colocated, the training ranks keep their CUDA context, NCCL buffers and
@@ -667,8 +599,6 @@ class TrainingSpec(ApiModel):
                                                  and self.gpus_per_node > 0),
               "fusedKernels", self.fused_kernels, LIGER_FSDP_GPU)
         return self
-
-
 
 
 def _kuberl_flag_rule(source: str, flags: tuple[str, ...],
@@ -1486,3 +1416,105 @@ class RLJobSpec(ApiModel):
               f"the global batch ({gbs}) must split evenly into micro-batches across "
               f"data-parallel ranks: microBatchSize * dataParallel "
               f"({self.training.micro_batch_size} * {self.training.data_parallel}) must divide it")
+
+__all__ = [
+    "ASYNC_DISAGGREGATED",
+    "ASYNC_SETTINGS_ASYNC_ONLY",
+    "COLOCATED_FROM_TRAINING",
+    "COLOCATED_MEMORY_FRACTION",
+    "CP_NOT_SUPPORTED",
+    "CRITIC_PPO_ONLY",
+    "DEFAULT_ENGINE_RESTARTS",
+    "DEFAULT_GPUS_PER_NODE",
+    "DEFAULT_GRACE_SECONDS",
+    "DEFAULT_ROLLOUT_IMAGE",
+    "DEFAULT_TRAINER_IMAGE",
+    "DISCOUNTED_ESTIMATORS",
+    "DNS_LABEL_PATTERN",
+    "DUAL_CLIP_PPO_ONLY",
+    "ENGINES_ON_CPU_ONLY",
+    "ENGINE_ARG_NAMES",
+    "ENGINE_ARG_PATTERN",
+    "ENGINE_FLAGS_REFUSED",
+    "ENGINE_FLAG_REFUSAL",
+    "ENGINE_LIST_ARGS_TWICE",
+    "ENGINE_RESTARTS_DISAGGREGATED",
+    "ENGINE_TILES_NODES",
+    "ENV_NAME_PATTERN",
+    "EP_NOT_SUPPORTED",
+    "EVAL_NEEDS_BOTH",
+    "GAE_LAMBDA_APPLIES",
+    "GAMMA_APPLIES",
+    "HEALTH_PROBE_NEEDS_RESTARTS",
+    "IMPORT_PATH_PATTERN",
+    "KL_REWARD_NEEDS_COEF",
+    "KL_TYPE_NEEDS_COEF",
+    "KUBERL_ENGINE_FLAGS",
+    "KUBERL_ENGINE_FLAG_SOURCE",
+    "KUEUE_PRIORITY_LABEL",
+    "KUEUE_QUEUE_LABEL",
+    "LABEL_KEY_PATTERN",
+    "LIGER_FSDP_GPU",
+    "MAX_ENGINE_LIST_ITEMS",
+    "MAX_ENGINE_RESTARTS",
+    "MAX_GLOBAL_BATCH",
+    "MAX_GPUS_PER_ENGINE",
+    "MAX_GPUS_PER_NODE",
+    "MAX_ITEMS",
+    "MAX_MICRO_BATCH",
+    "MAX_MICRO_BATCH_TOKENS",
+    "MAX_NODES",
+    "MAX_PARALLEL",
+    "MAX_ROLLOUT_BATCH",
+    "MAX_ROLLOUT_GPUS",
+    "MAX_SAMPLES_PER_PROMPT",
+    "MAX_STR",
+    "MEMORY_SAVER_COLOCATED",
+    "MIN_LR_APPLIES",
+    "NETWORK_FIELDS",
+    "NETWORK_NEEDS_GPUS",
+    "OFFLOAD_COLOCATED_ONLY",
+    "OVERLONG_PENALTY_APPLIES",
+    "PVC_NAME_PATTERN",
+    "QUANTITY_PATTERN",
+    "REFERENCE_ENGINE_ARGS",
+    "REFERENCE_ENGINE_FLAGS",
+    "REFERENCE_ENGINE_LIST_ARGS",
+    "RESERVED_PATHS",
+    "ROLLOUT_WHOLE_NODES",
+    "SGLANG_NEEDS_GPUS",
+    "TOKEN_LEVEL_ESTIMATORS",
+    "TOLERATION_EQUAL_NEEDS_KEY",
+    "TOLERATION_EXISTS_HAS_NO_VALUE",
+    "TOLERATION_SECONDS_NO_EXECUTE",
+    "AdvantageEstimator",
+    "AlgorithmSpec",
+    "AsyncSpec",
+    "CheckpointSpec",
+    "CriticSpec",
+    "DataSpec",
+    "EvalSet",
+    "HealthProbe",
+    "ImportanceMaskSpec",
+    "KlPenalty",
+    "KlType",
+    "LossAggregation",
+    "ModelSpec",
+    "NetworkSpec",
+    "NodePool",
+    "OffloadSpec",
+    "Parallelism",
+    "Placement",
+    "PolicyLoss",
+    "RLJobSpec",
+    "RdmaSpec",
+    "Resources",
+    "RewardSpec",
+    "RolloutSpec",
+    "ScheduleSpec",
+    "SchedulingSpec",
+    "SftData",
+    "Storage",
+    "Toleration",
+    "TrainingSpec",
+]
