@@ -59,6 +59,18 @@ from kuberl_api.spec.common import (
     _outside,
     _shown,
 )
+from kuberl_api.spec.data import (
+    DataSpec,
+    EvalSet,
+    SftData,
+)
+from kuberl_api.spec.model import (
+    ModelSpec,
+    Storage,
+)
+from kuberl_api.spec.reward import (
+    RewardSpec,
+)
 
 DEFAULT_ENGINE_RESTARTS = 3  # engine deaths a disaggregated run survives by default
 
@@ -69,140 +81,6 @@ DEFAULT_ENGINE_RESTARTS = 3  # engine deaths a disaggregated run survives by def
 # colocated example scripts pass (--sglang-mem-fraction-static 0.7); with the optimizer and
 # weights offloaded it leaves a 7B model's ranks on 8x80 GB ~20 GB a GPU.
 COLOCATED_MEMORY_FRACTION = 0.7
-
-class Storage(ApiModel):
-    """A PersistentVolumeClaim mounted into every pod of the job at `mountPath`."""
-
-    model_config = {
-        "json_schema_extra": cel_rules(
-            cel("self.mountPath.startsWith('/')", "mountPath must be an absolute path",
-                ".mountPath"),
-            cel(f"!(self.mountPath in {list(RESERVED_PATHS)})",
-                f"mountPath may not be one of {', '.join(RESERVED_PATHS)} (used by kuberl)",
-                ".mountPath"),
-        )
-    }
-
-    pvc: str = Field(min_length=1, max_length=253, pattern=PVC_NAME_PATTERN,
-                     description="Name of a PersistentVolumeClaim in the RLJob's namespace.")
-    mount_path: str = Field(min_length=1, max_length=MAX_STR,
-                            description="Where the claim is mounted in the pods.")
-    sub_path: str | None = Field(None, max_length=MAX_STR,
-                                 description="Mount only this sub-directory of the claim.")
-    read_only: bool = Field(True, description="Mount read-only.")
-
-    @model_validator(mode="after")
-    def _absolute(self) -> Storage:
-        check(self.mount_path.startswith("/"), "mountPath", self.mount_path,
-              "mountPath must be an absolute path")
-        check(self.mount_path not in RESERVED_PATHS, "mountPath", self.mount_path,
-              f"mountPath may not be one of {', '.join(RESERVED_PATHS)} (used by kuberl)")
-        return self
-
-
-class ModelSpec(ApiModel):
-    """The policy's starting point: a Hugging Face checkpoint directory."""
-
-    model_config = {
-        "json_schema_extra": cel_rules(
-            cel("!has(self.storage) || self.path.startsWith(self.storage.mountPath)",
-                "path must lie under storage.mountPath when a PVC holds the model", ".path"),
-        )
-    }
-
-    path: str = Field(min_length=1, max_length=MAX_STR,
-                      description="HF checkpoint directory (config.json + safetensors).")
-    tokenizer: str | None = Field(None, max_length=MAX_STR,
-                                  description="Tokenizer directory; defaults to `path`.")
-    storage: Storage | None = Field(None, description="PVC that holds the model.")
-
-    @model_validator(mode="after")
-    def _under_mount(self) -> ModelSpec:
-        if self.storage is not None:
-            check(self.path.startswith(self.storage.mount_path), "path", self.path,
-                  f"path must lie under storage.mountPath ({self.storage.mount_path}) "
-                  "when a PVC holds the model")
-        return self
-
-
-class EvalSet(ApiModel):
-    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9_]*[a-z0-9])?$")
-    path: str = Field(min_length=1, max_length=MAX_STR, description="JSONL or Parquet file.")
-    n_samples_per_prompt: int = Field(1, ge=1, le=1024, description="Samples per problem: 1 "
-                                      "is greedy, more sample at algorithm.temperature; the "
-                                      "set's score is their mean reward.")
-
-
-class SftData(ApiModel):
-    """Demonstrations for the SFT (NLL) term (algorithm.sftCoef): prompt and target response,
-    under the data section's inputKey and labelKey."""
-
-    path: str = Field(min_length=1, max_length=MAX_STR,
-                      description="JSONL or Parquet file, as seen from the head pod.")
-    batch_size: int = Field(16, ge=1, le=MAX_ROLLOUT_BATCH,
-                            description="Demonstrations per step, split evenly over the step's "
-                            "optimizer steps and data-parallel ranks.")
-
-
-class DataSpec(ApiModel):
-    """Where prompts come from and how many are generated per step."""
-
-    model_config = {
-        "json_schema_extra": cel_rules(
-            cel("!has(self.storage) || self.prompts.startsWith(self.storage.mountPath)",
-                "prompts must lie under storage.mountPath when a PVC holds the data",
-                ".prompts"),
-        )
-    }
-
-    prompts: str = Field(min_length=1, max_length=MAX_STR,
-                         description="Prompt file (JSONL or Parquet) as seen from the head pod.")
-    input_key: str = Field("prompt", min_length=1, max_length=253)
-    label_key: str = Field("label", min_length=1, max_length=253)
-    rollout_batch_size: int = Field(32, ge=1, le=MAX_ROLLOUT_BATCH,
-                                    description="Prompts per step.")
-    n_samples_per_prompt: int = Field(8, ge=1, le=MAX_SAMPLES_PER_PROMPT,
-                                      description="Responses per prompt.")
-    max_prompt_len: int = Field(1024, ge=1, le=1048576, description="Tokens.")
-    max_response_len: int = Field(1024, ge=1, le=1048576, description="Tokens.")
-    storage: Storage | None = Field(None, description="PVC that holds the data.")
-    eval_sets: list[EvalSet] = Field(default_factory=list, max_length=16,
-                                     description="Held-out sets, evaluated every "
-                                     "schedule.evalInterval steps (both or neither).")
-    sft: SftData | None = Field(None, description="Demonstrations for algorithm.sftCoef's "
-                                "NLL term, trained on beside every RL step.")
-
-    @model_validator(mode="after")
-    def _under_mount(self) -> DataSpec:
-        if self.storage is not None:
-            check(self.prompts.startswith(self.storage.mount_path), "prompts", self.prompts,
-                  f"prompts must lie under storage.mountPath ({self.storage.mount_path}) "
-                  "when a PVC holds the data")
-        return self
-
-
-class RewardSpec(ApiModel):
-    model_config = {
-        "json_schema_extra": cel_rules(
-            cel("self.type == 'custom' ? has(self.function) : !has(self.function)",
-                "function is required when type is custom, and allowed only then",
-                ".function"),
-        )
-    }
-
-    type: Literal["math", "exact", "f1", "custom"] = "math"
-    function: str | None = Field(None, max_length=MAX_STR, pattern=IMPORT_PATH_PATTERN,
-                                 description="`module:function` for type custom.")
-
-    @model_validator(mode="after")
-    def _function_iff_custom(self) -> RewardSpec:
-        if self.type == "custom":
-            check(self.function is not None, "function", self.function,
-                  "function (`module:function`) is required when type is custom")
-        else:
-            check(self.function is None, "function", self.function,
-                  f"function is only allowed when type is custom, not {self.type}")
-        return self
 
 
 AdvantageEstimator = Literal[
