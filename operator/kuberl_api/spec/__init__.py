@@ -7,7 +7,7 @@ span sections live on `RLJobSpec`. Every rule has a CEL twin (see `base.py`).
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -25,8 +25,6 @@ from kuberl_api.engine_flags import (
     REFERENCE_ENGINE_ARGS,
     REFERENCE_ENGINE_FLAGS,
     REFERENCE_ENGINE_LIST_ARGS,
-    engine_arg_problem,
-    engine_list_arg_problem,
 )
 from kuberl_api.spec.algorithm import (
     DISCOUNTED_ESTIMATORS,
@@ -97,6 +95,14 @@ from kuberl_api.spec.pods import (
 from kuberl_api.spec.reward import (
     RewardSpec,
 )
+from kuberl_api.spec.rollout import (
+    _ROLLOUT_GPUS_OUTSIDE,
+    COLOCATED_MEMORY_FRACTION,
+    DEFAULT_ENGINE_RESTARTS,
+    MEMORY_SAVER_COLOCATED,
+    HealthProbe,
+    RolloutSpec,
+)
 from kuberl_api.spec.training import (
     CP_NOT_SUPPORTED,
     EP_NOT_SUPPORTED,
@@ -106,220 +112,6 @@ from kuberl_api.spec.training import (
     Parallelism,
     TrainingSpec,
 )
-
-DEFAULT_ENGINE_RESTARTS = 3  # engine deaths a disaggregated run survives by default
-
-# The share of each GPU a colocated engine's static pool (weights, KV cache) takes unless
-# rollout.memoryFraction says otherwise. SGLang sizes its pool as if alone on the GPU (up to
-# ~0.9 of large cards); colocated, the training ranks keep their CUDA context, NCCL buffers and
-# whatever they do not offload beside it while the engines generate. 0.7 is what slime's
-# colocated example scripts pass (--sglang-mem-fraction-static 0.7); with the optimizer and
-# weights offloaded it leaves a 7B model's ranks on 8x80 GB ~20 GB a GPU.
-COLOCATED_MEMORY_FRACTION = 0.7
-
-
-class HealthProbe(ApiModel):
-    """How the training loop watches each engine while it generates and takes weights: GET
-    /health every periodSeconds; an engine that has not answered failureThreshold probes in a
-    row within timeoutSeconds each is lost (its requests go to the other engines) and is
-    replaced like a dead one (rollout.maxEngineRestarts). Not while weights are being sent
-    (SGLang's /health generates a token, which waits for the update), and not without a
-    restart budget (colocated engines)."""
-
-    period_seconds: int = Field(5, ge=1, le=300)
-    timeout_seconds: int = Field(10, ge=1, le=600)
-    failure_threshold: int = Field(3, ge=1, le=100)
-
-
-MEMORY_SAVER_COLOCATED = ("colocated SGLang engines need enable-memory-saver to release their "
-                          "GPU memory to the trainers between phases: leave it on")
-
-
-def _kuberl_flag_rule(source: str, flags: tuple[str, ...],
-                      field: str = "engineArgs") -> dict[str, str]:
-    listed = " or ".join(flags)
-    return cel(f"!self.exists(k, k in {list(flags)})",
-               f"{field} may not set {listed} (kuberl sets it from {source})")
-
-
-def _refused_flag_rule(reason: str, flags: tuple[str, ...],
-                       field: str = "engineArgs") -> dict[str, str]:
-    listed = " or ".join(flags)
-    return cel(f"!self.exists(k, k in {list(flags)})", f"{field} may not set {listed}: {reason}")
-
-
-def _check_engine_flag(field: str, key: str) -> None:
-    check(re.fullmatch(ENGINE_ARG_PATTERN, key) is not None, field, key,
-          ENGINE_ARG_NAMES.replace("engineArgs", field))
-    source = KUBERL_ENGINE_FLAG_SOURCE.get(key)
-    check(source is None, field, key, f"{field} may not set {key} (kuberl sets it from {source})")
-    reason = ENGINE_FLAG_REFUSAL.get(key)
-    check(reason is None, field, key, f"{field} may not set {key}: {reason}")
-
-
-_ROLLOUT_GPUS_OUTSIDE = _outside("self.gpus", 0, MAX_ROLLOUT_GPUS)
-# engineArgs keys the reference engine takes, or that a rule of their own reports.
-_REFERENCE_OR_NAMED_FLAGS = [*REFERENCE_ENGINE_FLAGS, *KUBERL_ENGINE_FLAG_SOURCE,
-                             *ENGINE_FLAG_REFUSAL]
-
-
-class RolloutSpec(ApiModel):
-    model_config = {
-        "json_schema_extra": cel_rules(
-            cel(f"!has(self.gpus) || {_ROLLOUT_GPUS_OUTSIDE} || "
-                f"{_outside('self.gpusPerEngine', 1, MAX_GPUS_PER_ENGINE)} || "
-                "self.gpus % self.gpusPerEngine == 0",
-                "gpus must be a multiple of gpusPerEngine", ".gpus"),
-            # Keys that are malformed or kuberl's own are reported by the field's rules.
-            cel("self.engine != 'reference' || self.engineArgs.all(k, "
-                f"k in {_REFERENCE_OR_NAMED_FLAGS} || "
-                f"!k.matches('{ENGINE_ARG_PATTERN}'))",
-                REFERENCE_ENGINE_ARGS, ".engineArgs"),
-            cel("!self.engineListArgs.exists(k, k in self.engineArgs)", ENGINE_LIST_ARGS_TWICE,
-                ".engineListArgs"),
-            cel("self.engine != 'reference' || size(self.engineListArgs) == 0",
-                REFERENCE_ENGINE_LIST_ARGS, ".engineListArgs"),
-        )
-    }
-
-    engine: Literal["sglang", "reference"] = Field(
-        "sglang", description="sglang in clusters (needs rollout GPUs); reference is the "
-        "project's HF engine (CPU or GPU).")
-    image: str = Field(DEFAULT_ROLLOUT_IMAGE, min_length=1, max_length=MAX_STR,
-                       description="Image of the rollout pods (placement: disaggregated only).")
-    gpus: int | None = Field(
-        None, ge=0, le=MAX_ROLLOUT_GPUS,
-        description="Total rollout GPUs. Colocated: defaults to (and must equal) the training "
-        "GPUs. Disaggregated: required. 0: engines on CPU.")
-    gpus_per_engine: int = Field(
-        1, ge=1, le=MAX_GPUS_PER_ENGINE,
-        description="Tensor parallel size of an engine. Disaggregated: divides gpusPerNode "
-        "(engines share a node), or a multiple of it for an engine wider than a node (it "
-        "spans gpusPerEngine / gpusPerNode rollout pods, SGLang's --nnodes). Colocated: "
-        "divides training.gpusPerNode. On CPU (gpus: 0) the reference engine runs this many "
-        "processes.")
-    gpus_per_node: int = Field(DEFAULT_GPUS_PER_NODE, ge=1, le=MAX_GPUS_PER_NODE,
-                               description="GPUs per rollout pod (placement: disaggregated "
-                               "only). On CPU (gpus: 0): the most engine processes a rollout "
-                               "pod holds, so an engine of more processes spans pods.")
-    engines: int | None = Field(
-        None, ge=1, le=4096, description="Engine count when rollout runs on CPU (no rollout "
-        "GPUs) only; default 1. With GPUs the count is rollout GPUs / gpusPerEngine.")
-    max_engine_restarts: int | None = Field(
-        None, ge=0, le=MAX_ENGINE_RESTARTS,
-        description="How many times in a run an engine that dies is replaced (placement: "
-        "disaggregated): its requests are retried on the other engines, and the replacement "
-        "starts in the dead one's place and gets the current weights before the next step. "
-        "One more death fails the run with the engine's last log lines. Default "
-        + str(DEFAULT_ENGINE_RESTARTS) + " (disaggregated), 0 (colocated: engines share the "
-        "training GPUs and are not replaced).")
-    health_probe: HealthProbe = Field(default_factory=HealthProbe)
-    router: Literal["none", "sglang"] = Field(
-        "none", description="How generate requests reach the engines. none: the trainer's "
-        "own client balances whole GRPO groups over the engines (one batched request per "
-        "engine). sglang: through SGLang's router (sglang-router), started beside the "
-        "training loop, one request per sample with a GRPO group kept on one engine (its "
-        "prefix cache); weight updates still go to every engine directly, and an engine "
-        "replaced or found silent is taken out of the router first.")
-    node_pool: NodePool = Field(default_factory=NodePool)
-    resources: Resources = Field(default_factory=Resources,
-                                 description="CPU and memory per rollout pod (placement: "
-                                 "disaggregated only).")
-    memory_fraction: float | None = Field(
-        None, gt=0, lt=1,
-        description="The share of each engine GPU the engine's static pool takes: its weights "
-        "and KV cache (SGLang's --mem-fraction-static), between 0 and 1 exclusive. Colocated "
-        "engines on GPUs default to " + str(COLOCATED_MEMORY_FRACTION) + " (they release the "
-        "pool while the trainers train; the training ranks keep their CUDA context and what "
-        "they do not offload beside it while the engines generate). Otherwise unset: SGLang "
-        "sizes the pool itself, the reference engine reserves none.")
-    engine_args: dict[str, str] = Field(
-        default_factory=dict, max_length=64,
-        description="Extra engine server flags without the leading '--', e.g. "
-        "{chunked-prefill-size: '4096'}; a switch (SGLang's store_true flags) is 'true' (or '') "
-        "for on and 'false' for off (e.g. enable-memory-saver: 'true'); not the flags kuberl "
-        "sets itself (model-path, tokenizer-path, host, port, nccl-port, tp-size, "
-        "random-seed/seed, device, torch-threads, dist-init-addr, nnodes, node-rank, "
-        "mem-fraction-static: see memoryFraction) nor "
-        "dp-size, pp-size, base-gpu-id, gpu-id-step, skip-tokenizer-init, api-key. SGLang "
-        "engines: names, switches, value types and choices are checked against SGLang "
-        "0.5.6's own flags when the job is validated. "
-        "Colocated SGLang engines on GPUs get enable-memory-saver (the memory handoff needs "
-        "it: 'false' is refused there). The reference engine takes only "
-        + ", ".join(REFERENCE_ENGINE_FLAGS) + ".",
-        json_schema_extra=cel_rules(
-            cel(f"self.all(k, k.matches('{ENGINE_ARG_PATTERN}'))", ENGINE_ARG_NAMES),
-            *(_kuberl_flag_rule(source, flags)
-              for source, flags in KUBERL_ENGINE_FLAGS.items()),
-            *(_refused_flag_rule(reason, flags)
-              for reason, flags in ENGINE_FLAGS_REFUSED.items())))
-    engine_list_args: dict[str, Annotated[
-        list[Annotated[str, Field(max_length=MAX_STR)]],
-        Field(min_length=1, max_length=MAX_ENGINE_LIST_ITEMS)]] = Field(
-        default_factory=dict, max_length=16,
-        description="Engine server flags that take several values (SGLang's nargs flags, e.g. "
-        "{cuda-graph-bs: ['1', '2', '4']}): passed as one flag followed by its values "
-        "(--cuda-graph-bs 1 2 4). Same names and limits as engineArgs; a flag is in one of "
-        "the two maps; each list holds 1 to " + str(MAX_ENGINE_LIST_ITEMS) + " values (a "
-        "switch goes in engineArgs). SGLang engines only.",
-        json_schema_extra=cel_rules(
-            cel(f"self.all(k, k.matches('{ENGINE_ARG_PATTERN}'))",
-                ENGINE_ARG_NAMES.replace("engineArgs", "engineListArgs")),
-            *(_kuberl_flag_rule(source, flags, "engineListArgs")
-              for source, flags in KUBERL_ENGINE_FLAGS.items()),
-            *(_refused_flag_rule(reason, flags, "engineListArgs")
-              for reason, flags in ENGINE_FLAGS_REFUSED.items())))
-
-    @field_validator("engine_args")
-    @classmethod
-    def _engine_arg_names(cls, args: dict[str, str]) -> dict[str, str]:
-        for key in args:
-            _check_engine_flag("engineArgs", key)
-        return args
-
-    @field_validator("engine_list_args")
-    @classmethod
-    def _engine_list_arg_names(cls, args: dict[str, list[str]]) -> dict[str, list[str]]:
-        for key in args:
-            _check_engine_flag("engineListArgs", key)
-        return args
-
-    @model_validator(mode="after")
-    def _engine_flags_once(self) -> RolloutSpec:
-        both = sorted(set(self.engine_args) & set(self.engine_list_args))
-        check(not both, "engineListArgs", both, ENGINE_LIST_ARGS_TWICE)
-        return self
-
-    @model_validator(mode="after")
-    def _engine_layout(self) -> RolloutSpec:
-        if self.gpus:
-            check(self.gpus % self.gpus_per_engine == 0, "gpus", self.gpus,
-                  f"rollout gpus must be a multiple of gpusPerEngine ({self.gpus_per_engine})")
-        return self
-
-    @model_validator(mode="after")
-    def _sglang_engine_flags(self) -> RolloutSpec:
-        """Values SGLang's own parser would refuse at start (engine_flags' table of the
-        pinned release)."""
-        if self.engine == "sglang":
-            for key, value in sorted(self.engine_args.items()):
-                problem = engine_arg_problem(key, value)
-                check(problem is None, "engineArgs", {key: value}, str(problem))
-            for key, values in sorted(self.engine_list_args.items()):
-                problem = engine_list_arg_problem(key, values)
-                check(problem is None, "engineListArgs", {key: values}, str(problem))
-        return self
-
-    @model_validator(mode="after")
-    def _reference_engine_flags(self) -> RolloutSpec:
-        if self.engine == "reference":
-            check(not self.engine_list_args, "engineListArgs", sorted(self.engine_list_args),
-                  REFERENCE_ENGINE_LIST_ARGS)
-            for key in self.engine_args:
-                check(key in REFERENCE_ENGINE_FLAGS, "engineArgs", key,
-                      f"the reference engine has no flag --{key} (allowed: "
-                      f"{', '.join(REFERENCE_ENGINE_FLAGS)})")
-        return self
 
 
 class ScheduleSpec(ApiModel):
