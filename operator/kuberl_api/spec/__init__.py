@@ -6,10 +6,9 @@ span sections live on `RLJobSpec`. Every rule has a CEL twin (see `base.py`).
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from kuberl_api.base import ApiModel, cel, cel_rules, check
@@ -75,6 +74,9 @@ from kuberl_api.spec.common import (
     _outside,
     _shown,
 )
+from kuberl_api.spec.critic import (
+    CriticSpec,
+)
 from kuberl_api.spec.data import (
     DataSpec,
     EvalSet,
@@ -83,6 +85,10 @@ from kuberl_api.spec.data import (
 from kuberl_api.spec.model import (
     ModelSpec,
     Storage,
+)
+from kuberl_api.spec.network import (
+    NetworkSpec,
+    RdmaSpec,
 )
 from kuberl_api.spec.pods import (
     TOLERATION_EQUAL_NEEDS_KEY,
@@ -103,6 +109,18 @@ from kuberl_api.spec.rollout import (
     HealthProbe,
     RolloutSpec,
 )
+from kuberl_api.spec.schedule import (
+    CheckpointSpec,
+    ScheduleSpec,
+)
+from kuberl_api.spec.scheduling import (
+    DEFAULT_GRACE_SECONDS,
+    DNS_LABEL_PATTERN,
+    KUEUE_PRIORITY_LABEL,
+    KUEUE_QUEUE_LABEL,
+    AsyncSpec,
+    SchedulingSpec,
+)
 from kuberl_api.spec.training import (
     CP_NOT_SUPPORTED,
     EP_NOT_SUPPORTED,
@@ -112,81 +130,6 @@ from kuberl_api.spec.training import (
     Parallelism,
     TrainingSpec,
 )
-
-
-class ScheduleSpec(ApiModel):
-    num_rollouts: int = Field(100, ge=1, le=10_000_000, description="Training steps.")
-    eval_interval: int | None = Field(None, ge=1, description="Evaluate data.evalSets every "
-                                      "N steps (both or neither).")
-    save_interval: int | None = Field(None, ge=1, description="Checkpoint every N steps.")
-
-
-class CheckpointSpec(ApiModel):
-    """Where checkpoints go. Without a PVC they live on the head's disk and a restart starts
-    over, so set one whenever backoffLimit > 0 matters to you."""
-
-    model_config = {
-        "json_schema_extra": cel_rules(
-            cel("self.path.startsWith('/')", "checkpoint path must be absolute", ".path"),
-            cel(f"!(self.path in {list(RESERVED_PATHS)})",
-                f"checkpoint path may not be one of {', '.join(RESERVED_PATHS)}", ".path"),
-        )
-    }
-
-    pvc: str | None = Field(None, min_length=1, max_length=253, pattern=PVC_NAME_PATTERN)
-    path: str = Field("/checkpoints", min_length=1, max_length=MAX_STR)
-    keep: int = Field(2, ge=1, le=1000, description="How many recent checkpoints to keep.")
-
-    @model_validator(mode="after")
-    def _absolute(self) -> CheckpointSpec:
-        check(self.path.startswith("/"), "path", self.path, "checkpoint path must be absolute")
-        check(self.path not in RESERVED_PATHS, "path", self.path,
-              f"checkpoint path may not be one of {', '.join(RESERVED_PATHS)}")
-        return self
-
-
-class RdmaSpec(ApiModel):
-    resource: str = Field(min_length=1, max_length=253, pattern=LABEL_KEY_PATTERN,
-                          description="Device-plugin resource, e.g. rdma/rdma_shared_device_a.")
-    count: int = Field(1, ge=1, le=64)
-
-
-class NetworkSpec(ApiModel):
-    nccl_socket_ifname: str | None = Field(
-        None, max_length=253, description="NCCL_SOCKET_IFNAME, e.g. eth0 or ^lo,docker.")
-    host_network: bool = Field(False, description="Run GPU pods on the host network.")
-    rdma: RdmaSpec | None = None
-    weight_sync_port: int = Field(29600, ge=1024, le=65535,
-                                  description="Port of the trainer-to-engines NCCL group.")
-    env: dict[str, str] = Field(
-        default_factory=dict, max_length=64,
-        description="Extra NCCL_* (or other) variables for GPU pods.",
-        # Kubernetes refuses a pod whose env names are not C identifiers; without this the
-        # job would sit in Provisioning while KubeRay fails to create its GPU pods.
-        json_schema_extra=cel_rules(cel(
-            f"self.all(k, k.matches('{ENV_NAME_PATTERN}'))",
-            "network.env names must be C identifiers: letters, digits and '_', not starting "
-            "with a digit (e.g. NCCL_DEBUG)")))
-
-    def variables(self) -> dict[str, str]:
-        """The environment of GPU processes: `env`, then the typed fields, which win over a
-        same-named free-form entry (the typed field is the documented way; silently
-        preferring `env` would make `ncclSocketIfname` a no-op). The operator renders them
-        into the GPU pods; `kuberl run` gives them to its local Ray's workers."""
-        values = dict(self.env)
-        if self.nccl_socket_ifname:
-            values["NCCL_SOCKET_IFNAME"] = self.nccl_socket_ifname
-        return values
-
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
-        for name in env:
-            check(re.fullmatch(ENV_NAME_PATTERN, name) is not None, "env", name,
-                  "network.env names must be C identifiers: letters, digits and '_', not "
-                  "starting with a digit (e.g. NCCL_DEBUG)")
-        return env
-
 
 Placement = Literal["colocate", "disaggregated"]
 
@@ -206,60 +149,6 @@ _BATCH_OUTSIDE = (
     f"{_outside('self.training.globalBatchSize', 1, MAX_GLOBAL_BATCH, optional=True)}")
 
 
-def _dedicated_only(field: str) -> str:
-    return (f"critic.{field} applies to placement: dedicated only (shared critics run on the "
-            "training pods)")
-
-
-class CriticSpec(ApiModel):
-    """The value model PPO trains alongside the policy (advantageEstimator: ppo only)."""
-
-    model_config = {
-        "json_schema_extra": cel_rules(*(
-            cel(f"self.placement == 'dedicated' || {test}", _dedicated_only(field), f".{field}")
-            for field, test in (
-                ("nodes", "self.nodes == 1"),
-                ("gpusPerNode", f"self.gpusPerNode == {DEFAULT_GPUS_PER_NODE}"),
-                ("nodePool", _at_defaults("self.nodePool", NodePool)),
-                ("resources", _at_defaults("self.resources", Resources)),
-                ("image", f"self.image == '{DEFAULT_TRAINER_IMAGE}'"),
-            )))
-    }
-
-    model_path: str | None = Field(
-        None, min_length=1, max_length=MAX_STR, description="Weights to start the value model "
-        "from (an HF causal LM directory; a fresh scalar value head is added); default: "
-        "model.path.")
-    lr: float = Field(1e-5, gt=0, le=1, description="The value model's learning rate.")
-    # 0 rather than unset turns it off: the API server fills in the 0.2 default for an unset
-    # field, and the ConfigMap the trainer reads drops None values.
-    value_clip: float = Field(
-        0.2, ge=0, le=1000, description="PPO value clipping: a value moves at most this far "
-        "from its rollout-time estimate per update; 0: off.")
-    placement: Literal["shared", "dedicated"] = Field(
-        "shared", description="shared: one critic worker beside each training worker, on the "
-        "training pods (sharing their GPUs); dedicated: pods of their own (nodes, "
-        "gpusPerNode, nodePool, resources, image).")
-    image: str = Field(DEFAULT_TRAINER_IMAGE, min_length=1, max_length=MAX_STR,
-                       description="Image of the dedicated critic pods.")
-    nodes: int = Field(1, ge=1, le=MAX_NODES, description="Dedicated critic pods.")
-    gpus_per_node: int = Field(DEFAULT_GPUS_PER_NODE, ge=0, le=MAX_GPUS_PER_NODE,
-                               description="GPUs per dedicated critic pod; 0: CPU.")
-    node_pool: NodePool = Field(default_factory=NodePool,
-                                description="Where the dedicated critic pods run.")
-    resources: Resources = Field(default_factory=Resources,
-                                 description="CPU and memory per dedicated critic pod.")
-
-    @model_validator(mode="after")
-    def _shared_has_no_pods(self) -> CriticSpec:
-        if self.placement == "shared":
-            for name in ("nodes", "gpus_per_node", "node_pool", "resources", "image"):
-                field = to_camel(name)
-                check(_is_default(self, name), field, _shown(getattr(self, name)),
-                      _dedicated_only(field))
-        return self
-
-
 # Whether rollout runs on CPU (no rollout GPUs) or on GPUs, as CEL over the spec. A
 # disaggregated job without rollout.gpus is neither: the rule that requires it reports that.
 _ROLLOUT_ON_CPU = ("(has(self.rollout.gpus) ? self.rollout.gpus == 0 : "
@@ -270,52 +159,6 @@ _ROLLOUT_ON_GPU = ("(has(self.rollout.gpus) ? self.rollout.gpus > 0 : "
 _HAS_GPU_PODS = (f"(self.training.gpusPerNode > 0 || !{_ROLLOUT_ON_CPU} || "
                  "(self.algorithm.advantageEstimator == 'ppo' && self.critic.placement == "
                  "'dedicated' && self.critic.gpusPerNode > 0))")
-
-class AsyncSpec(ApiModel):
-    """mode: async (trainer_image/kuberl_trainer/async_loop.py): the engines generate
-    continuously, at most maxStaleness policy versions ahead of the trainers."""
-
-    max_staleness: int = Field(
-        1, ge=1, le=1024, description="How many policy versions the oldest token of a training "
-        "sample may lag the policy that trains on it: a rollout starts only once the engines' "
-        "weights are recent enough. 1: one-step-off (the next step's rollout is generated "
-        "while this one trains).")
-    partial_rollout: bool = Field(
-        False, description="A weight update pauses generation only for the transfer and the "
-        "requests in flight finish under the new weights; false: the update waits for the "
-        "rollout in flight.")
-
-
-# Kueue's labels on a job (sigs.k8s.io/kueue): the LocalQueue it waits in, and the
-# WorkloadPriorityClass it is ordered by. kuberl sets the first from scheduling.queueName.
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
-DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-# How long a stopping head has by default to save a checkpoint (see SchedulingSpec): a few
-# minutes covers finishing a step and writing a mid-size model's state; Kubernetes' own 30 s
-# default would kill most trainers mid-write.
-DEFAULT_GRACE_SECONDS = 300
-
-
-class SchedulingSpec(ApiModel):
-    """How the job waits for and holds its GPUs on a shared cluster (docs/scheduling.md)."""
-
-    queue_name: str | None = Field(
-        None, min_length=1, max_length=63, pattern=DNS_LABEL_PATTERN,
-        description="Kueue LocalQueue in the RLJob's namespace. The RayJob is created suspended "
-        f"with Kueue's {KUEUE_QUEUE_LABEL} label; Kueue admits it as one gang when its "
-        "ClusterQueue has quota for every pod, and may preempt it for a job of higher "
-        "priority (the job then resumes from its checkpoint, without counting against "
-        "backoffLimit). Unset: no queue, the RayJob starts at once.")
-    priority_class_name: str | None = Field(
-        None, min_length=1, max_length=253, pattern=PVC_NAME_PATTERN,
-        description="PriorityClass of every pod of the job: Kueue orders and preempts "
-        "workloads by its value, and kube-scheduler by the pods'.")
-    termination_grace_period_seconds: int = Field(
-        DEFAULT_GRACE_SECONDS, ge=30, le=86400,
-        description="How long a head that is told to stop (preemption, suspend, a node "
-        "drain) has to save a checkpoint before it is killed: the trainer saves at the end of "
-        "the step in flight, or at once when the step has not begun training.")
 
 
 ENGINE_RESTARTS_DISAGGREGATED = ("rollout.maxEngineRestarts above 0 needs placement: "
