@@ -3,9 +3,9 @@ demonstrations."""
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from kuberl_api.base import ApiModel, cel, cel_rules, check
+from kuberl_api.base import ApiModel, Rule, rules_schema
 from kuberl_api.spec.common import MAX_ROLLOUT_BATCH, MAX_SAMPLES_PER_PROMPT, MAX_STR
 from kuberl_api.spec.model import Storage
 
@@ -32,13 +32,13 @@ class SftData(ApiModel):
 class DataSpec(ApiModel):
     """Where prompts come from and how many are generated per step."""
 
-    model_config = {
-        "json_schema_extra": cel_rules(
-            cel("!has(self.storage) || self.prompts.startsWith(self.storage.mountPath)",
-                "prompts must lie under storage.mountPath when a PVC holds the data",
-                ".prompts"),
-        )
-    }
+    RULES = (
+        Rule("!has(self.storage) || self.prompts.startsWith(self.storage.mountPath)",
+             lambda d: d.storage is None or d.prompts.startswith(d.storage.mount_path),
+             "prompts must lie under storage.mountPath when a PVC holds the data", "prompts",
+             detail=lambda d: f" (storage.mountPath = {d.storage.mount_path})"),
+    )
+    model_config = {"json_schema_extra": rules_schema(RULES)}
 
     prompts: str = Field(min_length=1, max_length=MAX_STR,
                          description="Prompt file (JSONL or Parquet) as seen from the head pod.")
@@ -56,11 +56,3 @@ class DataSpec(ApiModel):
                                      "schedule.evalInterval steps (both or neither).")
     sft: SftData | None = Field(None, description="Demonstrations for algorithm.sftCoef's "
                                 "NLL term, trained on beside every RL step.")
-
-    @model_validator(mode="after")
-    def _under_mount(self) -> DataSpec:
-        if self.storage is not None:
-            check(self.prompts.startswith(self.storage.mount_path), "prompts", self.prompts,
-                  f"prompts must lie under storage.mountPath ({self.storage.mount_path}) "
-                  "when a PVC holds the data")
-        return self

@@ -3,9 +3,9 @@ where checkpoints go."""
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from kuberl_api.base import ApiModel, cel, cel_rules, check
+from kuberl_api.base import ApiModel, Rule, rules_schema
 from kuberl_api.spec.common import MAX_STR, PVC_NAME_PATTERN, RESERVED_PATHS
 
 
@@ -20,21 +20,14 @@ class CheckpointSpec(ApiModel):
     """Where checkpoints go. Without a PVC they live on the head's disk and a restart starts
     over, so set one whenever backoffLimit > 0 matters to you."""
 
-    model_config = {
-        "json_schema_extra": cel_rules(
-            cel("self.path.startsWith('/')", "checkpoint path must be absolute", ".path"),
-            cel(f"!(self.path in {list(RESERVED_PATHS)})",
-                f"checkpoint path may not be one of {', '.join(RESERVED_PATHS)}", ".path"),
-        )
-    }
+    RULES = (
+        Rule("self.path.startsWith('/')", lambda c: c.path.startswith("/"),
+             "checkpoint path must be absolute", "path"),
+        Rule(f"!(self.path in {list(RESERVED_PATHS)})", lambda c: c.path not in RESERVED_PATHS,
+             f"checkpoint path may not be one of {', '.join(RESERVED_PATHS)}", "path"),
+    )
+    model_config = {"json_schema_extra": rules_schema(RULES)}
 
     pvc: str | None = Field(None, min_length=1, max_length=253, pattern=PVC_NAME_PATTERN)
     path: str = Field("/checkpoints", min_length=1, max_length=MAX_STR)
     keep: int = Field(2, ge=1, le=1000, description="How many recent checkpoints to keep.")
-
-    @model_validator(mode="after")
-    def _absolute(self) -> CheckpointSpec:
-        check(self.path.startswith("/"), "path", self.path, "checkpoint path must be absolute")
-        check(self.path not in RESERVED_PATHS, "path", self.path,
-              f"checkpoint path may not be one of {', '.join(RESERVED_PATHS)}")
-        return self
