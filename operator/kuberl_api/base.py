@@ -58,9 +58,10 @@ class Rule:
     the field the error names (CEL's fieldPath, without its leading '.'); a field's rule leaves
     it unset and names the field it sits on.
 
-    CEL's message is fixed text; Python's error adds what it cannot: `detail`, a suffix of the
-    message with the values the rule compared, and the offending value ("(got ...)"), by
-    default the value at `field` (a section as the fields set away from its defaults).
+    CEL's message is fixed text; Python's error adds what it cannot: `detail`, the values the
+    rule compared ("name = value", after the message and a colon), and the offending value
+    ("(got ...)"), by default the value at `field` (a section as the fields set away from its
+    defaults).
     `holds` sees only values within their fields' bounds (pydantic checks a model's rules once
     every field is valid), so unlike the CEL it needs no range guards (see common._outside).
     """
@@ -85,7 +86,7 @@ class Rule:
             value = self.value(node)
         else:
             value = shown(_at(node, self.field) if self.field else node)
-        problem = self.message + (self.detail(node) if self.detail else "")
+        problem = f"{self.message}: {self.detail(node)}" if self.detail else self.message
         raise FieldError(".".join(p for p in (at, self.field) if p), value, problem)
 
 

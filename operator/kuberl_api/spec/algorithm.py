@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from kuberl_api.base import ApiModel, cel, cel_rules, check
+from kuberl_api.base import ApiModel, Rule, rules_schema
 from kuberl_api.spec.common import MAX_STR
 
 AdvantageEstimator = Literal[
@@ -56,33 +56,44 @@ class ImportanceMaskSpec(ApiModel):
 class AlgorithmSpec(ApiModel):
     """The RL algorithm; docs/algorithms.md has each option's formula and paper."""
 
-    model_config = {
-        "json_schema_extra": cel_rules(
-            cel("!has(self.epsClipHigh) || self.epsClipHigh >= self.epsClip",
-                "epsClipHigh must be at least epsClip", ".epsClipHigh"),
-            cel("self.klPenalty != 'reward' || self.advantageEstimator in "
-                f"{list(TOKEN_LEVEL_ESTIMATORS)}",
-                "klPenalty: reward needs a token-level advantageEstimator ("
-                + " or ".join(TOKEN_LEVEL_ESTIMATORS) + ")", ".klPenalty"),
-            cel("(self.advantageEstimator == 'on_policy_distillation') == has(self.teacherPath)",
-                "teacherPath is required by advantageEstimator on_policy_distillation, and "
-                "only used by it", ".teacherPath"),
-            cel("self.klPenalty != 'reward' || self.klCoef > 0.0", KL_REWARD_NEEDS_COEF,
-                ".klPenalty"),
-            cel("self.klCoef > 0.0 || self.klLossType == 'low_var_kl'", KL_TYPE_NEEDS_COEF,
-                ".klLossType"),
-            cel("!has(self.epsClipC) || self.policyLoss == 'ppo'", DUAL_CLIP_PPO_ONLY,
-                ".epsClipC"),
-            cel(f"self.gamma == 1.0 || self.advantageEstimator in {list(DISCOUNTED_ESTIMATORS)}",
-                GAMMA_APPLIES, ".gamma"),
-            cel("self.gaeLambda == 0.95 || self.advantageEstimator == 'ppo'", GAE_LAMBDA_APPLIES,
-                ".gaeLambda"),
-            cel("self.overlongPenalty == 1.0 || has(self.overlongBuffer)",
-                OVERLONG_PENALTY_APPLIES, ".overlongPenalty"),
-            cel("self.minLrRatio == 0.0 || self.lrDecayStyle != 'constant'", MIN_LR_APPLIES,
-                ".minLrRatio"),
-        )
-    }
+    RULES = (
+        Rule("!has(self.epsClipHigh) || self.epsClipHigh >= self.epsClip",
+             lambda a: a.eps_clip_high is None or a.eps_clip_high >= a.eps_clip,
+             "epsClipHigh must be at least epsClip", "epsClipHigh",
+             detail=lambda a: f"epsClip = {a.eps_clip}"),
+        Rule("self.klPenalty != 'reward' || self.advantageEstimator in "
+             f"{list(TOKEN_LEVEL_ESTIMATORS)}",
+             lambda a: a.kl_penalty != "reward" or a.advantage_estimator in TOKEN_LEVEL_ESTIMATORS,
+             "klPenalty: reward needs a token-level advantageEstimator ("
+             + " or ".join(TOKEN_LEVEL_ESTIMATORS) + ")", "klPenalty"),
+        Rule("(self.advantageEstimator == 'on_policy_distillation') == has(self.teacherPath)",
+             lambda a: ((a.advantage_estimator == "on_policy_distillation")
+                        == (a.teacher_path is not None)),
+             "teacherPath is required by advantageEstimator on_policy_distillation, and "
+             "only used by it", "teacherPath"),
+        Rule("self.klPenalty != 'reward' || self.klCoef > 0.0",
+             lambda a: a.kl_penalty != "reward" or a.kl_coef > 0, KL_REWARD_NEEDS_COEF,
+             "klPenalty"),
+        Rule("self.klCoef > 0.0 || self.klLossType == 'low_var_kl'",
+             lambda a: a.kl_coef > 0 or a.kl_loss_type == "low_var_kl", KL_TYPE_NEEDS_COEF,
+             "klLossType"),
+        Rule("!has(self.epsClipC) || self.policyLoss == 'ppo'",
+             lambda a: a.eps_clip_c is None or a.policy_loss == "ppo", DUAL_CLIP_PPO_ONLY,
+             "epsClipC"),
+        Rule(f"self.gamma == 1.0 || self.advantageEstimator in {list(DISCOUNTED_ESTIMATORS)}",
+             lambda a: a.gamma == 1.0 or a.advantage_estimator in DISCOUNTED_ESTIMATORS,
+             GAMMA_APPLIES, "gamma"),
+        Rule("self.gaeLambda == 0.95 || self.advantageEstimator == 'ppo'",
+             lambda a: a.gae_lambda == 0.95 or a.advantage_estimator == "ppo",
+             GAE_LAMBDA_APPLIES, "gaeLambda"),
+        Rule("self.overlongPenalty == 1.0 || has(self.overlongBuffer)",
+             lambda a: a.overlong_penalty == 1.0 or a.overlong_buffer is not None,
+             OVERLONG_PENALTY_APPLIES, "overlongPenalty"),
+        Rule("self.minLrRatio == 0.0 || self.lrDecayStyle != 'constant'",
+             lambda a: a.min_lr_ratio == 0.0 or a.lr_decay_style != "constant",
+             MIN_LR_APPLIES, "minLrRatio"),
+    )
+    model_config = {"json_schema_extra": rules_schema(RULES)}
 
     advantage_estimator: AdvantageEstimator = Field(
         "grpo", description="grpo, dr_grpo (no std division), rloo (leave-one-out baseline), "
@@ -156,39 +167,3 @@ class AlgorithmSpec(ApiModel):
                                     "penalty at data.maxResponseLen (with overlongBuffer "
                                     "only).")
 
-    @model_validator(mode="after")
-    def _clip_order(self) -> AlgorithmSpec:
-        if self.eps_clip_high is not None:
-            check(self.eps_clip_high >= self.eps_clip, "epsClipHigh", self.eps_clip_high,
-                  f"epsClipHigh must be at least epsClip ({self.eps_clip})")
-        distill = self.advantage_estimator == "on_policy_distillation"
-        check(distill == (self.teacher_path is not None), "teacherPath", self.teacher_path,
-              "teacherPath is required by advantageEstimator on_policy_distillation, and only "
-              "used by it")
-        check(self.kl_penalty != "reward" or self.advantage_estimator in TOKEN_LEVEL_ESTIMATORS,
-              "klPenalty", self.kl_penalty,
-              "klPenalty: reward needs a token-level advantageEstimator ("
-              + " or ".join(TOKEN_LEVEL_ESTIMATORS) + ")")
-        return self
-
-    @model_validator(mode="after")
-    def _kl_settings_need_kl(self) -> AlgorithmSpec:
-        check(self.kl_penalty != "reward" or self.kl_coef > 0, "klPenalty", self.kl_penalty,
-              KL_REWARD_NEEDS_COEF)
-        check(self.kl_coef > 0 or self.kl_loss_type == "low_var_kl", "klLossType",
-              self.kl_loss_type, KL_TYPE_NEEDS_COEF)
-        return self
-
-    @model_validator(mode="after")
-    def _settings_of_other_options(self) -> AlgorithmSpec:
-        check(self.eps_clip_c is None or self.policy_loss == "ppo", "epsClipC", self.eps_clip_c,
-              DUAL_CLIP_PPO_ONLY)
-        check(self.gamma == 1.0 or self.advantage_estimator in DISCOUNTED_ESTIMATORS, "gamma",
-              self.gamma, GAMMA_APPLIES)
-        check(self.gae_lambda == 0.95 or self.advantage_estimator == "ppo", "gaeLambda",
-              self.gae_lambda, GAE_LAMBDA_APPLIES)
-        check(self.overlong_penalty == 1.0 or self.overlong_buffer is not None,
-              "overlongPenalty", self.overlong_penalty, OVERLONG_PENALTY_APPLIES)
-        check(self.min_lr_ratio == 0.0 or self.lr_decay_style != "constant", "minLrRatio",
-              self.min_lr_ratio, MIN_LR_APPLIES)
-        return self

@@ -36,7 +36,7 @@ class DataSpec(ApiModel):
         Rule("!has(self.storage) || self.prompts.startsWith(self.storage.mountPath)",
              lambda d: d.storage is None or d.prompts.startswith(d.storage.mount_path),
              "prompts must lie under storage.mountPath when a PVC holds the data", "prompts",
-             detail=lambda d: f" (storage.mountPath = {d.storage.mount_path})"),
+             detail=lambda d: f"storage.mountPath = {d.storage.mount_path}"),
     )
     model_config = {"json_schema_extra": rules_schema(RULES)}
 

@@ -37,7 +37,7 @@ class ModelSpec(ApiModel):
         Rule("!has(self.storage) || self.path.startsWith(self.storage.mountPath)",
              lambda m: m.storage is None or m.path.startswith(m.storage.mount_path),
              "path must lie under storage.mountPath when a PVC holds the model", "path",
-             detail=lambda m: f" (storage.mountPath = {m.storage.mount_path})"),
+             detail=lambda m: f"storage.mountPath = {m.storage.mount_path}"),
     )
     model_config = {"json_schema_extra": rules_schema(RULES)}
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from kuberl_api.base import ApiModel, cel, cel_rules, check
+from kuberl_api.base import ApiModel, Rule, rules_schema
 from kuberl_api.spec.common import MAX_ITEMS, QUANTITY_PATTERN
 
 # Kubernetes refuses such tolerations when KubeRay creates the pods, which would leave the job
@@ -23,16 +23,17 @@ TOLERATION_SECONDS_NO_EXECUTE = "tolerationSeconds applies only to effect NoExec
 class Toleration(ApiModel):
     """A Kubernetes pod toleration, as in a pod spec."""
 
-    model_config = {
-        "json_schema_extra": cel_rules(
-            cel("self.operator != 'Exists' || !has(self.value) || self.value == ''",
-                TOLERATION_EXISTS_HAS_NO_VALUE, ".value"),
-            cel("self.operator != 'Equal' || (has(self.key) && self.key != '')",
-                TOLERATION_EQUAL_NEEDS_KEY, ".key"),
-            cel("!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
-                TOLERATION_SECONDS_NO_EXECUTE, ".tolerationSeconds"),
-        )
-    }
+    RULES = (
+        Rule("self.operator != 'Exists' || !has(self.value) || self.value == ''",
+             lambda t: t.operator != "Exists" or not t.value, TOLERATION_EXISTS_HAS_NO_VALUE,
+             "value"),
+        Rule("self.operator != 'Equal' || (has(self.key) && self.key != '')",
+             lambda t: t.operator != "Equal" or bool(t.key), TOLERATION_EQUAL_NEEDS_KEY, "key"),
+        Rule("!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+             lambda t: t.toleration_seconds is None or t.effect == "NoExecute",
+             TOLERATION_SECONDS_NO_EXECUTE, "tolerationSeconds"),
+    )
+    model_config = {"json_schema_extra": rules_schema(RULES)}
 
     key: str | None = Field(None, max_length=316)
     operator: Literal["Exists", "Equal"] = "Equal"
@@ -41,16 +42,6 @@ class Toleration(ApiModel):
     toleration_seconds: int | None = Field(
         None, ge=0, description="effect NoExecute only: how long the pod stays bound to a "
         "node after the taint appears.")
-
-    @model_validator(mode="after")
-    def _valid_for_kubernetes(self) -> Toleration:
-        check(self.operator != "Exists" or not self.value, "value", self.value,
-              TOLERATION_EXISTS_HAS_NO_VALUE)
-        check(self.operator != "Equal" or bool(self.key), "key", self.key,
-              TOLERATION_EQUAL_NEEDS_KEY)
-        check(self.toleration_seconds is None or self.effect == "NoExecute",
-              "tolerationSeconds", self.toleration_seconds, TOLERATION_SECONDS_NO_EXECUTE)
-        return self
 
 
 class NodePool(ApiModel):

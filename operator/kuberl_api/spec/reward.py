@@ -15,7 +15,7 @@ class RewardSpec(ApiModel):
         Rule("self.type == 'custom' ? has(self.function) : !has(self.function)",
              lambda r: (r.type == "custom") == (r.function is not None),
              "function is required when type is custom, and allowed only then", "function",
-             detail=lambda r: f" (type = {r.type})"),
+             detail=lambda r: f"type = {r.type}"),
     )
     model_config = {"json_schema_extra": rules_schema(RULES)}
 

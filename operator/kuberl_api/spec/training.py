@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from kuberl_api.base import ApiModel, cel, cel_rules, check
+from kuberl_api.base import ApiModel, Rule, rules_schema
 from kuberl_api.spec.common import (
     DEFAULT_GPUS_PER_NODE,
     DEFAULT_TRAINER_IMAGE,
@@ -32,16 +32,15 @@ EP_NOT_SUPPORTED = ("expert parallelism (ep > 1) is not supported yet: the megat
 class Parallelism(ApiModel):
     """Model parallel sizes; data parallelism is what is left of the training GPUs."""
 
-    model_config = {
-        "json_schema_extra": cel_rules(
-            # The megatron backend builds a context-parallel grid but never splits sequences
-            # over it; with no MoE model, there are no experts to spread.
-            cel(f"{_outside('self.cp', 1, MAX_PARALLEL)} || self.cp == 1", CP_NOT_SUPPORTED,
-                ".cp"),
-            cel(f"{_outside('self.ep', 1, MAX_PARALLEL)} || self.ep == 1", EP_NOT_SUPPORTED,
-                ".ep"),
-        )
-    }
+    RULES = (
+        # The megatron backend builds a context-parallel grid but never splits sequences over
+        # it; with no MoE model, there are no experts to spread.
+        Rule(f"{_outside('self.cp', 1, MAX_PARALLEL)} || self.cp == 1", lambda p: p.cp == 1,
+             CP_NOT_SUPPORTED, "cp"),
+        Rule(f"{_outside('self.ep', 1, MAX_PARALLEL)} || self.ep == 1", lambda p: p.ep == 1,
+             EP_NOT_SUPPORTED, "ep"),
+    )
+    model_config = {"json_schema_extra": rules_schema(RULES)}
 
     tp: int = Field(1, ge=1, le=MAX_PARALLEL, description="Tensor parallel size.")
     pp: int = Field(1, ge=1, le=MAX_PARALLEL, description="Pipeline parallel size.")
@@ -49,12 +48,6 @@ class Parallelism(ApiModel):
                     description="Context parallel size; only 1 (not supported yet).")
     ep: int = Field(1, ge=1, le=MAX_PARALLEL,
                     description="Expert parallel size; only 1 (not supported yet).")
-
-    @model_validator(mode="after")
-    def _supported(self) -> Parallelism:
-        check(self.cp == 1, "cp", self.cp, CP_NOT_SUPPORTED)
-        check(self.ep == 1, "ep", self.ep, EP_NOT_SUPPORTED)
-        return self
 
 
 class OffloadSpec(ApiModel):
@@ -78,27 +71,42 @@ LIGER_FSDP_GPU = ("fusedKernels liger applies to backend fsdp on GPUs (Liger Ker
                   "1, or fusedKernels none")
 
 
+def _model_parallel(training: TrainingSpec) -> int:
+    p = training.parallelism
+    return p.tp * p.pp * p.cp
+
+
 class TrainingSpec(ApiModel):
-    model_config = {
-        "json_schema_extra": cel_rules(
-            cel(f"{_gpus_outside('self')} || {_mp_outside('self')} || "
-                "(self.gpusPerNode == 0 ? self.nodes : self.nodes * self.gpusPerNode)"
-                " % (self.parallelism.tp * self.parallelism.pp * self.parallelism.cp) == 0",
-                "parallelism.tp * pp * cp must divide the training GPU count"
-                " (nodes * gpusPerNode)", ".parallelism"),
-            cel("self.backend == 'megatron' || (self.parallelism.tp == 1 && "
-                "self.parallelism.pp == 1)",
-                "backend fsdp supports only data parallelism: tp and pp must be 1",
-                ".parallelism"),
-            cel("self.backend != 'megatron' || self.gpusPerNode > 0",
-                "backend megatron trains on GPUs: gpusPerNode must be at least 1 (use backend "
-                "fsdp to train on CPU)", ".gpusPerNode"),
-            cel("self.parallelism.tp <= (self.gpusPerNode == 0 ? 1 : self.gpusPerNode)",
-                "parallelism.tp must fit on one node (at most gpusPerNode)", ".parallelism.tp"),
-            cel("self.fusedKernels != 'liger' || (self.backend == 'fsdp' && "
-                "self.gpusPerNode > 0)", LIGER_FSDP_GPU, ".fusedKernels"),
-        )
-    }
+    RULES = (
+        Rule(f"{_gpus_outside('self')} || {_mp_outside('self')} || "
+             "(self.gpusPerNode == 0 ? self.nodes : self.nodes * self.gpusPerNode)"
+             " % (self.parallelism.tp * self.parallelism.pp * self.parallelism.cp) == 0",
+             lambda t: t.world_size % _model_parallel(t) == 0,
+             "parallelism.tp * pp * cp must divide the training GPU count"
+             " (nodes * gpusPerNode)", "parallelism",
+             detail=lambda t: f"tp * pp * cp = {_model_parallel(t)}, nodes * gpusPerNode = "
+             f"{t.world_size}"),
+        Rule("self.backend == 'megatron' || (self.parallelism.tp == 1 && "
+             "self.parallelism.pp == 1)",
+             lambda t: t.backend == "megatron" or (t.parallelism.tp == 1
+                                                   and t.parallelism.pp == 1),
+             "backend fsdp supports only data parallelism: tp and pp must be 1",
+             "parallelism"),
+        Rule("self.backend != 'megatron' || self.gpusPerNode > 0",
+             lambda t: t.backend != "megatron" or t.gpus_per_node > 0,
+             "backend megatron trains on GPUs: gpusPerNode must be at least 1 (use backend "
+             "fsdp to train on CPU)", "gpusPerNode"),
+        Rule("self.parallelism.tp <= (self.gpusPerNode == 0 ? 1 : self.gpusPerNode)",
+             lambda t: t.parallelism.tp <= max(t.gpus_per_node, 1),
+             "parallelism.tp must fit on one node (at most gpusPerNode)", "parallelism.tp",
+             detail=lambda t: f"gpusPerNode = {t.gpus_per_node}"),
+        Rule("self.fusedKernels != 'liger' || (self.backend == 'fsdp' && "
+             "self.gpusPerNode > 0)",
+             lambda t: t.fused_kernels != "liger" or (t.backend == "fsdp"
+                                                     and t.gpus_per_node > 0),
+             LIGER_FSDP_GPU, "fusedKernels"),
+    )
+    model_config = {"json_schema_extra": rules_schema(RULES)}
 
     backend: Literal["megatron", "fsdp"] = "megatron"
     image: str = Field(DEFAULT_TRAINER_IMAGE, min_length=1, max_length=MAX_STR)
@@ -141,25 +149,3 @@ class TrainingSpec(ApiModel):
     def data_parallel(self) -> int:
         p = self.parallelism
         return self.world_size // (p.tp * p.pp * p.cp)
-
-    @model_validator(mode="after")
-    def _parallel_layout(self) -> TrainingSpec:
-        p = self.parallelism
-        model_parallel = p.tp * p.pp * p.cp
-        check(self.world_size % model_parallel == 0, "parallelism", p.model_dump(),
-              f"tp * pp * cp = {model_parallel} must divide the training GPU count "
-              f"nodes * gpusPerNode = {self.world_size}")
-        if self.backend == "fsdp":  # (cp and ep are 1 for every backend: Parallelism)
-            check(p.tp == 1 and p.pp == 1, "parallelism", p.model_dump(),
-                  "backend fsdp supports only data parallelism: tp and pp must be 1 "
-                  "(use backend megatron for model parallelism)")
-        check(self.backend != "megatron" or self.gpus_per_node > 0, "gpusPerNode",
-              self.gpus_per_node, "backend megatron trains on GPUs: gpusPerNode must be at "
-              "least 1 (use backend fsdp to train on CPU)")
-        check(p.tp <= max(self.gpus_per_node, 1), "parallelism.tp", p.tp,
-              f"tensor parallelism must fit on one node: tp must be at most gpusPerNode "
-              f"({self.gpus_per_node})")
-        check(self.fused_kernels != "liger" or (self.backend == "fsdp"
-                                                 and self.gpus_per_node > 0),
-              "fusedKernels", self.fused_kernels, LIGER_FSDP_GPU)
-        return self
