@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import re
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from kuberl_api.base import ApiModel, cel, cel_rules, check
+from kuberl_api.base import ApiModel, key_rule, rules_schema
 from kuberl_api.spec.common import ENV_NAME_PATTERN, LABEL_KEY_PATTERN
 
 
@@ -17,7 +17,19 @@ class RdmaSpec(ApiModel):
     count: int = Field(1, ge=1, le=64)
 
 
+# Kubernetes refuses a pod whose env names are not C identifiers; without this rule the job
+# would sit in Provisioning while KubeRay fails to create its GPU pods.
+ENV_RULES = (
+    key_rule(f"self.all(k, k.matches('{ENV_NAME_PATTERN}'))",
+             lambda name: re.fullmatch(ENV_NAME_PATTERN, name) is not None,
+             "network.env names must be C identifiers: letters, digits and '_', not starting "
+             "with a digit (e.g. NCCL_DEBUG)"),
+)
+
+
 class NetworkSpec(ApiModel):
+    FIELD_RULES = {"env": ENV_RULES}
+
     nccl_socket_ifname: str | None = Field(
         None, max_length=253, description="NCCL_SOCKET_IFNAME, e.g. eth0 or ^lo,docker.")
     host_network: bool = Field(False, description="Run GPU pods on the host network.")
@@ -27,12 +39,7 @@ class NetworkSpec(ApiModel):
     env: dict[str, str] = Field(
         default_factory=dict, max_length=64,
         description="Extra NCCL_* (or other) variables for GPU pods.",
-        # Kubernetes refuses a pod whose env names are not C identifiers; without this the
-        # job would sit in Provisioning while KubeRay fails to create its GPU pods.
-        json_schema_extra=cel_rules(cel(
-            f"self.all(k, k.matches('{ENV_NAME_PATTERN}'))",
-            "network.env names must be C identifiers: letters, digits and '_', not starting "
-            "with a digit (e.g. NCCL_DEBUG)")))
+        json_schema_extra=rules_schema(ENV_RULES))
 
     def variables(self) -> dict[str, str]:
         """The environment of GPU processes: `env`, then the typed fields, which win over a
@@ -43,12 +50,3 @@ class NetworkSpec(ApiModel):
         if self.nccl_socket_ifname:
             values["NCCL_SOCKET_IFNAME"] = self.nccl_socket_ifname
         return values
-
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
-        for name in env:
-            check(re.fullmatch(ENV_NAME_PATTERN, name) is not None, "env", name,
-                  "network.env names must be C identifiers: letters, digits and '_', not "
-                  "starting with a digit (e.g. NCCL_DEBUG)")
-        return env
