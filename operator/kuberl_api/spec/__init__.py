@@ -1,9 +1,10 @@
 """The RLJob spec: what a user writes. One model for the CRD schema, the operator and the trainer.
 
 Each section is its own small model, in a module of its own; rules that involve one section live
-on it, rules that span sections live on `RLJobSpec` (job.py). Every rule has a CEL twin (see
-`base.py`). This module re-exports the public names of every section module (and the
-engine-flag tables of engine_flags.py), so `from kuberl_api.spec import X` keeps working.
+on it, rules that span sections on `RLJobSpec` (job.py, its rules in job_rules.py). Each rule is
+a `base.Rule`: its CEL (for the CRD) and its Python twin written once, side by side. This module
+re-exports the public names of the section modules (and the engine-flag tables of
+engine_flags.py), so `from kuberl_api.spec import X` works as it did when spec was one module.
 """
 
 from kuberl_api.engine_flags import (
@@ -69,7 +70,8 @@ from kuberl_api.spec.data import (
     EvalSet,
     SftData,
 )
-from kuberl_api.spec.job import (
+from kuberl_api.spec.job import Placement, RLJobSpec
+from kuberl_api.spec.job_rules import (
     ASYNC_DISAGGREGATED,
     ASYNC_SETTINGS_ASYNC_ONLY,
     COLOCATED_FROM_TRAINING,
@@ -83,8 +85,6 @@ from kuberl_api.spec.job import (
     NETWORK_NEEDS_GPUS,
     ROLLOUT_WHOLE_NODES,
     SGLANG_NEEDS_GPUS,
-    Placement,
-    RLJobSpec,
 )
 from kuberl_api.spec.model import (
     ModelSpec,

@@ -98,12 +98,6 @@ def _is_default(section: ApiModel, name: str) -> bool:
     return bool(getattr(section, name) == info.get_default(call_default_factory=True))
 
 
-def _shown(value: object) -> object:
-    """A field's value for an error message: a section as the fields set away from defaults."""
-    return value.model_dump(by_alias=True, exclude_defaults=True) if isinstance(
-        value, ApiModel) else value
-
-
 DEFAULT_TRAINER_IMAGE = "ghcr.io/kuberl/trainer:0.1.0"
 DEFAULT_ROLLOUT_IMAGE = "ghcr.io/kuberl/rollout:0.1.0"
 DEFAULT_GPUS_PER_NODE = 8

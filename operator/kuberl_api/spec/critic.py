@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 from pydantic.alias_generators import to_camel
 
-from kuberl_api.base import ApiModel, cel, cel_rules, check
+from kuberl_api.base import ApiModel, Rule, rules_schema
 from kuberl_api.spec.common import (
     DEFAULT_GPUS_PER_NODE,
     DEFAULT_TRAINER_IMAGE,
@@ -17,7 +17,6 @@ from kuberl_api.spec.common import (
     MAX_STR,
     _at_defaults,
     _is_default,
-    _shown,
 )
 from kuberl_api.spec.pods import NodePool, Resources
 
@@ -27,20 +26,26 @@ def _dedicated_only(field: str) -> str:
             "training pods)")
 
 
+def _dedicated_only_rule(name: str, at_default: str) -> Rule:
+    """Field `name` of the critic keeps its default unless placement is dedicated; `at_default`
+    is CEL's test of that."""
+    field = to_camel(name)
+    return Rule(f"self.placement == 'dedicated' || {at_default}",
+                lambda c: c.placement == "dedicated" or _is_default(c, name),
+                _dedicated_only(field), field)
+
+
 class CriticSpec(ApiModel):
     """The value model PPO trains alongside the policy (advantageEstimator: ppo only)."""
 
-    model_config = {
-        "json_schema_extra": cel_rules(*(
-            cel(f"self.placement == 'dedicated' || {test}", _dedicated_only(field), f".{field}")
-            for field, test in (
-                ("nodes", "self.nodes == 1"),
-                ("gpusPerNode", f"self.gpusPerNode == {DEFAULT_GPUS_PER_NODE}"),
-                ("nodePool", _at_defaults("self.nodePool", NodePool)),
-                ("resources", _at_defaults("self.resources", Resources)),
-                ("image", f"self.image == '{DEFAULT_TRAINER_IMAGE}'"),
-            )))
-    }
+    RULES = tuple(_dedicated_only_rule(name, at_default) for name, at_default in (
+        ("nodes", "self.nodes == 1"),
+        ("gpus_per_node", f"self.gpusPerNode == {DEFAULT_GPUS_PER_NODE}"),
+        ("node_pool", _at_defaults("self.nodePool", NodePool)),
+        ("resources", _at_defaults("self.resources", Resources)),
+        ("image", f"self.image == '{DEFAULT_TRAINER_IMAGE}'"),
+    ))
+    model_config = {"json_schema_extra": rules_schema(RULES)}
 
     model_path: str | None = Field(
         None, min_length=1, max_length=MAX_STR, description="Weights to start the value model "
@@ -65,12 +70,3 @@ class CriticSpec(ApiModel):
                                 description="Where the dedicated critic pods run.")
     resources: Resources = Field(default_factory=Resources,
                                  description="CPU and memory per dedicated critic pod.")
-
-    @model_validator(mode="after")
-    def _shared_has_no_pods(self) -> CriticSpec:
-        if self.placement == "shared":
-            for name in ("nodes", "gpus_per_node", "node_pool", "resources", "image"):
-                field = to_camel(name)
-                check(_is_default(self, name), field, _shown(getattr(self, name)),
-                      _dedicated_only(field))
-        return self
