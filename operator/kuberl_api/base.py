@@ -62,6 +62,7 @@ class Rule:
     rule compared ("name = value", after the message and a colon), and the offending value
     ("(got ...)"), by default the value at `field` (a section as the fields set away from its
     defaults).
+
     `holds` sees only values within their fields' bounds (pydantic checks a model's rules once
     every field is valid), so unlike the CEL it needs no range guards (see common._outside).
     """
@@ -148,5 +149,7 @@ class ApiModel(BaseModel):
 
 
 def check(condition: bool, field: str, value: object, problem: str) -> None:
+    """A Python-only check's FieldError (a check with no CEL form; rules raise theirs in
+    Rule.check)."""
     if not condition:
         raise FieldError(field, value, problem)
