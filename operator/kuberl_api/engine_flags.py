@@ -1,5 +1,7 @@
-"""SGLang's server flags, as the pinned release's parser defines them, and the checks of
-rollout.engineArgs / engineListArgs against them.
+"""The engine server flags rollout.engineArgs / engineListArgs may and may not set: the flags
+kuberl sets itself and those it refuses (the tables the RLJob's rules are made from), the
+reference engine's own, and SGLang's, as the pinned release's parser defines them, with the
+checks of engineArgs / engineListArgs against them.
 
 The table (sglang_flags.json beside this file) is made from SGLang's own
 `ServerArgs.add_cli_args` by tests/sglang_contract/flag_table.py; the contract tier fails when
@@ -22,6 +24,54 @@ from pathlib import Path
 TABLE_PATH = Path(__file__).with_name("sglang_flags.json")
 SWITCH_VALUES = ("", "true", "false")  # kuberl_trainer.engines.command's reading of them
 _ARTICLE = {"int": "an integer", "float": "a number", "json": "JSON", "str": "a string"}
+
+# engineArgs / engineListArgs keys: flag names without the leading '--'.
+ENGINE_ARG_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
+# The engine server flags kuberl passes itself (engine_command.py: SGLang's
+# and the reference engine's), with SGLang's aliases of them, and where each value comes from.
+# An engineArgs entry for one would be a second, conflicting value of the flag.
+KUBERL_ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
+    "model.path": ("model-path", "model"),
+    "model.tokenizer": ("tokenizer-path",),
+    "the Ray node the engine runs on: host 0.0.0.0, a free port": ("host", "port"),
+    "rollout.gpusPerEngine": ("tp-size", "tensor-parallel-size", "tp"),
+    "the run's seed and the engine's index": ("random-seed", "seed"),
+    "the rollout GPUs (cuda with GPUs, cpu without)": ("device",),
+    "the CPU cores the engine shares": ("torch-threads",),
+    "the Ray node the engine runs on: a second free port": ("nccl-port",),
+    "rollout.memoryFraction": ("mem-fraction-static",),
+    "rollout.gpusPerEngine and gpusPerNode (an engine spans gpusPerEngine / gpusPerNode "
+    "nodes) and the Ray nodes its parts run on": (
+        "dist-init-addr", "nccl-init-addr", "nnodes", "node-rank"),
+}
+KUBERL_ENGINE_FLAG_SOURCE = {flag: source for source, flags in KUBERL_ENGINE_FLAGS.items()
+                             for flag in flags}
+# SGLang flags that would contradict what the spec decides or what the trainer relies on,
+# with the reason each is refused.
+ENGINE_FLAGS_REFUSED: dict[str, tuple[str, ...]] = {
+    "an engine's GPUs are rollout.gpusPerEngine tensor parallel ranks, each a member of the "
+    "weight-update group (data or pipeline parallel ranks would change the GPU count and "
+    "the group's layout)": ("data-parallel-size", "dp-size", "pipeline-parallel-size",
+                            "pp-size"),
+    "the engine's GPUs are the ones its Ray actor holds, from the first": (
+        "base-gpu-id", "gpu-id-step"),
+    "rewards read the text the engines detokenize": ("skip-tokenizer-init",),
+    "kuberl's engine client sends no API key (keep the engines on the job's network)": (
+        "api-key",),
+}
+ENGINE_FLAG_REFUSAL = {flag: reason for reason, flags in ENGINE_FLAGS_REFUSED.items()
+                       for flag in flags}
+# The reference engine's own flags (kuberl_rollout.reference's argparse) that kuberl leaves to
+# the user; it refuses any other flag at start.
+REFERENCE_ENGINE_FLAGS = ("dtype", "weight-version", "max-batch-size", "batch-wait-ms",
+                          "weight-sync-timeout", "enable-weights-cpu-backup", "enable-metrics")
+ENGINE_ARG_NAMES = ("engineArgs keys are flag names without the leading '--': lowercase "
+                    "letters, digits and '-' (e.g. chunked-prefill-size)")
+REFERENCE_ENGINE_ARGS = ("the reference engine takes only these engineArgs: "
+                         + ", ".join(REFERENCE_ENGINE_FLAGS))
+MAX_ENGINE_LIST_ITEMS = 256
+ENGINE_LIST_ARGS_TWICE = "a flag may be in engineArgs or in engineListArgs, not in both"
+REFERENCE_ENGINE_LIST_ARGS = "the reference engine has no list flags: engineListArgs must be empty"
 
 
 @dataclass(frozen=True)

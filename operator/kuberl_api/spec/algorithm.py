@@ -1,0 +1,169 @@
+"""The algorithm section: the advantage estimator, the policy loss and its clipping, KL,
+importance correction, the LR schedule and DAPO's shaping; and the rules between them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from kuberl_api.base import ApiModel, Rule, rules_schema
+from kuberl_api.spec.common import MAX_STR
+
+AdvantageEstimator = Literal[
+    "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo",
+    "on_policy_distillation",
+]
+# Estimators whose advantages are per token (returns over the response), which is what a KL
+# penalty folded into the rewards needs.
+TOKEN_LEVEL_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+KlType = Literal["k1", "k2", "k3", "low_var_kl"]
+PolicyLoss = Literal["ppo", "gspo"]
+LossAggregation = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+]
+KlPenalty = Literal["loss", "reward"]
+# Estimators that discount token returns with algorithm.gamma (reinforce_plus_plus_baseline's
+# returns are undiscounted; see kuberl_trainer.algos.estimators).
+DISCOUNTED_ESTIMATORS = ("reinforce_plus_plus", "ppo")
+
+# Settings that only mean something beside another one; each is refused where it would be
+# ignored, so what a user wrote is what runs.
+KL_REWARD_NEEDS_COEF = "klPenalty: reward needs klCoef > 0"
+KL_TYPE_NEEDS_COEF = ("klLossType applies only with klCoef > 0 (it picks the estimator of the "
+                      "KL term klCoef weighs)")
+DUAL_CLIP_PPO_ONLY = ("epsClipC (dual clip) applies to policyLoss: ppo only (gspo clips the "
+                      "sequence ratio)")
+GAMMA_APPLIES = ("gamma applies to advantageEstimator " + " or ".join(DISCOUNTED_ESTIMATORS)
+                 + " only (the discount of their token returns)")
+GAE_LAMBDA_APPLIES = "gaeLambda applies to advantageEstimator: ppo only (GAE's lambda)"
+OVERLONG_PENALTY_APPLIES = ("overlongPenalty applies only with overlongBuffer (DAPO overlong "
+                            "shaping is off without it)")
+MIN_LR_APPLIES = "minLrRatio applies only when lrDecayStyle decays (linear or cosine)"
+
+
+class ImportanceMaskSpec(ApiModel):
+    """Masked importance sampling (docs/algorithms.md): drop the policy loss of tokens (or
+    whole responses) whose ratio pi_old / pi_rollout leaves [low, high]."""
+
+    level: Literal["token", "sequence"] = Field(
+        "token", description="token: each token by its own ratio; sequence: a response by its "
+        "geometric-mean ratio, all its tokens kept or dropped together.")
+    low: float = Field(0.5, gt=0, le=1, description="Lower edge of the band (<= 1).")
+    high: float = Field(2.0, ge=1, le=1000, description="Upper edge of the band (>= 1).")
+
+
+class AlgorithmSpec(ApiModel):
+    """The RL algorithm; docs/algorithms.md has each option's formula and paper."""
+
+    RULES = (
+        Rule("!has(self.epsClipHigh) || self.epsClipHigh >= self.epsClip",
+             lambda a: a.eps_clip_high is None or a.eps_clip_high >= a.eps_clip,
+             "epsClipHigh must be at least epsClip", "epsClipHigh",
+             detail=lambda a: f"epsClip = {a.eps_clip}"),
+        Rule("self.klPenalty != 'reward' || self.advantageEstimator in "
+             f"{list(TOKEN_LEVEL_ESTIMATORS)}",
+             lambda a: a.kl_penalty != "reward" or a.advantage_estimator in TOKEN_LEVEL_ESTIMATORS,
+             "klPenalty: reward needs a token-level advantageEstimator ("
+             + " or ".join(TOKEN_LEVEL_ESTIMATORS) + ")", "klPenalty"),
+        Rule("(self.advantageEstimator == 'on_policy_distillation') == has(self.teacherPath)",
+             lambda a: ((a.advantage_estimator == "on_policy_distillation")
+                        == (a.teacher_path is not None)),
+             "teacherPath is required by advantageEstimator on_policy_distillation, and "
+             "only used by it", "teacherPath"),
+        Rule("self.klPenalty != 'reward' || self.klCoef > 0.0",
+             lambda a: a.kl_penalty != "reward" or a.kl_coef > 0, KL_REWARD_NEEDS_COEF,
+             "klPenalty"),
+        Rule("self.klCoef > 0.0 || self.klLossType == 'low_var_kl'",
+             lambda a: a.kl_coef > 0 or a.kl_loss_type == "low_var_kl", KL_TYPE_NEEDS_COEF,
+             "klLossType"),
+        Rule("!has(self.epsClipC) || self.policyLoss == 'ppo'",
+             lambda a: a.eps_clip_c is None or a.policy_loss == "ppo", DUAL_CLIP_PPO_ONLY,
+             "epsClipC"),
+        Rule(f"self.gamma == 1.0 || self.advantageEstimator in {list(DISCOUNTED_ESTIMATORS)}",
+             lambda a: a.gamma == 1.0 or a.advantage_estimator in DISCOUNTED_ESTIMATORS,
+             GAMMA_APPLIES, "gamma"),
+        Rule("self.gaeLambda == 0.95 || self.advantageEstimator == 'ppo'",
+             lambda a: a.gae_lambda == 0.95 or a.advantage_estimator == "ppo",
+             GAE_LAMBDA_APPLIES, "gaeLambda"),
+        Rule("self.overlongPenalty == 1.0 || has(self.overlongBuffer)",
+             lambda a: a.overlong_penalty == 1.0 or a.overlong_buffer is not None,
+             OVERLONG_PENALTY_APPLIES, "overlongPenalty"),
+        Rule("self.minLrRatio == 0.0 || self.lrDecayStyle != 'constant'",
+             lambda a: a.min_lr_ratio == 0.0 or a.lr_decay_style != "constant",
+             MIN_LR_APPLIES, "minLrRatio"),
+    )
+    model_config = {"json_schema_extra": rules_schema(RULES)}
+
+    advantage_estimator: AdvantageEstimator = Field(
+        "grpo", description="grpo, dr_grpo (no std division), rloo (leave-one-out baseline), "
+        "reinforce_plus_plus (token returns, batch-whitened), reinforce_plus_plus_baseline "
+        "(group mean subtracted first), ppo (GAE with the value model of the critic section), "
+        "on_policy_distillation (per token: the teacher's log-prob minus the student's).")
+    teacher_path: str | None = Field(
+        None, min_length=1, max_length=MAX_STR, description="on_policy_distillation: the "
+        "teacher, an HF causal LM directory sharing the model's tokenizer (on the model's "
+        "storage); its log-probs of the student's samples are the training signal.")
+    policy_loss: PolicyLoss = Field(
+        "ppo", description="ppo: the clipped per-token ratio; gspo: the clipped sequence "
+        "ratio (geometric mean of a response's token ratios; use small clip ranges, e.g. "
+        "epsClip 3e-4, epsClipHigh 4e-4).")
+    loss_aggregation: LossAggregation = Field(
+        "token-mean", description="How token losses become the loss: token-mean, "
+        "seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm (Dr.GRPO: divided "
+        "by sequences * data.maxResponseLen).")
+    lr: float = Field(1e-6, gt=0, le=1, description="Learning rate.")
+    lr_warmup_steps: int = Field(
+        0, ge=0, le=10_000_000, description="Optimizer steps of linear LR warmup, from "
+        "lr/lrWarmupSteps up to lr.")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="LR after warmup: constant, or decayed (linear or cosine) to "
+        "lr * minLrRatio at the run's last optimizer step.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR as a fraction of lr "
+                                "when lrDecayStyle decays (linear or cosine only).")
+    eps_clip: float = Field(0.2, gt=0, le=10, description="PPO clip range (lower side).")
+    eps_clip_high: float | None = Field(None, gt=0, le=10,
+                                        description="Upper clip range (clip-higher); = epsClip.")
+    eps_clip_c: float | None = Field(None, gt=1, le=100, description="Dual-clip constant "
+                                     "(policyLoss ppo): for negative advantages the loss is "
+                                     "also capped at -A * epsClipC; unset: off.")
+    tis_cap: float | None = Field(
+        None, gt=0, le=100, description="Truncated importance sampling: weight each token's "
+        "policy loss by min(pi_old / pi_rollout, tisCap), correcting for the engines' own "
+        "log-probs differing from the trainer's; unset: off.")
+    importance_mask: ImportanceMaskSpec | None = Field(
+        None, description="Masked importance sampling: tokens (or responses) whose ratio "
+        "pi_old / pi_rollout leaves [low, high] leave the policy loss; with tisCap, the "
+        "tokens kept are also weighted; unset: off.")
+    kl_coef: float = Field(0.0, ge=0, le=100, description="Weight of the KL term; 0: off.")
+    kl_loss_type: KlType = Field(
+        "low_var_kl", description="Estimator of the KL term (k1, k2, k3, low_var_kl); only "
+        "with klCoef > 0.")
+    kl_penalty: KlPenalty = Field(
+        "loss", description="Where klCoef applies: loss (a KL(policy || reference) term in "
+        "the loss) or reward (a per-token penalty in the rewards; token-level estimators, "
+        "klCoef > 0).")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount of token-level returns "
+                         "(reinforce_plus_plus, ppo only).")
+    gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE's lambda (ppo only): 1 is "
+                              "the Monte-Carlo return, 0 the one-step TD error.")
+    entropy_coef: float = Field(0.0, ge=0, le=100)
+    sft_coef: float = Field(0.0, ge=0, le=100, description="Weight of an SFT (NLL) term on "
+                            "data.sft's demonstrations, added to every optimizer step (mixed "
+                            "RL + SFT training); 0: off.")
+    temperature: float = Field(1.0, gt=0, le=100, description="Sampling temperature.")
+    drop_constant_groups: bool = Field(
+        False, description="Leave out of the loss the prompt groups whose rewards are all "
+        "equal (they carry no GRPO signal but dilute the token mean).")
+    dynamic_sampling_rounds: int = Field(
+        0, ge=0, le=100, description="DAPO dynamic sampling: up to this many extra rounds of "
+        "prompts per step to replace groups whose rewards are all equal; groups still equal "
+        "after the last round leave the loss. 0: off.")
+    overlong_buffer: int | None = Field(
+        None, ge=1, le=1048576, description="DAPO overlong shaping: over the last this many "
+        "tokens of data.maxResponseLen the reward ramps down by up to overlongPenalty; "
+        "unset: off.")
+    overlong_penalty: float = Field(1.0, ge=0, le=100, description="The overlong shaping's "
+                                    "penalty at data.maxResponseLen (with overlongBuffer "
+                                    "only).")
+

@@ -1,0 +1,58 @@
+"""The data section: the prompts, their batch sizes and lengths, held-out eval sets and SFT
+demonstrations."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from kuberl_api.base import ApiModel, Rule, rules_schema
+from kuberl_api.spec.common import MAX_ROLLOUT_BATCH, MAX_SAMPLES_PER_PROMPT, MAX_STR
+from kuberl_api.spec.model import Storage
+
+
+class EvalSet(ApiModel):
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9_]*[a-z0-9])?$")
+    path: str = Field(min_length=1, max_length=MAX_STR, description="JSONL or Parquet file.")
+    n_samples_per_prompt: int = Field(1, ge=1, le=1024, description="Samples per problem: 1 "
+                                      "is greedy, more sample at algorithm.temperature; the "
+                                      "set's score is their mean reward.")
+
+
+class SftData(ApiModel):
+    """Demonstrations for the SFT (NLL) term (algorithm.sftCoef): prompt and target response,
+    under the data section's inputKey and labelKey."""
+
+    path: str = Field(min_length=1, max_length=MAX_STR,
+                      description="JSONL or Parquet file, as seen from the head pod.")
+    batch_size: int = Field(16, ge=1, le=MAX_ROLLOUT_BATCH,
+                            description="Demonstrations per step, split evenly over the step's "
+                            "optimizer steps and data-parallel ranks.")
+
+
+class DataSpec(ApiModel):
+    """Where prompts come from and how many are generated per step."""
+
+    RULES = (
+        Rule("!has(self.storage) || self.prompts.startsWith(self.storage.mountPath)",
+             lambda d: d.storage is None or d.prompts.startswith(d.storage.mount_path),
+             "prompts must lie under storage.mountPath when a PVC holds the data", "prompts",
+             detail=lambda d: f"storage.mountPath = {d.storage.mount_path}"),
+    )
+    model_config = {"json_schema_extra": rules_schema(RULES)}
+
+    prompts: str = Field(min_length=1, max_length=MAX_STR,
+                         description="Prompt file (JSONL or Parquet) as seen from the head pod.")
+    input_key: str = Field("prompt", min_length=1, max_length=253)
+    label_key: str = Field("label", min_length=1, max_length=253)
+    rollout_batch_size: int = Field(32, ge=1, le=MAX_ROLLOUT_BATCH,
+                                    description="Prompts per step.")
+    n_samples_per_prompt: int = Field(8, ge=1, le=MAX_SAMPLES_PER_PROMPT,
+                                      description="Responses per prompt.")
+    max_prompt_len: int = Field(1024, ge=1, le=1048576, description="Tokens.")
+    max_response_len: int = Field(1024, ge=1, le=1048576, description="Tokens.")
+    storage: Storage | None = Field(None, description="PVC that holds the data.")
+    eval_sets: list[EvalSet] = Field(default_factory=list, max_length=16,
+                                     description="Held-out sets, evaluated every "
+                                     "schedule.evalInterval steps (both or neither).")
+    sft: SftData | None = Field(None, description="Demonstrations for algorithm.sftCoef's "
+                                "NLL term, trained on beside every RL step.")
