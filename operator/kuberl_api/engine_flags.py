@@ -27,7 +27,7 @@ _ARTICLE = {"int": "an integer", "float": "a number", "json": "JSON", "str": "a 
 
 # engineArgs / engineListArgs keys: flag names without the leading '--'.
 ENGINE_ARG_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
-# The engine server flags kuberl passes itself (engine_command.py: SGLang's
+# The engine server flags kuberl passes itself (engines/command.py: SGLang's
 # and the reference engine's), with SGLang's aliases of them, and where each value comes from.
 # An engineArgs entry for one would be a second, conflicting value of the flag.
 KUBERL_ENGINE_FLAGS: dict[str, tuple[str, ...]] = {

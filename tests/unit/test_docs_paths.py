@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+DOCS = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
 PACKAGES = {"kuberl_trainer": "trainer_image", "kuberl_api": "operator",
             "kuberl_operator": "operator", "kuberl_cli": "operator",
             "kuberl_rollout": "rollout_image", "kuberl_wire": "wire"}
 # A file path: folders, then a name with a source or config suffix (`engines/fleet.py`,
 # `trainer_image/kuberl_trainer/loops/`); a folder path ends with "/" and holds a package
 # name or a known folder. Dotted modules: `kuberl_trainer.rollout.manager.RolloutManager`.
-FILE = re.compile(r"(?<![\w./-])((?:[A-Za-z_][\w.-]*/)*[A-Za-z_][\w-]*\.(?:py|md|yaml|json|toml|sh))\b")
+FILE = re.compile(r"(?<![\w./-])((?:[A-Za-z_][\w.-]*/)*[A-Za-z_][\w-]*"
+                  r"\.(?:py|md|yaml|json|toml|sh))\b")
 FOLDER = re.compile(r"(?<![\w./-])((?:[A-Za-z_][\w-]*/)+)(?![\w.])")
 MODULE = re.compile(r"\b((?:" + "|".join(PACKAGES) + r")(?:\.[A-Za-z_]\w*)+)")
 OUTSIDE = ("../shared/", "http", "out/", "~/", "/tmp/", "/etc/", "/dev/")

@@ -260,7 +260,7 @@ JOB_RULES = (
          lambda s: (s.placement != "colocate" or s.rollout.gpus is None
                     or s.rollout.gpus == s.training_gpus),
          "colocated rollout uses the training GPUs: rollout.gpus must equal "
-         "training.nodes * training.gpusPerNode", "rollout.gpus",
+         "training.nodes * training.gpusPerNode (or be unset)", "rollout.gpus",
          detail=lambda s: f"training.nodes * training.gpusPerNode = {s.training_gpus}"),
     Rule("self.placement != 'colocate' || self.training.gpusPerNode == 0 || "
          f"{_outside('self.training.gpusPerNode', 0, MAX_GPUS_PER_NODE)} || "

@@ -10,7 +10,7 @@ from kuberl_api.spec.common import PVC_NAME_PATTERN
 
 
 class AsyncSpec(ApiModel):
-    """mode: async (trainer_image/kuberl_trainer/async_loop.py): the engines generate
+    """mode: async (trainer_image/kuberl_trainer/loops/async_loop.py): the engines generate
     continuously, at most maxStaleness policy versions ahead of the trainers."""
 
     max_staleness: int = Field(

@@ -90,8 +90,8 @@ class TrainingSpec(ApiModel):
              "self.parallelism.pp == 1)",
              lambda t: t.backend == "megatron" or (t.parallelism.tp == 1
                                                    and t.parallelism.pp == 1),
-             "backend fsdp supports only data parallelism: tp and pp must be 1",
-             "parallelism"),
+             "backend fsdp supports only data parallelism: tp and pp must be 1 (use backend "
+             "megatron for model parallelism)", "parallelism"),
         Rule("self.backend != 'megatron' || self.gpusPerNode > 0",
              lambda t: t.backend != "megatron" or t.gpus_per_node > 0,
              "backend megatron trains on GPUs: gpusPerNode must be at least 1 (use backend "
