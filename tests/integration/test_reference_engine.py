@@ -151,6 +151,45 @@ async def test_logprobs_are_temperature_scaled_logprobs_of_the_sampled_tokens(
         assert torch.allclose(torch.tensor(lps), expected, atol=1e-4)
 
 
+async def test_a_trajectory_goes_token_in_token_out_across_turns(
+        pair: list[str], reference_model: torch.nn.Module) -> None:
+    """Multi-turn, exactly (kuberl_trainer.agents): turn 2's request is the prompt, turn 1's
+    output and the observation's ids (the engine answers it as it answers those ids sent by
+    hand with turn 2's seed); the trained row is those and turn 2's output, the observation
+    out of the loss; the engine's log-prob of every trainable token is the model's (fp32)."""
+    from kuberl_trainer.agents import RolloutContext, Trajectory, turn_seed
+    from kuberl_trainer.rollout.batch import pack
+    from kuberl_trainer.rollout.generate import Response
+    from kuberl_trainer.rollout.prompts import Sample
+
+    prompt, observation, budget = PROMPTS[0], [30, 31, 32], 24
+    sampling = {"temperature": 1.0, "max_new_tokens": budget, "sampling_seed": 7,
+                "ignore_eos": True}
+    async with EngineClient([pair[0]], request_timeout_s=30) as client:
+        ctx = RolloutContext(client, sampling)
+        traj = Trajectory(prompt_ids=list(prompt), budget=budget)
+        first = await ctx.generate(traj, max_new_tokens=6)
+        traj.append_env(observation)
+        second = await ctx.generate(traj)
+        by_hand = await client.generate_one(
+            [*prompt, *first.ids, *observation],
+            sampling | {"max_new_tokens": budget - 6 - 3, "sampling_seed": turn_seed(7, 1)})
+    assert (len(first.ids), len(second.ids)) == (6, budget - 6 - 3)  # the budget, all of it
+    assert second.ids == by_hand.output_ids and second.logprobs == by_hand.logprobs
+    row = pack([Response.from_trajectory(Sample("", "", 0, 0), traj, text=second.text)],
+               torch.zeros(1), pad_id=0)
+    ids = [*prompt, *first.ids, *observation, *second.ids]
+    assert row.input_ids[0].tolist() == ids
+    trained = row.loss_mask[0].bool()
+    assert trained.tolist() == [False] * len(prompt) + [True] * 6 + [False] * 3 + \
+        [True] * len(second.ids)
+    with torch.no_grad():  # position t scores token t (the backends' convention)
+        logits = reference_model(input_ids=torch.tensor([ids])).logits[0, :-1]
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert torch.allclose(row.rollout_logprobs[0, 1:][trained[1:]], expected[trained[1:]],
+                          atol=1e-4)
+
+
 async def test_seeds_reproduce_and_differ(pair: list[str]) -> None:
     async with EngineClient(pair, request_timeout_s=30) as client:
         def params(seed: int) -> dict[str, object]:

@@ -12,7 +12,8 @@ from kuberl_trainer.rollout.generate import Response
 
 
 def pack(responses: list[Response], advantages: torch.Tensor, pad_id: int) -> TrainBatch:
-    """Right-padded [B, T] tensors of prompt+response; loss on response tokens only.
+    """Right-padded [B, T] tensors of prompt+response; loss on response tokens only (the ones
+    a response's `loss_mask` keeps: a trajectory's environment tokens are out).
 
     Token-level tensors (advantages, rollout logprobs) sit at the response tokens' positions in
     input_ids, the convention the backend's log-probs use (position t scores token t).
@@ -26,7 +27,8 @@ def pack(responses: list[Response], advantages: torch.Tensor, pad_id: int) -> Tr
         pad = width - p - o
         ids.append(r.prompt_ids + r.output_ids + [pad_id] * pad)
         attention.append([1] * (p + o) + [0] * pad)
-        loss.append([0.0] * p + [1.0] * o + [0.0] * pad)
+        mask = r.loss_mask if r.loss_mask is not None else [1.0] * o
+        loss.append([0.0] * p + list(mask) + [0.0] * pad)
         lp = list(r.logprobs[:o]) if r.logprobs else []
         logprobs.append([0.0] * p + lp + [0.0] * (o - len(lp) + pad))
     input_ids = torch.tensor(ids, dtype=torch.long)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kuberl_api.spec import RLJobSpec
+from kuberl_trainer.agents import Trajectory
 from kuberl_trainer.engines.client import EngineClient
 from kuberl_trainer.rollout.prompts import Sample
 
@@ -33,6 +34,21 @@ class Response:
     request: int = 0  # which request that was
     reward: float = 0.0  # the verifier's
     score: float = 0.0   # what advantages are computed from: reward + shaping
+    # Per output token, whether it is in the loss (None: all of them, a single turn); a
+    # trajectory's environment tokens are not
+    loss_mask: list[float] | None = None
+
+    @classmethod
+    def from_trajectory(cls, sample: Sample, traj: Trajectory, text: str) -> Response:
+        """A checked trajectory as one row: its tokens after the prompt are the output, the
+        environment's out of the loss, each model token with the engine's log-prob."""
+        traj.check(where="the trajectory")
+        versions = [v for v, t in zip(traj.versions, traj.trainable, strict=True) if t]
+        return cls(sample=sample, prompt_ids=list(traj.prompt_ids), output_ids=list(traj.ids),
+                   logprobs=list(traj.logprobs), text=text,
+                   truncated=traj.finish_reason == "length",
+                   weight_version=min(versions, key=_version_order) if versions else None,
+                   loss_mask=traj.loss_mask())
 
 
 class SingleTurn:
@@ -77,3 +93,10 @@ class SingleTurn:
 def sample_seed(seed: int, step: int, sample: Sample, k: int) -> int:
     digest = hashlib.sha256(f"{seed}:{step}:{sample.epoch}:{sample.index}:{k}".encode())
     return int.from_bytes(digest.digest()[:4], "little") & 0x7FFFFFFF
+
+
+def _version_order(version: str | None) -> tuple[int, str]:
+    """Weight versions oldest first (numbers as numbers): a row counts as old as its oldest
+    model token, for the staleness bound."""
+    text = version or ""
+    return (int(text), text) if text.isdigit() else (-1, text)

@@ -1,0 +1,19 @@
+"""Agents' trajectories, token in and token out (issue 35; not yet wired to the RLJob spec).
+
+The public types a user rollout function or environment meets. A trajectory grows only two
+ways, so that what the trainer trains is exactly what the engine sampled:
+
+- `await ctx.generate(traj)`: the trajectory's whole token ids go to an engine (`input_ids`,
+  never text) and the engine's ids and log-probs are appended as the model's turn (in the
+  loss);
+- `traj.append_env(ids)`: the environment's tokens (a tool's output, an observation), out of
+  the loss.
+
+`data.maxResponseLen` is the trajectory's budget (model and environment tokens after the
+prompt): each `generate` gets what is left, and nothing is cut afterwards.
+"""
+
+from kuberl_trainer.agents.context import RolloutContext, Turn, turn_seed
+from kuberl_trainer.agents.trajectory import Trajectory, TrajectoryError
+
+__all__ = ["RolloutContext", "Trajectory", "TrajectoryError", "Turn", "turn_seed"]

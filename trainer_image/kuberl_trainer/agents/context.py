@@ -1,0 +1,68 @@
+"""What a rollout function is handed for one sample: `generate` on the job's engines, with the
+job's sampling settings and a seed per (sample, turn)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from kuberl_trainer.agents.trajectory import Trajectory, TrajectoryError
+from kuberl_trainer.engines.client import EngineClient
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One model turn as the engine returned it (already appended to the trajectory)."""
+
+    ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: str | None
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The sampling seed of a sample's turn `turn`: the sample's own seed for the first turn
+    (a single-turn job samples exactly as before), a hash of it and the turn after that."""
+    if turn == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}:turn:{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+class RolloutContext:
+    """`sampling`: the job's sampling params for this sample (SGLang's names; its
+    `sampling_seed` is the sample's seed, and each turn gets `turn_seed` of it);
+    `url`: the engine every turn goes to (a trajectory stays on one engine: its prefix is in
+    that engine's cache)."""
+
+    def __init__(self, client: EngineClient, sampling: dict[str, Any], *,
+                 url: str | None = None) -> None:
+        self.client, self.sampling, self.url = client, dict(sampling), url
+
+    async def generate(self, traj: Trajectory, *, stop: tuple[str, ...] = (),
+                       stop_token_ids: tuple[int, ...] = (),
+                       max_new_tokens: int | None = None) -> Turn:
+        """The model's next turn on the trajectory's whole token ids, appended to it. It gets
+        what is left of the budget (or less, `max_new_tokens`); none left is an error."""
+        left = traj.remaining
+        if left <= 0:
+            raise TrajectoryError(f"no budget left for another turn (data.maxResponseLen "
+                                  f"{traj.budget}, {traj.turns} turns so far)")
+        params = dict(self.sampling)
+        params["max_new_tokens"] = min(left, max_new_tokens or left,
+                                       int(params.get("max_new_tokens", left)))
+        if "sampling_seed" in params:
+            params["sampling_seed"] = turn_seed(int(params["sampling_seed"]), traj.turns)
+        if stop:
+            params["stop"] = list(stop)
+        if stop_token_ids:
+            params["stop_token_ids"] = [*params.get("stop_token_ids", []), *stop_token_ids]
+        out = await self.client.generate_one(traj.input_ids, params, url=self.url)
+        self.url = out.engine_url
+        logprobs = list(out.logprobs or [])
+        traj.append_model(list(out.output_ids), logprobs, out.weight_version,
+                          out.finish_reason)
+        return Turn(ids=list(out.output_ids), text=out.text, logprobs=logprobs,
+                    finish_reason=out.finish_reason, weight_version=out.weight_version)
