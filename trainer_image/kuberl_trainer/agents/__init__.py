@@ -11,9 +11,21 @@ ways, so that what the trainer trains is exactly what the engine sampled:
 
 `data.maxResponseLen` is the trajectory's budget (model and environment tokens after the
 prompt): each `generate` gets what is left, and nothing is cut afterwards.
+
+Environments (environment.py): one instance per trajectory, `reset`, `step`, `close`; the
+built-in loop `run_episode` alternates the model's turns and the environment's steps.
 """
 
 from kuberl_trainer.agents.context import RolloutContext, Turn, turn_seed
+from kuberl_trainer.agents.environment import (
+    Environment,
+    EnvironmentFailure,
+    Episode,
+    Observation,
+    StepResult,
+    run_episode,
+)
 from kuberl_trainer.agents.trajectory import Trajectory, TrajectoryError
 
-__all__ = ["RolloutContext", "Trajectory", "TrajectoryError", "Turn", "turn_seed"]
+__all__ = ["Environment", "EnvironmentFailure", "Episode", "Observation", "RolloutContext",
+           "StepResult", "Trajectory", "TrajectoryError", "Turn", "run_episode", "turn_seed"]
