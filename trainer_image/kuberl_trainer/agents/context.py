@@ -4,6 +4,7 @@ job's sampling settings and a seed per (sample, turn)."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,14 +33,31 @@ def turn_seed(seed: int, turn: int) -> int:
 
 
 class RolloutContext:
-    """`sampling`: the job's sampling params for this sample (SGLang's names; its
-    `sampling_seed` is the sample's seed, and each turn gets `turn_seed` of it);
-    `url`: the engine every turn goes to (a trajectory stays on one engine: its prefix is in
-    that engine's cache)."""
+    """What a rollout function gets for one sample: `sample` (its prompt, label, metadata),
+    `trajectory()` (a new one: the prompt's ids and the budget) and `generate`.
+
+    `sampling`: the job's sampling params for this sample (SGLang's names; its
+    `sampling_seed` is the sample's seed, and each turn gets `turn_seed` of it); `url`: the
+    engine every turn goes to (None: the client picks one for the first turn, and the rest
+    follow: a trajectory's prefix is in that engine's cache)."""
 
     def __init__(self, client: EngineClient, sampling: dict[str, Any], *,
-                 url: str | None = None) -> None:
+                 url: str | None = None, sample: Any = None,
+                 prompt_ids: list[int] | None = None, budget: int = 0,
+                 tokenize: Callable[[str], list[int]] | None = None) -> None:
         self.client, self.sampling, self.url = client, dict(sampling), url
+        self.sample, self.prompt_ids, self.budget = sample, list(prompt_ids or []), budget
+        self._tokenize = tokenize
+
+    def trajectory(self) -> Trajectory:
+        """A new trajectory of this sample: its prompt, the job's budget."""
+        return Trajectory(prompt_ids=list(self.prompt_ids), budget=self.budget)
+
+    def tokenize(self, text: str) -> list[int]:
+        """The job's tokenizer, without special tokens (for an observation's text)."""
+        if self._tokenize is None:
+            raise TrajectoryError("this context has no tokenizer")
+        return self._tokenize(text)
 
     async def generate(self, traj: Trajectory, *, stop: tuple[str, ...] = (),
                        stop_token_ids: tuple[int, ...] = (),
@@ -63,6 +81,6 @@ class RolloutContext:
         self.url = out.engine_url
         logprobs = list(out.logprobs or [])
         traj.append_model(list(out.output_ids), logprobs, out.weight_version,
-                          out.finish_reason)
+                          out.finish_reason, out.text)
         return Turn(ids=list(out.output_ids), text=out.text, logprobs=logprobs,
                     finish_reason=out.finish_reason, weight_version=out.weight_version)

@@ -25,6 +25,7 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)
     versions: list[str | None] = field(default_factory=list)
     turns: int = 0  # the model's turns so far
+    texts: list[str] = field(default_factory=list)  # each model turn's text, as decoded
     finish_reason: str = ""  # the last turn's ("stop", "length", "abort")
     metadata: dict[str, Any] = field(default_factory=dict)
     # (start, tokens) of each model turn, as generate appended it: `check` compares, so a
@@ -59,7 +60,7 @@ class Trajectory:
         self._extend(ids, trainable=False, logprobs=[0.0] * len(ids), version=None)
 
     def append_model(self, ids: list[int], logprobs: list[float], version: str | None,
-                     finish_reason: str) -> None:
+                     finish_reason: str, text: str = "") -> None:
         """A model turn, as the engine returned it (RolloutContext.generate calls this)."""
         if len(logprobs) != len(ids):
             raise TrajectoryError(f"{len(logprobs)} log-probs for {len(ids)} sampled tokens")
@@ -71,6 +72,7 @@ class Trajectory:
         self._extend([int(t) for t in ids], trainable=True, logprobs=list(logprobs),
                      version=version)
         self.turns += 1
+        self.texts.append(text)
         self.finish_reason = finish_reason
 
     def _extend(self, ids: list[int], *, trainable: bool, logprobs: list[float],

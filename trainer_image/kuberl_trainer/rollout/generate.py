@@ -37,18 +37,22 @@ class Response:
     # Per output token, whether it is in the loss (None: all of them, a single turn); a
     # trajectory's environment tokens are not
     loss_mask: list[float] | None = None
+    turns: int = 1  # the model's turns in it
+    env_tokens: int = 0  # the environment's tokens among output_ids
 
     @classmethod
-    def from_trajectory(cls, sample: Sample, traj: Trajectory, text: str) -> Response:
-        """A checked trajectory as one row: its tokens after the prompt are the output, the
-        environment's out of the loss, each model token with the engine's log-prob."""
-        traj.check(where="the trajectory")
+    def from_trajectory(cls, sample: Sample, traj: Trajectory, text: str,
+                        where: str = "the trajectory") -> Response:
+        """A checked trajectory as one row (`where`: who made it, for the errors): its tokens
+        after the prompt are the output, the environment's out of the loss, each model token
+        with the engine's log-prob."""
+        traj.check(where=where)
         versions = [v for v, t in zip(traj.versions, traj.trainable, strict=True) if t]
         return cls(sample=sample, prompt_ids=list(traj.prompt_ids), output_ids=list(traj.ids),
                    logprobs=list(traj.logprobs), text=text,
                    truncated=traj.finish_reason == "length",
                    weight_version=min(versions, key=_version_order) if versions else None,
-                   loss_mask=traj.loss_mask())
+                   loss_mask=traj.loss_mask(), turns=traj.turns, env_tokens=traj.env_tokens)
 
 
 class SingleTurn:
