@@ -27,8 +27,8 @@ NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 # would silently not apply, so they are refused. The rest (suspend, deadlines, TTL,
 # backoffLimit, heartbeatTimeoutSeconds) are read by the operator and may change any time.
 IMMUTABLE_SECTIONS = ("model", "data", "reward", "algorithm", "training", "rollout",
-                      "critic", "placement", "mode", "schedule", "checkpoint", "network",
-                      "scheduling")
+                      "environment", "critic", "placement", "mode", "schedule", "checkpoint",
+                      "network", "scheduling")
 # Phases in which nothing has run yet, so the spec may still change freely.
 EDITABLE_PHASES = ("Pending",)
 

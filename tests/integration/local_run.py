@@ -90,7 +90,7 @@ SHARED_RAY = "KUBERL_TEST_RAY"
 def kuberl_run(job: Path, out: Path, *extra: str,
                timeout: float = 600) -> subprocess.CompletedProcess[str]:
     """`kuberl run job --output-dir out`, joining the test process's shared Ray when there is
-    one (a Ray on this machine only: the run behaves as a local one, run.Options)."""
+    one (a Ray on this machine only: the run behaves as a local one, options.Options)."""
     ray = ["--address", os.environ[SHARED_RAY]] if os.environ.get(SHARED_RAY) else []
     return subprocess.run([*KUBERL, "run", str(job), "--output-dir", str(out), *ray, *extra],
                           capture_output=True, text=True, timeout=timeout, cwd=job.parent,
@@ -104,7 +104,7 @@ def failed(res: subprocess.CompletedProcess[str]) -> str:
 
 
 def session_options(tmp: Path) -> Any:
-    """run.Options for a Session a test drives in its own process (the shared Ray, if any)."""
+    """options.Options for a Session a test drives in its own process (the shared Ray, if any)."""
     from kuberl_trainer.options import Options
 
     return Options(address=os.environ.get(SHARED_RAY), in_cluster=False,

@@ -68,7 +68,8 @@ async def test_a_function_makes_each_response_of_each_group(tmp_path: Path) -> N
     engine = Engine()
     turn, source = single(tmp_path, engine)
     rows = await AgentRollout(turn, name="agent:calculator", function=calculator,
-                              function_args={"bonus": "5"})(3, source.next_batch(2), 2)
+                              function_args={"bonus": "5"}, max_turns=2)(
+        3, source.next_batch(2), 2)
     assert len(rows) == 4 and [r.sample.index for r in rows] == [rows[0].sample.index] * 2 + \
         [rows[2].sample.index] * 2  # groups consecutive
     seeds = [params["sampling_seed"] for _, params in engine.sent[::2]]  # each first turn
@@ -128,6 +129,14 @@ async def test_what_a_function_returns_is_checked_naming_it(tmp_path: Path, retu
     turn, source = single(tmp_path, Engine())
     with pytest.raises(TrajectoryError, match=why):
         await AgentRollout(turn, name="agent:bad", function=bad)(0, source.next_batch(1), 1)
+
+
+async def test_a_function_gets_at_most_max_turns(tmp_path: Path) -> None:
+    turn, source = single(tmp_path, Engine())
+    agent = AgentRollout(turn, name="agent:calculator", function=calculator,
+                         function_args={"bonus": "5"}, max_turns=1)
+    with pytest.raises(TrajectoryError, match=r"rollout\.maxTurns is 1: the trajectory has had"):
+        await agent(0, source.next_batch(1), 1)
 
 
 def test_a_rollout_function_must_be_async(tmp_path: Path) -> None:

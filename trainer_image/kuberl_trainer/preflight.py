@@ -3,9 +3,11 @@ what and where, instead of minutes later inside an actor."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kuberl_api.spec import RLJobSpec
 
@@ -21,6 +23,8 @@ class PreflightError(ValueError):
 class Checked:
     tokenizer_path: str
     reward_fn: Callable[[str, str], float]
+    rollout_function: Callable[..., Any] | None = None  # rollout.function, imported
+    environment_class: Callable[[], Any] | None = None  # environment.class, imported
 
 
 def check_model(path: str, field: str = "spec.model.path") -> None:
@@ -139,4 +143,32 @@ def check(spec: RLJobSpec) -> Checked:
         reward_fn = rewards.load(spec.reward)
     except (ImportError, AttributeError, TypeError, ValueError) as exc:
         raise PreflightError(f"spec.reward: {exc}") from None
-    return Checked(tokenizer_path=tokenizer, reward_fn=reward_fn)
+    function, environment = check_agent(spec)
+    return Checked(tokenizer_path=tokenizer, reward_fn=reward_fn, rollout_function=function,
+                   environment_class=environment)
+
+
+def check_agent(spec: RLJobSpec) -> tuple[Callable[..., Any] | None, Callable[[], Any] | None]:
+    """rollout.function and environment.class, imported now (before Ray) so that a typo or
+    a missing dependency fails the job at once, naming the field."""
+    from kuberl_trainer.user_code import UserCodeError, import_object
+
+    function = environment = None
+    try:
+        if spec.rollout.function:
+            function = import_object(spec.rollout.function, "rollout function")
+            if not inspect.iscoroutinefunction(function):
+                raise UserCodeError(f"rollout function {spec.rollout.function!r} must be "
+                                    "`async def`")
+    except UserCodeError as exc:
+        raise PreflightError(f"spec.rollout.function: {exc}") from None
+    try:
+        if spec.environment.class_:
+            environment = import_object(spec.environment.class_, "environment class")
+            for method in ("reset", "step", "close"):
+                if not inspect.iscoroutinefunction(getattr(environment, method, None)):
+                    raise UserCodeError(f"environment class {spec.environment.class_!r} needs "
+                                        f"`async def {method}`")
+    except UserCodeError as exc:
+        raise PreflightError(f"spec.environment.class: {exc}") from None
+    return function, environment

@@ -167,7 +167,9 @@ class Session:
                                       self.checked.reward_fn, seed=self.opts.seed,
                                       ref_logprobs=self.trainers.ref_logprobs,
                                       values=self.critic.values if self.critic else None,
-                                      sft_source=self.sft_source, sampled=memory.to_trainers)
+                                      sft_source=self.sft_source, sampled=memory.to_trainers,
+                                      rollout_function=self.checked.rollout_function,
+                                      environment_class=self.checked.environment_class)
         parts = Parts(
             aio=self.aio,
             rollout=self.rollout,

@@ -70,6 +70,7 @@ from kuberl_api.spec.data import (
     EvalSet,
     SftData,
 )
+from kuberl_api.spec.environment import EnvironmentSpec
 from kuberl_api.spec.job import Placement, RLJobSpec
 from kuberl_api.spec.job_rules import (
     ASYNC_DISAGGREGATED,
@@ -210,6 +211,7 @@ __all__ = [
     "CheckpointSpec",
     "CriticSpec",
     "DataSpec",
+    "EnvironmentSpec",
     "EvalSet",
     "HealthProbe",
     "ImportanceMaskSpec",

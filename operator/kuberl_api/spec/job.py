@@ -12,6 +12,7 @@ from kuberl_api.base import ApiModel, rules_schema
 from kuberl_api.spec.algorithm import AlgorithmSpec
 from kuberl_api.spec.critic import CriticSpec
 from kuberl_api.spec.data import DataSpec
+from kuberl_api.spec.environment import EnvironmentSpec
 from kuberl_api.spec.job_rules import JOB_RULES
 from kuberl_api.spec.model import ModelSpec
 from kuberl_api.spec.network import NetworkSpec
@@ -38,6 +39,7 @@ class RLJobSpec(ApiModel):
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    environment: EnvironmentSpec = Field(default_factory=EnvironmentSpec)
     critic: CriticSpec = Field(default_factory=CriticSpec)
     placement: Placement = "colocate"
     mode: Literal["sync", "async"] = Field(

@@ -182,6 +182,11 @@ def _micro_batches_split(spec: RLJobSpec) -> bool:
     return per_step < 1 or spec.global_batch_size % per_step == 0
 
 
+FUNCTION_OR_ENVIRONMENT = ("rollout.function and environment.class both make trajectories: set "
+                           "one (a function runs its own environment)")
+MAX_TURNS_NEED_AGENT = ("rollout.maxTurns above 1 needs rollout.function or environment.class "
+                        "(one turn per sample otherwise)")
+
 JOB_RULES = (
     Rule("self.mode == 'sync' || self.placement == 'disaggregated'",
          lambda s: s.mode == "sync" or s.placement == "disaggregated", ASYNC_DISAGGREGATED,
@@ -361,5 +366,14 @@ JOB_RULES = (
     Rule("!has(self.data.storage) || self.data.storage.mountPath != self.checkpoint.path",
          lambda s: s.data.storage is None or s.data.storage.mount_path != s.checkpoint.path,
          "checkpoint.path must differ from data.storage.mountPath", "checkpoint.path"),
+    # Trajectories come from one maker: a user's function (which runs its own environment
+    # if it has one) or kuberl's loop over environment.class.
+    Rule("!has(self.rollout.function) || !has(self.environment.class)",
+         lambda s: s.rollout.function is None or s.environment.class_ is None,
+         FUNCTION_OR_ENVIRONMENT, "environment.class"),
+    Rule("self.rollout.maxTurns == 1 || has(self.rollout.function) || "
+         "has(self.environment.class)",
+         lambda s: (s.rollout.max_turns == 1 or s.rollout.function is not None
+                    or s.environment.class_ is not None),
+         MAX_TURNS_NEED_AGENT, "rollout.maxTurns"),
 )
-

@@ -28,6 +28,7 @@ from kuberl_api.engine_flags import (
 from kuberl_api.spec.common import (
     DEFAULT_GPUS_PER_NODE,
     DEFAULT_ROLLOUT_IMAGE,
+    IMPORT_PATH_PATTERN,
     MAX_ENGINE_RESTARTS,
     MAX_GPUS_PER_ENGINE,
     MAX_GPUS_PER_NODE,
@@ -107,6 +108,12 @@ def _twice(rollout: RolloutSpec) -> list[str]:
     return sorted(set(rollout.engine_args) & set(rollout.engine_list_args))
 
 
+FUNCTION_ARGS_NEED_FUNCTION = "functionArgs applies only with function"
+MAX_TURNS = 1024
+# (user code's settings: string maps, as environment variables are)
+UserArgs = dict[str, Annotated[str, Field(max_length=MAX_STR)]]
+
+
 class RolloutSpec(ApiModel):
     RULES = (
         Rule(f"!has(self.gpus) || {_ROLLOUT_GPUS_OUTSIDE} || "
@@ -129,6 +136,9 @@ class RolloutSpec(ApiModel):
              lambda r: r.engine != "reference" or not r.engine_list_args,
              REFERENCE_ENGINE_LIST_ARGS, "engineListArgs",
              value=lambda r: sorted(r.engine_list_args)),
+        Rule("size(self.functionArgs) == 0 || has(self.function)",
+             lambda r: not r.function_args or r.function is not None,
+             FUNCTION_ARGS_NEED_FUNCTION, "functionArgs", value=lambda r: sorted(r.function_args)),
     )
     FIELD_RULES = {"engine_args": ENGINE_ARGS_RULES, "engine_list_args": ENGINE_LIST_ARGS_RULES}
     model_config = {"json_schema_extra": rules_schema(RULES)}
@@ -209,6 +219,18 @@ class RolloutSpec(ApiModel):
         "the two maps; each list holds 1 to " + str(MAX_ENGINE_LIST_ITEMS) + " values (a "
         "switch goes in engineArgs). SGLang engines only.",
         json_schema_extra=rules_schema(ENGINE_LIST_ARGS_RULES))
+
+    function: str | None = Field(
+        None, max_length=MAX_STR, pattern=IMPORT_PATH_PATTERN,
+        description="`module:function`: an async rollout function, `run(ctx, **functionArgs) "
+        "-> Trajectory`, called once per sample and seed to make its trajectory with "
+        "ctx.generate (docs/agents.md); the module must be importable on the head. Unset: "
+        "one turn per sample (or environment.class).")
+    function_args: UserArgs = Field(default_factory=dict, max_length=64,
+                                    description="Keyword arguments of rollout.function.")
+    max_turns: int = Field(1, ge=1, le=MAX_TURNS, description="The model's turns per "
+                           "trajectory at most; more than 1 only with rollout.function or "
+                           "environment.class.")
 
     # Python only, not a Rule: the CRD cannot carry SGLang's flag table, so the API server
     # admits what this refuses (and the message is worked out per flag). Listed in

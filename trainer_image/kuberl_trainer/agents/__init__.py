@@ -1,4 +1,4 @@
-"""Agents' trajectories, token in and token out (issue 35; not yet wired to the RLJob spec).
+"""Agents' trajectories, token in and token out (docs/agents.md).
 
 The public types a user rollout function or environment meets. A trajectory grows only two
 ways, so that what the trainer trains is exactly what the engine sampled:

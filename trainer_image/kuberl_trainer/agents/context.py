@@ -44,8 +44,10 @@ class RolloutContext:
     def __init__(self, client: EngineClient, sampling: dict[str, Any], *,
                  url: str | None = None, sample: Any = None,
                  prompt_ids: list[int] | None = None, budget: int = 0,
-                 tokenize: Callable[[str], list[int]] | None = None) -> None:
+                 tokenize: Callable[[str], list[int]] | None = None,
+                 max_turns: int | None = None) -> None:
         self.client, self.sampling, self.url = client, dict(sampling), url
+        self.max_turns = max_turns  # (rollout.maxTurns: a trajectory's model turns at most)
         self.sample, self.prompt_ids, self.budget = sample, list(prompt_ids or []), budget
         self._tokenize = tokenize
 
@@ -64,6 +66,9 @@ class RolloutContext:
                        max_new_tokens: int | None = None) -> Turn:
         """The model's next turn on the trajectory's whole token ids, appended to it. It gets
         what is left of the budget (or less, `max_new_tokens`); none left is an error."""
+        if self.max_turns is not None and traj.turns >= self.max_turns:
+            raise TrajectoryError(f"rollout.maxTurns is {self.max_turns}: the trajectory "
+                                  "has had all its turns")
         left = traj.remaining
         if left <= 0:
             raise TrajectoryError(f"no budget left for another turn (data.maxResponseLen "

@@ -1,6 +1,6 @@
-"""Trajectories as the manager's responses: a user rollout function, or an environment in the
-built-in loop, run once per sample and seed (issue 35; not yet selectable from an RLJob: its
-spec fields come with the rest of that issue). The other side of the seam in generate.py:
+"""Trajectories as the manager's responses: a user rollout function (rollout.function), or an
+environment (environment.class) in the built-in loop, run once per sample and seed
+(docs/agents.md). The other side of the seam in generate.py:
 called like `SingleTurn`, groups consecutive, so grading, shaping, filtering and advantages
 stay the manager's."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import statistics
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -55,18 +56,22 @@ class AgentRollout:
         ctx = RolloutContext(self.single.client, params, sample=sample, prompt_ids=prompt_ids,
                              budget=self.single.spec.data.max_response_len,
                              tokenize=lambda text: list(tok.encode(text,
-                                                                   add_special_tokens=False)))
+                                                                   add_special_tokens=False)),
+                             max_turns=self.max_turns)
         if self.function is not None:
             traj = self._one_trajectory(await self.function(ctx, **self.function_args))
         else:
             assert self.environment is not None
             traj = ctx.trajectory()
-            await run_episode(ctx, self.environment(), traj, sample, max_turns=self.max_turns,
-                              args=self.environment_args, name=self.name,
-                              tokenize=ctx.tokenize)
+            episode = await run_episode(ctx, self.environment(), traj, sample,
+                                        max_turns=self.max_turns, args=self.environment_args,
+                                        name=self.name, tokenize=ctx.tokenize)
         row = Response.from_trajectory(sample, traj, traj.texts[-1] if traj.texts else "",
                                        where=self.name)
         row.engine = ctx.url or ""
+        if self.environment is not None:
+            row.env_step_s = episode.step_s
+            row.env_metrics = {k: statistics.fmean(v) for k, v in episode.metrics.items() if v}
         return row
 
     def _one_trajectory(self, out: Any) -> Trajectory:
@@ -79,3 +84,18 @@ class AgentRollout:
                                   "sample; one per sample is supported so far")
         first: Trajectory = trajs[0]
         return first
+
+
+def agent_rollout(single: SingleTurn, function: RolloutFunction | None,
+                  environment: Callable[[], Any] | None) -> AgentRollout | None:
+    """The job's agent rollout (its user code loaded by preflight), or None: one turn per
+    sample."""
+    rollout, env = single.spec.rollout, single.spec.environment
+    if function is not None:
+        return AgentRollout(single, name=str(rollout.function), function=function,
+                            function_args=rollout.function_args,
+                            max_turns=rollout.max_turns)
+    if environment is not None:
+        return AgentRollout(single, name=str(env.class_), environment=environment,
+                            environment_args=env.args, max_turns=rollout.max_turns)
+    return None

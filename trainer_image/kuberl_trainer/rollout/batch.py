@@ -55,7 +55,27 @@ def step_metrics(responses: list[Response], rewards: torch.Tensor, scores: torch
         "response_length_min": float(min(lengths)),
         "response_length_max": float(max(lengths)),
         "truncated_fraction": sum(r.truncated for r in responses) / len(responses),
+        **agent_metrics(responses),
     }
+
+
+def agent_metrics(responses: list[Response]) -> dict[str, float]:
+    """Multi-turn trajectories: the model's turns, each trajectory's length split into the
+    model's tokens and the environment's, the seconds of its environment's steps, and the
+    environment's own metrics (mean over steps, then trajectories; prefixed env_). None for
+    single-turn responses."""
+    if all(r.turns == 1 and r.env_tokens == 0 for r in responses):
+        return {}
+    env = [float(r.env_tokens) for r in responses]
+    out = {"turns_mean": statistics.fmean(r.turns for r in responses),
+           "response_env_tokens_mean": statistics.fmean(env),
+           "response_model_tokens_mean": statistics.fmean(
+               len(r.output_ids) - e for r, e in zip(responses, env, strict=True)),
+           "env_step_s": statistics.fmean(r.env_step_s for r in responses)}
+    for key in sorted({k for r in responses for k in r.env_metrics}):  # the environment's own
+        values = [r.env_metrics[key] for r in responses if key in r.env_metrics]
+        out[f"env_{key}"] = statistics.fmean(values)
+    return out
 
 
 def engine_throughput(responses: list[Response]) -> dict[str, float]:

@@ -11,7 +11,7 @@ the same way.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kuberl_api.spec import RLJobSpec
@@ -39,6 +39,8 @@ class Response:
     loss_mask: list[float] | None = None
     turns: int = 1  # the model's turns in it
     env_tokens: int = 0  # the environment's tokens among output_ids
+    env_step_s: float = 0.0  # the seconds its environment's steps took
+    env_metrics: dict[str, float] = field(default_factory=dict)  # theirs, mean over steps
 
     @classmethod
     def from_trajectory(cls, sample: Sample, traj: Trajectory, text: str,

@@ -30,6 +30,7 @@ from kuberl_trainer.algos import distillation, estimators, shaping, value_loss
 from kuberl_trainer.algos.filters import expand_to_samples, nonconstant_groups
 from kuberl_trainer.backends.base import TrainBatch
 from kuberl_trainer.engines.client import EngineClient
+from kuberl_trainer.rollout.agentic import AgentRollout, agent_rollout
 from kuberl_trainer.rollout.batch import engine_throughput, pack, step_metrics
 from kuberl_trainer.rollout.generate import Response, SingleTurn
 from kuberl_trainer.rollout.prompts import PromptSource, Sample
@@ -65,13 +66,19 @@ class RolloutManager:
                  tokenizer: Any, reward_fn: Callable[[str, str], float], *,
                  seed: int = 0, ref_logprobs: TokenFn | None = None,
                  values: TokenFn | None = None, sft_source: PromptSource | None = None,
-                 sampled: Callable[[], Awaitable[None]] | None = None) -> None:
+                 sampled: Callable[[], Awaitable[None]] | None = None,
+                 rollout_function: Callable[..., Any] | None = None,
+                 environment_class: Callable[[], Any] | None = None) -> None:
         self.spec, self.source, self.client, self.seed = spec, source, client, seed
         # Called once a step's sampling is over, before the trainers' passes over the batch
         # (colocated: the GPUs go from the engines to the trainers, memory_handoff.py).
         self.sampled = sampled
         self.tokenizer, self.reward_fn = tokenizer, reward_fn
-        self._sample = SingleTurn(spec, client, tokenizer, seed)  # (generate.py: the seam)
+        # How prompts become responses (generate.py, the seam): one turn each, or trajectories
+        # from the user's rollout function or environment (agentic.py)
+        single = SingleTurn(spec, client, tokenizer, seed)
+        self._sample: SingleTurn | AgentRollout = (
+            agent_rollout(single, rollout_function, environment_class) or single)
         if estimators.needs_reference(spec.algorithm) and ref_logprobs is None:
             raise ValueError("klPenalty: reward and on_policy_distillation need the trainer's "
                              "reference (teacher) log-probs")

@@ -1,0 +1,39 @@
+"""User code the agent tests name in their manifests (rollout.function, environment.class),
+as a user's module would be: importable on the head."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kuberl_trainer.agents import RolloutContext, Trajectory
+
+
+async def ask_twice(ctx: RolloutContext, *, note: str) -> Trajectory:
+    """Answer, read a note (the environment's tokens), answer again: 4 tokens a turn at most,
+    so every trajectory has exactly two model turns within the budget."""
+    traj = ctx.trajectory()
+    await ctx.generate(traj, max_new_tokens=4)
+    traj.append_env(ctx.tokenize(note))
+    await ctx.generate(traj, max_new_tokens=4)
+    return traj
+
+
+class Checker:
+    """An environment: after the model's first answer it says "+" (one token of the tiny
+    vocabulary), after the second it is done; each step's reward is 1 (the job grades with
+    reward.type exact, not these)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    async def reset(self, sample: Any, **args: str) -> dict[str, Any]:
+        assert args == {"mode": "strict"}, args
+        return {}
+
+    async def step(self, action_ids: list[int], action_text: str) -> dict[str, Any]:
+        self.steps += 1
+        return {"observation": {"text": "+"}, "reward": 1.0, "done": self.steps == 2,
+                "metrics": {"steps": float(self.steps)}}
+
+    async def close(self) -> None:
+        pass
