@@ -22,12 +22,14 @@ SMALL = {"data": {"rolloutBatchSize": 4, "nSamplesPerPrompt": 4, "maxResponseLen
     ("function", {"rollout": {"function": "tests.integration.agent_tasks:ask_twice",
                               "functionArgs": {"note": "=7+"}, "maxTurns": 2}},
      (2.0, 2.0), (3.0, 3.0)),
-    # the built-in loop: done after two steps, one "+" between the turns (unless the budget
-    # ran out: a first turn that takes all 16 tokens, rarely, ends its episode there)
+    # the built-in loop: done after two steps, one "+" between the turns, unless the budget
+    # ran out (a first turn that takes all 16 tokens ends its episode there: rare for the
+    # tiny model, whose answers end with EOS, but sampled, so the bounds leave room for up to
+    # half the trajectories on any machine; never more than 2 turns or 1 "+")
     ("environment", {"environment": {"class": "tests.integration.agent_tasks:Checker",
                                      "args": {"mode": "strict"}},
                      "rollout": {"maxTurns": 3}},
-     (1.9, 2.0), (0.9, 1.0)),
+     (1.5, 2.0), (0.5, 1.0)),
 ])
 def test_a_multi_turn_job_trains_on_its_trajectories(
         tiny: Path, tmp_path: Path, name: str, agent: dict[str, Any],
@@ -41,5 +43,8 @@ def test_a_multi_turn_job_trains_on_its_trajectories(
         assert turns[0] <= row["turns_mean"] <= turns[1], row
         assert env_tokens[0] <= row["response_env_tokens_mean"] <= env_tokens[1], row
         assert row["response_model_tokens_mean"] > 0 and "pg_loss" in row
-        if name == "environment":  # its own metric (steps 1 and 2: mean 1.5), prefixed
-            assert row["env_steps"] == pytest.approx(1.5, abs=0.05) and row["env_step_s"] >= 0
+        if name == "environment":  # its own metric, prefixed: steps 1 and 2, mean 1.5 (1.0
+            # for an episode the budget ended after one step)
+            assert 1.0 <= row["env_steps"] <= 1.5 and row["env_step_s"] >= 0
+            if row["turns_mean"] == 2.0:
+                assert row["env_steps"] == pytest.approx(1.5)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 
 class TrajectoryError(ValueError):
@@ -27,7 +26,6 @@ class Trajectory:
     turns: int = 0  # the model's turns so far
     texts: list[str] = field(default_factory=list)  # each model turn's text, as decoded
     finish_reason: str = ""  # the last turn's ("stop", "length", "abort")
-    metadata: dict[str, Any] = field(default_factory=dict)
     # (start, tokens) of each model turn, as generate appended it: `check` compares, so a
     # token changed or added by hand is caught before it reaches the loss
     _sampled: list[tuple[int, tuple[int, ...]]] = field(default_factory=list, repr=False)
