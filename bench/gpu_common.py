@@ -75,7 +75,7 @@ def build_model(out: Path, shape: str) -> Path:
     if (model_dir / "config.json").exists():
         return model_dir
     train, _ = split(seed=0, n_eval=500)
-    write_jsonl(out / "data" / "train.jsonl", train)
+    write_jsonl(out / "data" / "train.jsonl", (p.record() for p in train))
     hidden, layers, heads, kv, inter, vocab = SHAPES[shape]
     torch.manual_seed(0)
     cfg = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,

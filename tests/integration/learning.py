@@ -31,8 +31,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
-from tests.integration.local_run import LEARNABLE, failed, kuberl_run, manifest, metrics
+from tests.integration.local_run import (
+    LEARNABLE,
+    ROOT,
+    failed,
+    kuberl_run,
+    manifest,
+    metrics,
+    tiny_job,
+    tiny_tool_job,
+)
 
 LEADING = "1"  # what toy_rewards.leading_one rewards
 MAX_PROMPT_LEN = 8  # local_run.manifest's data.maxPromptLen
@@ -136,13 +146,14 @@ def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
                     for k, v in b.items()}}
 
 
-def _run(tiny: Path, tmp: Path, name: str, steps: int, spec: dict[str, Any]
-         ) -> tuple[Path, str]:
+def _run(tiny: Path, tmp: Path, name: str, steps: int, spec: dict[str, Any],
+         env: dict[str, str] | None = None) -> tuple[Path, str]:
     """`kuberl run` of the tiny job for `steps` steps with the test seed: (output dir,
     stdout)."""
     spec = merge({"schedule": {"numRollouts": steps}}, spec)
     out = tmp / name
-    res = kuberl_run(manifest(tiny, tmp, name, **spec), out, "--seed", str(run_seed()))
+    res = kuberl_run(manifest(tiny, tmp, name, **spec), out, "--seed", str(run_seed()),
+                     env=env)
     assert res.returncode == 0, failed(res)
     return out, res.stdout
 
@@ -151,18 +162,30 @@ def _run(tiny: Path, tmp: Path, name: str, steps: int, spec: dict[str, Any]
 class Scenario:
     """One learning run and the measures that judge it. `thresholds` maps each measure to
     the line it must beat: a gain or share must exceed it, a ratio (a name ending in _ratio)
-    must stay below it. `prepare` (tiny, tmp) makes what the run needs first and returns
-    the manifest sections that point at it."""
+    must stay below it, as must every measure in `ceilings`. `prepare` (tiny, tmp) makes
+    what the run needs first and returns the manifest sections that point at it. `task`:
+    the tiny build it runs on ("add", or "tool": the tiny agent's); `env`: variables for
+    the run."""
 
     measure: Callable[[Path, Path, Path], dict[str, Measure]]  # (tiny, tmp, out)
     spec: dict[str, Any] = field(default_factory=dict)
     steps: int = 8
     thresholds: dict[str, float] = field(default_factory=dict)
     prepare: Callable[[Path, Path], dict[str, Any]] | None = None
+    task: str = "add"
+    env: dict[str, str] = field(default_factory=dict)
+    ceilings: dict[str, float] = field(default_factory=dict)
+
+    def below(self, name: str) -> bool:
+        """Whether `name` must stay below its line (else it must exceed it)."""
+        return name.endswith("_ratio") or name in self.ceilings
+
+    def line(self, name: str) -> float:
+        return self.ceilings[name] if name in self.ceilings else self.thresholds[name]
 
     def run(self, tiny: Path, tmp: Path) -> Outcome:
         spec = merge(self.spec, self.prepare(tiny, tmp)) if self.prepare else self.spec
-        out, stdout = _run(tiny, tmp, "run", self.steps, spec)
+        out, stdout = _run(tiny, tmp, "run", self.steps, spec, self.env)
         outcome = Outcome(out=out, stdout=stdout, rows=metrics(out),
                           measures=self.measure(tiny, tmp, out))
         # what `pytest -rP` shows of a passing test: the margins on this machine
@@ -173,13 +196,18 @@ class Scenario:
 
     def failures(self, outcome: Outcome) -> list[str]:
         bad = []
-        for name, line in self.thresholds.items():
-            m = outcome.measures[name]
-            ok = m.value < line if name.endswith("_ratio") else m.value > line
+        for name in [*self.thresholds, *self.ceilings]:
+            m, line = outcome.measures[name], self.line(name)
+            ok = m.value < line if self.below(name) else m.value > line
             if not ok:
                 bad.append(f"{name} {m.value:.4f} (before {m.before:.4f}, after {m.after:.4f})"
                            f" does not pass {line}")
         return bad
+
+
+def tiny_for(task: str) -> Path:
+    """The tiny build a scenario's task runs on."""
+    return tiny_tool_job() if task == "tool" else tiny_job()
 
 
 def reward_gain(tiny: Path, tmp: Path, out: Path) -> dict[str, Measure]:
@@ -303,7 +331,75 @@ DISTILLATION = Scenario(
 MIXED_SFT = Scenario(demonstrations_nll, {"algorithm": {"sftCoef": 1.0}},
                      thresholds={"demo_nll_ratio": 0.05}, prepare=sevens)
 
-SCENARIOS: dict[str, Scenario] = {**ALGORITHMS, "on_policy_distillation": DISTILLATION,
+# ------------------------------------------------------------------ the tiny agent's arms
+
+@cache
+def _tool_measures(model_dir: Path, eval_file: Path) -> dict[str, float]:
+    from kuberl_trainer.tiny.evaluate import sequence_logprob, tool_measures
+    from kuberl_trainer.tiny.tool import ToolProblem
+
+    model, tokenizer = _load(model_dir)
+    problems = [ToolProblem(*map(int, json.loads(line)["prompt"][:-1].split("+")))
+                for line in eval_file.read_text().splitlines() if line.strip()]
+    measures = tool_measures(model, tokenizer, problems)
+    # the calculator's result after a call, as if the model wrote it: its log-probability
+    # rises far more if the environment's tokens are trained
+    measures["result_logprob"] = float(sequence_logprob(
+        model, tokenizer, [p.prompt + "=" for p in problems],
+        [p.label for p in problems]).mean())
+    return measures
+
+
+def tool_gains(tiny: Path, tmp: Path, out: Path) -> dict[str, Measure]:
+    """The tiny agent's exact measures (kuberl_trainer.tiny.evaluate.tool_measures) on the
+    held-out problems, before and after: the expected reward with the truthful calculator,
+    the probability of calling, and the log-probability of the calculator's result written
+    by the model itself."""
+    eval_file = tiny / "data" / "eval.jsonl"
+    before = _tool_measures(tiny / "model", eval_file)
+    after = _tool_measures(final_model(out), eval_file)
+    names = {"tool_reward_gain": "expected_reward_truthful", "call_prob_gain": "call_prob",
+             "lying_reward_gain": "expected_reward_lying",
+             "result_logprob_gain": "result_logprob"}
+    return {name: Measure(name, before[key], after[key], after[key] - before[key])
+            for name, key in names.items()}
+
+
+def _example_job(example: str) -> dict[str, Any]:
+    """An example manifest's spec as the tests' manifest() takes it: every section as written
+    but the model, the prompts' path, the schedule and the checkpoint (the test's)."""
+    spec = yaml.safe_load((ROOT / "examples" / example).read_text())["spec"]
+    for local in ("model", "schedule", "checkpoint"):
+        del spec[local]
+    del spec["data"]["prompts"]
+    return dict(spec)
+
+
+# the tiny agent's example as written (the test's steps and seed)
+TOOL_JOB = _example_job("tiny-agent.yaml")
+LYING = {"environment": {"args": {"lie": "1"}}}
+TOOL_STEPS = 12
+
+
+def _tool(thresholds: dict[str, float], ceilings: dict[str, float], *,
+          spec: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> Scenario:
+    return Scenario(tool_gains, merge(TOOL_JOB, spec or {}), steps=TOOL_STEPS,
+                    thresholds=thresholds, ceilings=ceilings, task="tool", env=env or {})
+
+
+# The three arms of test_agents.py's tool test, same seeds (bench/RESULTS.md, "The tiny
+# agent"): a truthful calculator is learnt to be called; a lying one is not; and with the
+# environment's tokens in the loss (a test-only switch) the model learns to write the
+# calculator's results itself, which masking them prevents.
+TOOL_ARMS: dict[str, Scenario] = {
+    "tool-truthful": _tool({"tool_reward_gain": 0.5}, {"result_logprob_gain": 1.0}),
+    "tool-lying": _tool({}, {"call_prob_gain": 0.01, "lying_reward_gain": 0.01}, spec=LYING),
+    "tool-env-tokens-trained": _tool(
+        {"result_logprob_gain": 2.0}, {},
+        env={"KUBERL_TEST_TRAIN_ENV_TOKENS": "1"}),
+}
+
+SCENARIOS: dict[str, Scenario] = {**TOOL_ARMS, **ALGORITHMS, "on_policy_distillation": DISTILLATION,
                                   "mixed-sft": MIXED_SFT,
                                   "sync-disaggregated": SYNC_DISAGGREGATED,
                                   "async-one-step-off": ASYNC_ONE_STEP_OFF,

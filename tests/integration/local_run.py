@@ -23,10 +23,23 @@ def tiny_job(sft_steps: int = SFT_STEPS) -> Path:
     under the user's cache directory, so later runs and clean clones reuse it)."""
     from kuberl_trainer.tiny.build import BuildConfig, build
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    out = cache / "kuberl" / f"test-tiny-sft{sft_steps}"
+    out = _cache() / f"test-tiny-sft{sft_steps}"
     build(out, BuildConfig(sft_steps=sft_steps))
     return out
+
+
+def tiny_tool_job() -> Path:
+    """The tiny agent's model and data (`tiny build --variant tool`), built once per machine
+    as tiny_job is."""
+    from kuberl_trainer.tiny.build import TOOL_SFT_STEPS, BuildConfig, build
+
+    out = _cache() / f"test-tiny-tool-sft{TOOL_SFT_STEPS}"
+    build(out, BuildConfig(sft_steps=TOOL_SFT_STEPS, variant="tool"))
+    return out
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kuberl"
 
 
 def manifest(tiny: Path, tmp: Path, name: str, **spec: Any) -> Path:
@@ -87,14 +100,15 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
 SHARED_RAY = "KUBERL_TEST_RAY"
 
 
-def kuberl_run(job: Path, out: Path, *extra: str,
-               timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def kuberl_run(job: Path, out: Path, *extra: str, timeout: float = 600,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`kuberl run job --output-dir out`, joining the test process's shared Ray when there is
-    one (a Ray on this machine only: the run behaves as a local one, options.Options)."""
+    one (a Ray on this machine only: the run behaves as a local one, options.Options);
+    `env`: variables set for this run on top of the test process's."""
     ray = ["--address", os.environ[SHARED_RAY]] if os.environ.get(SHARED_RAY) else []
     return subprocess.run([*KUBERL, "run", str(job), "--output-dir", str(out), *ray, *extra],
                           capture_output=True, text=True, timeout=timeout, cwd=job.parent,
-                          env=ENV)
+                          env={**ENV, **(env or {})})
 
 
 def failed(res: subprocess.CompletedProcess[str]) -> str:

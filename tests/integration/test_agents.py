@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.integration import learning
 from tests.integration.local_run import failed, kuberl_run, manifest, metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -48,3 +49,26 @@ def test_a_multi_turn_job_trains_on_its_trajectories(
             assert 1.0 <= row["env_steps"] <= 1.5 and row["env_step_s"] >= 0
             if row["turns_mean"] == 2.0:
                 assert row["env_steps"] == pytest.approx(1.5)
+
+
+@pytest.fixture(scope="session")
+def tiny_tool() -> Path:
+    """The tiny agent's build (`tiny build --variant tool`), cached per machine."""
+    return learning.tiny_for("tool")
+
+
+@pytest.mark.parametrize("arm", learning.TOOL_ARMS)
+def test_the_tiny_agent_learns_to_call_a_truthful_calculator_only(
+        tiny_tool: Path, tmp_path: Path, arm: str) -> None:
+    """examples/tiny-agent.yaml, three arms on the same seeds: with a truthful calculator the
+    policy learns to call it and its expected reward climbs; with a lying one it learns
+    nothing from calling; with the environment's tokens trained (a test-only switch) it learns
+    to write the calculator's results itself, which the loss mask prevents in the other arms
+    (the thresholds: tests/integration/learning.py, from the sweep in bench/RESULTS.md)."""
+    scenario = learning.TOOL_ARMS[arm]
+    outcome = scenario.run(tiny_tool, tmp_path)
+    assert [r["step"] for r in outcome.rows] == list(range(scenario.steps))
+    calls = [r["env_calls"] for r in outcome.rows if "env_calls" in r]
+    assert calls and all(0.0 <= c <= 1.0 for c in calls), calls  # at most one call counted
+    assert all(1.0 <= r["turns_mean"] <= 2.0 for r in outcome.rows if "turns_mean" in r)
+    assert not scenario.failures(outcome), scenario.failures(outcome)

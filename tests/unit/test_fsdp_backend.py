@@ -436,3 +436,56 @@ def test_sft_must_split_into_the_optimizer_steps(model_dir: str) -> None:
     backend = make_backend(spec, rank=0, world_size=1, device="cpu")
     with pytest.raises(ValueError, match="optimizer steps"):
         backend.train_step(with_old(backend, make_batch()), demonstrations().slice(0, 3))
+
+
+# -- agents' trajectories ----------------------------------------------------------------
+
+
+def test_a_trajectorys_environment_tokens_get_no_loss_gradient(
+        model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A multi-turn trajectory packed as the rollout packs it and trained by the backend: the
+    logits that score the environment's tokens get exactly zero gradient, every model
+    token's logits some (the environment's tokens still condition the later turns)."""
+    from kuberl_trainer.agents import Trajectory
+    from kuberl_trainer.rollout.batch import pack
+    from kuberl_trainer.rollout.generate import Response
+    from kuberl_trainer.rollout.prompts import Sample
+
+    rows = []
+    for k in range(2):  # two trajectories, one group: advantages +1 and -1
+        traj = Trajectory(prompt_ids=[3, 4, 5], budget=T - 3)
+        traj.append_model([6 + k, 7], [-1.0, -1.0], "v0", "stop")
+        traj.append_env([8, 9, 10])  # an observation, out of the loss
+        traj.append_model([11, 12 + k], [-1.0, -1.0], "v0", "stop")
+        sample = Sample("p", "l", index=0, epoch=0)
+        rows.append(Response.from_trajectory(sample, traj, ""))
+    batch = pack(rows, torch.tensor([1.0, -1.0]), pad_id=0)
+    backend = make_backend(make_spec(model_dir, mbs=2, gbs=2), rank=0, world_size=1,
+                           device="cpu")
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (input ids, logits' gradient)
+    module = backend.module.module if hasattr(backend.module, "module") else backend.module
+
+    def keep_grad(_: Any, args: Any, kwargs: Any, out: Any) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if out.logits.requires_grad:  # the training pass, not the log-prob passes
+            out.logits.register_hook(lambda g: seen.append((ids.detach(), g.detach())))
+
+    module.register_forward_hook(keep_grad, with_kwargs=True)
+    backend.train_step(with_old(backend, batch))
+    ids, grad = seen[-1]
+    # the pass may pack the rows into one (varlen): match each row's tokens in it
+    flat_ids, flat_grad = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
+    start = 0
+    for b in range(2):
+        n = int(batch.attention_mask[b].sum())
+        row = batch.input_ids[b, :n]
+        while not torch.equal(flat_ids[start:start + n], row):
+            start += 1
+        for t in range(1, n):
+            scored = flat_grad[start + t - 1].abs().sum()  # the logits that score token t
+            if batch.loss_mask[b, t] == 0:  # a prompt or environment token
+                assert scored == 0, (b, t)
+            else:
+                assert scored > 0, (b, t)
+        start += n
+    assert batch.loss_mask[0, 3:10].tolist() == [1, 1, 0, 0, 0, 1, 1]

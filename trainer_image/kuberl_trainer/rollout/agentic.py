@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import statistics
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -17,6 +18,11 @@ from kuberl_trainer.rollout.generate import Response, SingleTurn
 from kuberl_trainer.rollout.prompts import Sample
 
 RolloutFunction = Callable[..., Awaitable[Any]]
+
+# Test-only, not an API: "1" puts the environment's tokens in the loss, the mistake the peers'
+# users make, so that the tiny agent's learning test can show what masking them prevents
+# (tests/integration/test_agents.py: the policy learns to produce the tool's output).
+TRAIN_ENV_TOKENS = "KUBERL_TEST_TRAIN_ENV_TOKENS"
 
 
 class AgentRollout:
@@ -69,6 +75,8 @@ class AgentRollout:
         row = Response.from_trajectory(sample, traj, traj.texts[-1] if traj.texts else "",
                                        where=self.name)
         row.engine = ctx.url or ""
+        if os.environ.get(TRAIN_ENV_TOKENS) == "1":
+            row.loss_mask = [1.0] * len(traj.ids)
         if self.environment is not None:
             row.env_step_s = episode.step_s
             row.env_metrics = {k: statistics.fmean(v) for k, v in episode.metrics.items() if v}

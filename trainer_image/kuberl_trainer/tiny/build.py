@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from kuberl_trainer.tiny import data, sft, tokenizer as tok
-from kuberl_trainer.tiny.evaluate import accuracy
+from kuberl_trainer.tiny import data, sft, tokenizer as tok, tool
+from kuberl_trainer.tiny.evaluate import accuracy, tool_measures
 from kuberl_trainer.tiny.model import ModelShape, make_model, n_params
 
 # Bump when a code change alters what a build produces, so older caches are rebuilt.
@@ -56,9 +56,24 @@ class BuildConfig:
     eval_samples: int = 8  # sampled accuracy: this many responses per prompt at temperature 1
     shape: ModelShape = field(default_factory=ModelShape)
     recipe: int = RECIPE
+    # "add": a+b= (the demo); "tool": a+b+c= with a calculator to call (tool.py)
+    variant: str = "add"
+    n_train: int = 20000  # tool: problems drawn (add: all 8100 less the eval set)
+    read_fraction: float = 1.0  # tool: the SFT rows that read a result (the rest answer)
 
     def key(self) -> dict[str, Any]:
-        return asdict(self)
+        key = asdict(self)
+        if self.variant == "add":  # the add build's key (and cache) as before the variants
+            for name in ("variant", "n_train", "read_fraction"):
+                del key[name]
+        return key
+
+
+VARIANTS = ("add", "tool")
+# The tool variant's warm start: reading a result is learnt in ~100 steps (greedy 1.0 at
+# 150), while every SFT step pushes the never-trained call token down: 150 steps leave
+# P(call) at ~0.008 (300: 0.006), rare enough that calling is RL's discovery.
+TOOL_SFT_STEPS = 150
 
 
 def cached(out: Path, config: BuildConfig) -> dict[str, Any] | None:
@@ -101,34 +116,50 @@ def _build_or_reuse(out: Path, config: BuildConfig, *, force: bool,
 
 
 def _build(out: Path, config: BuildConfig, log: Callable[[str], None]) -> dict[str, Any]:
+    if config.variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {config.variant!r}")
     start = time.perf_counter()
-    train, held_out = data.split(config.seed, config.n_eval)
-    data.write_jsonl(out / TRAIN_FILE, train)
-    data.write_jsonl(out / EVAL_FILE, held_out)
     tokenizer = tok.make_tokenizer()
     tok.save(tokenizer, out / TOKENIZER_DIR)
+    if config.variant == "tool":
+        train_t, held_t = tool.split(config.seed, config.n_train, config.n_eval)
+        records = [p.record() for p in train_t], [p.record() for p in held_t]
+        rows = sft.tool_rows(tokenizer, train_t, read_fraction=config.read_fraction,
+                             seed=config.seed)
+    else:
+        train, held_out = data.split(config.seed, config.n_eval)
+        records = [p.record() for p in train], [p.record() for p in held_out]
+        rows = sft.encode(tokenizer, train)
+    data.write_jsonl(out / TRAIN_FILE, records[0])
+    data.write_jsonl(out / EVAL_FILE, records[1])
 
     model = make_model(config.shape, config.seed)
-    log(f"tiny: SFT of a {n_params(model) / 1e6:.2f}M-parameter model, "
+    log(f"tiny: SFT of a {n_params(model) / 1e6:.2f}M-parameter model ({config.variant}), "
         f"{config.sft_steps} steps x {config.sft_batch_size}")
     sft_start = time.perf_counter()
-    losses = sft.train(model, tokenizer, train, steps=config.sft_steps,
-                       batch_size=config.sft_batch_size, lr=config.sft_lr, seed=config.seed)
+    losses = sft.train(model, rows, steps=config.sft_steps, batch_size=config.sft_batch_size,
+                       lr=config.sft_lr, seed=config.seed)
     sft_seconds = time.perf_counter() - sft_start
     with _no_progress_bars():  # a bar for one 3 MB file is noise in `make demo`'s output
         model.save_pretrained(str(out / MODEL_DIR))
     # The model directory alone is a complete HF checkpoint: model.path needs no tokenizer.
     tok.save(tokenizer, out / MODEL_DIR)
 
-    greedy = accuracy(model, tokenizer, held_out, seed=config.seed)
-    sampled = accuracy(model, tokenizer, held_out, temperature=1.0,
-                       n_samples=config.eval_samples, seed=config.seed)
+    if config.variant == "tool":
+        measures = tool_measures(model, tokenizer, held_t)
+        greedy, sampled = measures.pop("greedy_accuracy"), measures.pop("sampled_accuracy")
+    else:
+        measures = {}
+        greedy = accuracy(model, tokenizer, held_out, seed=config.seed)
+        sampled = accuracy(model, tokenizer, held_out, temperature=1.0,
+                           n_samples=config.eval_samples, seed=config.seed)
     return {
         "config": config.key(),
         "params": n_params(model),
         "vocab_size": len(tok.VOCAB),
-        "train_problems": len(train),
-        "eval_problems": len(held_out),
+        "train_problems": len(records[0]),
+        "eval_problems": len(records[1]),
+        **measures,
         "sft_final_loss": _tail_mean(losses),
         "greedy_accuracy": greedy,
         "sampled_accuracy": sampled,

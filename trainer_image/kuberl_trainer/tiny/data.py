@@ -48,11 +48,11 @@ def split(seed: int, n_eval: int) -> tuple[list[Problem], list[Problem]]:
     return problems[n_eval:], problems[:n_eval]
 
 
-def write_jsonl(path: Path, problems: Iterable[Problem]) -> None:
+def write_jsonl(path: Path, records: Iterable[dict[str, str]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
-        for p in problems:
-            f.write(json.dumps(p.record()) + "\n")
+        for record in records:
+            f.write(json.dumps(record) + "\n")
 
 
 def read_jsonl(path: Path) -> list[dict[str, str]]:

@@ -14,12 +14,9 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-PAD = "<pad>"
-EOS = "<eos>"
-SYMBOLS = "0123456789+="
-# pad is id 0 so zero-initialised buffers read as padding; no bos: prompts are short and fixed
-# in form, and Qwen2 needs none.
-VOCAB: dict[str, int] = {tok: i for i, tok in enumerate([PAD, EOS, *SYMBOLS])}
+from kuberl_trainer.tiny.vocab import EOS, PAD, SYMBOLS, VOCAB
+
+__all__ = ["EOS", "PAD", "SYMBOLS", "VOCAB", "make_tokenizer", "save"]
 
 
 def _backend() -> Tokenizer:
