@@ -37,3 +37,25 @@ class Checker:
 
     async def close(self) -> None:
         pass
+
+
+async def two_rows(ctx: RolloutContext, *, note: str) -> list[Trajectory]:
+    """Two rows of one sample (rollout.maxRowsPerSample 2), each as ask_twice makes it; the
+    sample's reward (reward.type environment) set on the second: 1 when its answer is the
+    sample's label, read from its metadata (data.metadataKeys: [label])."""
+    rows = [await ask_twice(ctx, note=note) for _ in range(2)]
+    rows[1].reward = float(rows[1].texts[-1].strip() == str(ctx.sample.metadata["label"]))
+    return rows
+
+
+class FlakyChecker(Checker):
+    """Checker whose every eighth episode fails at its reset, as a remote tool might
+    (environment.onError drop): two of each 16-episode step."""
+
+    resets = 0
+
+    async def reset(self, sample: Any, **args: str) -> dict[str, Any]:
+        FlakyChecker.resets += 1
+        if FlakyChecker.resets % 8 == 1:
+            raise ConnectionError("checker unreachable")
+        return await super().reset(sample, **args)

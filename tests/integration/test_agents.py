@@ -1,6 +1,9 @@
 """Multi-turn jobs end to end: `kuberl run` with rollout.function and with environment.class on
 the tiny job (real Ray, a reference engine, weight sync): every trajectory has the model's
-turns and the environment's tokens the manifest asks for, and the job trains to its end."""
+turns and the environment's tokens the manifest asks for, and the job trains to its end. The
+function returns two rows per sample and sets their reward (reward.type environment) from a
+metadata column; the environment drops the groups of its failed episodes (onError drop) and
+rewards by its steps."""
 
 from __future__ import annotations
 
@@ -19,23 +22,27 @@ SMALL = {"data": {"rolloutBatchSize": 4, "nSamplesPerPrompt": 4, "maxResponseLen
 
 
 @pytest.mark.parametrize("name, agent, turns, env_tokens", [
-    # a function: two turns of 4 tokens at most around a 3-token note, exactly
-    ("function", {"rollout": {"function": "tests.integration.agent_tasks:ask_twice",
-                              "functionArgs": {"note": "=7+"}, "maxTurns": 2}},
+    # a function: two rows a sample, each two turns of 4 tokens at most around a 3-token
+    # note, exactly
+    ("function", {"rollout": {"function": "tests.integration.agent_tasks:two_rows",
+                              "functionArgs": {"note": "=7+"}, "maxTurns": 2,
+                              "maxRowsPerSample": 2},
+                  "reward": {"type": "environment"}, "data": {"metadataKeys": ["label"]}},
      (2.0, 2.0), (3.0, 3.0)),
     # the built-in loop: done after two steps, one "+" between the turns, unless the budget
     # ran out (a first turn that takes all 16 tokens ends its episode there: rare for the
     # tiny model, whose answers end with EOS, but sampled, so the bounds leave room for up to
     # half the trajectories on any machine; never more than 2 turns or 1 "+")
-    ("environment", {"environment": {"class": "tests.integration.agent_tasks:Checker",
-                                     "args": {"mode": "strict"}},
-                     "rollout": {"maxTurns": 3}},
+    ("environment", {"environment": {"class": "tests.integration.agent_tasks:FlakyChecker",
+                                     "args": {"mode": "strict"}, "onError": "drop"},
+                     "rollout": {"maxTurns": 3}, "reward": {"type": "environment"}},
      (1.5, 2.0), (0.5, 1.0)),
 ])
 def test_a_multi_turn_job_trains_on_its_trajectories(
         tiny: Path, tmp_path: Path, name: str, agent: dict[str, Any],
         turns: tuple[float, float], env_tokens: tuple[float, float]) -> None:
-    job = manifest(tiny, tmp_path, f"agent-{name}", **SMALL, **agent)
+    job = manifest(tiny, tmp_path, f"agent-{name}",
+                   **{**SMALL, **agent, "data": {**SMALL["data"], **agent.get("data", {})}})
     res = kuberl_run(job, tmp_path / "out")
     assert res.returncode == 0, failed(res)
     rows = metrics(tmp_path / "out")
@@ -44,11 +51,19 @@ def test_a_multi_turn_job_trains_on_its_trajectories(
         assert turns[0] <= row["turns_mean"] <= turns[1], row
         assert env_tokens[0] <= row["response_env_tokens_mean"] <= env_tokens[1], row
         assert row["response_model_tokens_mean"] > 0 and "pg_loss" in row
+        if name == "function":  # one reward a sample (0 or 1), its two rows trained together
+            assert row["rows_mean"] == 2.0 and row["env_errors"] == 0
+            assert 0.0 <= row["reward_mean"] <= 1.0
         if name == "environment":  # its own metric, prefixed: steps 1 and 2, mean 1.5 (1.0
             # for an episode the budget ended after one step)
             assert 1.0 <= row["env_steps"] <= 1.5 and row["env_step_s"] >= 0
             if row["turns_mean"] == 2.0:
                 assert row["env_steps"] == pytest.approx(1.5)
+            # 2 of the step's 16 episodes fail: their groups (1 or 2 of 4) leave the step,
+            # and the reward (a step's 1, summed) of the episodes that finished is 1 or 2,
+            # never a failed one's 0
+            assert row["env_errors"] == 2 and row["kept_group_fraction"] in (0.5, 0.75)
+            assert 1.0 <= row["reward_mean"] <= 2.0
 
 
 @pytest.fixture(scope="session")

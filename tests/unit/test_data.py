@@ -177,3 +177,33 @@ def test_bad_parquet(tmp_path: Path) -> None:
     pq.write_table(pa.table({"prompt": pa.array([], pa.string()),
                              "label": pa.array([], pa.string())}), empty)
     assert "is empty (no rows)" in _error(empty)
+
+
+def test_metadata_keys_are_copied_into_each_sample(tmp_path: Path) -> None:
+    rows = [{"prompt": f"q{i}", "label": str(i), "level": i % 3, "tools": ["calc"] if i else [],
+             "unused": "x"} for i in range(4)]
+    source = PromptSource(_jsonl(tmp_path / "p.jsonl", rows), "prompt", "label", seed=0,
+                          metadata_keys=["level", "tools"])
+    drawn = source.next_batch(4) + source.samples()
+    assert all(s.metadata == {"level": s.index % 3, "tools": ["calc"] if s.index else []}
+               for s in drawn)  # as the file has them (a number stays a number), nothing else
+    assert drawn[0] == Sample(drawn[0].prompt, drawn[0].label, drawn[0].index, 0)  # (not keyed)
+    table = pa.Table.from_pylist(rows)
+    pq.write_table(table, tmp_path / "p.parquet")
+    parquet = PromptSource(tmp_path / "p.parquet", "prompt", "label", seed=0,
+                           metadata_keys=["level"]).samples()
+    assert [s.metadata for s in parquet] == [{"level": i % 3} for i in range(4)]
+    assert _source(tmp_path / "p.parquet").samples()[1].metadata == {}  # none asked for
+
+
+def test_a_missing_metadata_key_names_the_file_the_row_and_the_key(tmp_path: Path) -> None:
+    path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "label": "1", "level": 1},
+                                         {"prompt": "b", "label": "2"}])
+    source = PromptSource(path, "prompt", "label", seed=0, metadata_keys=["level"])
+    with pytest.raises(DataError, match=rf"^prompt file {path}, line 2: missing key 'level' "
+                                        r"of data.metadataKeys \(keys present: 'prompt', "):
+        source.check()
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "label": "1"}]), tmp_path / "p.parquet")
+    with pytest.raises(DataError, match=r"p.parquet: missing key 'level' \(no such column"):
+        PromptSource(tmp_path / "p.parquet", "prompt", "label", seed=0,
+                     metadata_keys=["level"]).check()

@@ -231,6 +231,18 @@ def test_several_optimizer_steps_per_rollout(model_dir: str) -> None:
         backend.train_step(make_batch().slice(0, 3))
 
 
+def test_a_samples_rows_train_in_one_optimizer_step(model_dir: str) -> None:
+    """rollout.maxRowsPerSample: globalBatchSize counts samples, so the 8 rows of 4 samples
+    (2 rows each) with globalBatchSize 2 make 2 optimizer steps of 4 rows, not 4 of 2."""
+    spec = make_spec(model_dir, mbs=1, gbs=2).model_dump(by_alias=True)
+    spec["data"].update(rolloutBatchSize=2, nSamplesPerPrompt=2)
+    spec["rollout"].update(function="agent:run", maxRowsPerSample=2)
+    rows = RLJobSpec.model_validate(spec)
+    assert (rows.global_batch_size, rows.global_batch_rows) == (2, 4)
+    backend = make_backend(rows, rank=0, world_size=1, device="cpu")
+    assert backend.train_step(with_old(backend, make_batch()))["optimizer_steps"] == 2
+
+
 @pytest.mark.parametrize("gbs", [B, B // 2], ids=["one-step", "two-steps"])
 def test_missing_old_logprobs_train_like_precomputed_ones(model_dir: str, gbs: int) -> None:
     """The loop leaves old_logprobs out. With one optimizer step per rollout the training

@@ -319,7 +319,7 @@ class TrainGroup(RankGroup):
         # Megatron packs micro-batches, so its ranks finish together when their token counts
         # match; fsdp keeps contiguous shards (its equivalence tests pin that order).
         self.layout = DataParallelLayout(tuple((r, n, bool(rep)) for r, n, rep in coords),
-                                         step_size=self.spec.global_batch_size,
+                                         step_size=self.spec.global_batch_rows,
                                          balance=self.spec.training.backend == "megatron")
 
     def save(self, path: str) -> None:

@@ -48,13 +48,16 @@ def check_data(spec: RLJobSpec) -> None:
     from kuberl_trainer.rollout.prompts import DataError, PromptSource
 
     d = spec.data
-    paths = [("spec.data.prompts", d.prompts)] + [
-        (f"spec.data.evalSets[{i}].path", e.path) for i, e in enumerate(d.eval_sets)]
+    # (the prompts and eval sets go through the rollout function or environment: they carry
+    # data.metadataKeys; the SFT demonstrations do not)
+    paths = [("spec.data.prompts", d.prompts, d.metadata_keys)] + [
+        (f"spec.data.evalSets[{i}].path", e.path, d.metadata_keys)
+        for i, e in enumerate(d.eval_sets)]
     if d.sft is not None:
-        paths.append(("spec.data.sft.path", d.sft.path))
-    for field, path in paths:
+        paths.append(("spec.data.sft.path", d.sft.path, []))
+    for field, path, metadata in paths:
         try:
-            PromptSource(path, d.input_key, d.label_key, seed=0).check()
+            PromptSource(path, d.input_key, d.label_key, seed=0, metadata_keys=metadata).check()
         except DataError as exc:
             raise PreflightError(f"{field}: {exc}") from None
 

@@ -107,7 +107,8 @@ class Session:
             self.client.router_url = self.router.url
             self.fleet.router = self.router
         d = self.spec.data
-        self.source = PromptSource(d.prompts, d.input_key, d.label_key, seed=self.opts.seed)
+        self.source = PromptSource(d.prompts, d.input_key, d.label_key, seed=self.opts.seed,
+                                   metadata_keys=d.metadata_keys)
         self.sft_source = (PromptSource(d.sft.path, d.input_key, d.label_key,
                                         seed=self.opts.seed) if d.sft else None)
         resumed = self._resume()

@@ -3,10 +3,17 @@ demonstrations."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import Field
 
 from kuberl_api.base import ApiModel, Rule, rules_schema
-from kuberl_api.spec.common import MAX_ROLLOUT_BATCH, MAX_SAMPLES_PER_PROMPT, MAX_STR
+from kuberl_api.spec.common import (
+    MAX_ITEMS,
+    MAX_ROLLOUT_BATCH,
+    MAX_SAMPLES_PER_PROMPT,
+    MAX_STR,
+)
 from kuberl_api.spec.model import Storage
 
 
@@ -44,6 +51,13 @@ class DataSpec(ApiModel):
                          description="Prompt file (JSONL or Parquet) as seen from the head pod.")
     input_key: str = Field("prompt", min_length=1, max_length=253)
     label_key: str = Field("label", min_length=1, max_length=253)
+    metadata_keys: list[Annotated[str, Field(min_length=1, max_length=253)]] = Field(
+        default_factory=list, max_length=MAX_ITEMS,
+        description="Columns of the prompt file (and of data.evalSets) copied into each "
+        "sample's metadata, which a rollout.function reads as ctx.sample.metadata and an "
+        "environment.class's reset as sample.metadata; a row without one of them is an error "
+        "naming the file, the row and the key. Only with rollout.function or "
+        "environment.class.")
     rollout_batch_size: int = Field(32, ge=1, le=MAX_ROLLOUT_BATCH,
                                     description="Prompts per step.")
     n_samples_per_prompt: int = Field(8, ge=1, le=MAX_SAMPLES_PER_PROMPT,

@@ -3,6 +3,8 @@ the head's process (docs/agents.md)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from kuberl_api.base import ApiModel, Rule, rules_schema
@@ -31,3 +33,10 @@ class EnvironmentSpec(ApiModel):
         "the head. Unset: no environment.")
     args: UserArgs = Field(default_factory=dict, max_length=64,
                            description="Keyword arguments of the environment's reset.")
+    on_error: Literal["fail", "drop"] = Field(
+        "fail", description="An episode whose environment fails (reset or step raises; a "
+        "rollout.function raises kuberl_trainer.agents.EnvironmentFailure). fail: the job "
+        "fails with the error. drop: the episode's whole GRPO group leaves the step (never "
+        "scored 0) and env_errors counts it; a step whose groups are all dropped is rolled "
+        "out again with the next prompts, twice at most, then the job fails. drop applies "
+        "only with environment.class or rollout.function.")

@@ -69,6 +69,12 @@ class RLJobSpec(ApiModel):
         return self.training.global_batch_size or samples
 
     @property
+    def global_batch_rows(self) -> int:
+        """The rows of one optimizer step: the global batch's samples, each its
+        rollout.maxRowsPerSample rows (a sample's rows train in the same step)."""
+        return self.global_batch_size * self.rollout.max_rows_per_sample
+
+    @property
     def has_critic(self) -> bool:
         return self.algorithm.advantage_estimator == "ppo"
 

@@ -186,6 +186,29 @@ FUNCTION_OR_ENVIRONMENT = ("rollout.function and environment.class both make tra
                            "one (a function runs its own environment)")
 MAX_TURNS_NEED_AGENT = ("rollout.maxTurns above 1 needs rollout.function or environment.class "
                         "(one turn per sample otherwise)")
+ON_ERROR_NEEDS_EPISODES = ("environment.onError: drop needs environment.class or "
+                           "rollout.function (a single-turn job has no episode to drop)")
+ENVIRONMENT_REWARD_NEEDS_EPISODES = (
+    "reward.type environment needs environment.class (the sum of its step rewards) or "
+    "rollout.function (the Trajectory.reward it sets)")
+METADATA_NEEDS_EPISODES = ("data.metadataKeys needs rollout.function or environment.class (only "
+                           "they see a sample's metadata)")
+ROWS_NEED_FUNCTION = ("rollout.maxRowsPerSample above 1 needs rollout.function (the built-in "
+                      "loop and a single turn make one row per sample)")
+# The estimators that give a sample's rows its one advantage: group-relative, per sequence.
+ROW_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+ROWS_NEED_SEQUENCE_ESTIMATOR = (
+    "rollout.maxRowsPerSample above 1 needs advantageEstimator " + ", ".join(ROW_ESTIMATORS[:-1])
+    + " or " + ROW_ESTIMATORS[-1] + " (every row takes its sample's group-relative advantage; "
+    "the others would score each row as an episode of its own)")
+# Whether the job makes episodes (a user's rollout function or kuberl's loop over an
+# environment), as CEL over the spec, and its Python twin.
+_EPISODES = "(has(self.rollout.function) || has(self.environment.class))"
+
+
+def _episodes(spec: RLJobSpec) -> bool:
+    return spec.rollout.function is not None or spec.environment.class_ is not None
+
 
 JOB_RULES = (
     Rule("self.mode == 'sync' || self.placement == 'disaggregated'",
@@ -376,4 +399,22 @@ JOB_RULES = (
          lambda s: (s.rollout.max_turns == 1 or s.rollout.function is not None
                     or s.environment.class_ is not None),
          MAX_TURNS_NEED_AGENT, "rollout.maxTurns"),
+    Rule(f"self.environment.onError == 'fail' || {_EPISODES}",
+         lambda s: s.environment.on_error == "fail" or _episodes(s), ON_ERROR_NEEDS_EPISODES,
+         "environment.onError"),
+    Rule(f"self.reward.type != 'environment' || {_EPISODES}",
+         lambda s: s.reward.type != "environment" or _episodes(s),
+         ENVIRONMENT_REWARD_NEEDS_EPISODES, "reward.type"),
+    Rule(f"size(self.data.metadataKeys) == 0 || {_EPISODES}",
+         lambda s: not s.data.metadata_keys or _episodes(s), METADATA_NEEDS_EPISODES,
+         "data.metadataKeys", value=lambda s: s.data.metadata_keys),
+    Rule("self.rollout.maxRowsPerSample == 1 || has(self.rollout.function)",
+         lambda s: s.rollout.max_rows_per_sample == 1 or s.rollout.function is not None,
+         ROWS_NEED_FUNCTION, "rollout.maxRowsPerSample"),
+    Rule("self.rollout.maxRowsPerSample == 1 || self.algorithm.advantageEstimator in "
+         f"{list(ROW_ESTIMATORS)}",
+         lambda s: (s.rollout.max_rows_per_sample == 1
+                    or s.algorithm.advantage_estimator in ROW_ESTIMATORS),
+         ROWS_NEED_SEQUENCE_ESTIMATOR, "rollout.maxRowsPerSample",
+         detail=lambda s: f"advantageEstimator = {s.algorithm.advantage_estimator}"),
 )

@@ -19,6 +19,10 @@ class RewardSpec(ApiModel):
     )
     model_config = {"json_schema_extra": rules_schema(RULES)}
 
-    type: Literal["math", "exact", "f1", "custom"] = "math"
+    type: Literal["math", "exact", "f1", "custom", "environment"] = Field(
+        "math", description="How a trajectory is graded. math, exact, f1, custom: its answer "
+        "(the last model turn's text) against the sample's label. environment: the sum of "
+        "its environment's step rewards (environment.class), or the Trajectory.reward a "
+        "rollout.function sets.")
     function: str | None = Field(None, max_length=MAX_STR, pattern=IMPORT_PATH_PATTERN,
                                  description="`module:function` for type custom.")

@@ -110,6 +110,7 @@ def _twice(rollout: RolloutSpec) -> list[str]:
 
 FUNCTION_ARGS_NEED_FUNCTION = "functionArgs applies only with function"
 MAX_TURNS = 1024
+MAX_ROWS_PER_SAMPLE = 64
 # (user code's settings: string maps, as environment variables are)
 UserArgs = dict[str, Annotated[str, Field(max_length=MAX_STR)]]
 
@@ -223,14 +224,23 @@ class RolloutSpec(ApiModel):
     function: str | None = Field(
         None, max_length=MAX_STR, pattern=IMPORT_PATH_PATTERN,
         description="`module:function`: an async rollout function, `run(ctx, **functionArgs) "
-        "-> Trajectory`, called once per sample and seed to make its trajectory with "
-        "ctx.generate (docs/agents.md); the module must be importable on the head. Unset: "
-        "one turn per sample (or environment.class).")
+        "-> Trajectory | list[Trajectory]`, called once per sample and seed to make its "
+        "trajectory (or up to maxRowsPerSample of them) with ctx.generate (docs/agents.md); "
+        "the module must be importable on the head. Unset: one turn per sample (or "
+        "environment.class).")
     function_args: UserArgs = Field(default_factory=dict, max_length=64,
                                     description="Keyword arguments of rollout.function.")
     max_turns: int = Field(1, ge=1, le=MAX_TURNS, description="The model's turns per "
                            "trajectory at most; more than 1 only with rollout.function or "
                            "environment.class.")
+    max_rows_per_sample: int = Field(
+        1, ge=1, le=MAX_ROWS_PER_SAMPLE,
+        description="The trajectories (training rows) rollout.function may return for one "
+        "sample, at most (a multi-agent or a context-reset agent); more than 1 only with "
+        "rollout.function and a group-relative advantageEstimator (grpo, dr_grpo, rloo). A "
+        "sample's rows share its one reward and advantage, and count as one sample of its "
+        "GRPO group and of globalBatchSize; a sample with fewer rows is padded with empty rows "
+        "out of the loss.")
 
     # Python only, not a Rule: the CRD cannot carry SGLang's flag table, so the API server
     # admits what this refuses (and the message is worked out per flag). Listed in

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -26,6 +27,9 @@ class Trajectory:
     turns: int = 0  # the model's turns so far
     texts: list[str] = field(default_factory=list)  # each model turn's text, as decoded
     finish_reason: str = ""  # the last turn's ("stop", "length", "abort")
+    # Set by a rollout function under reward.type environment: the trajectory's reward (a
+    # sample's trajectories add up to its one reward)
+    reward: float | None = None
     # (start, tokens) of each model turn, as generate appended it: `check` compares, so a
     # token changed or added by hand is caught before it reaches the loss
     _sampled: list[tuple[int, tuple[int, ...]]] = field(default_factory=list, repr=False)
@@ -85,6 +89,11 @@ class Trajectory:
         model token, tokens over the budget, per-token lists of other lengths, or a trainable
         token that is not the one generate appended there."""
         n = len(self.ids)
+        reward = self.reward
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)
+                                   or not math.isfinite(reward)):
+            raise TrajectoryError(f"{where}: the trajectory's reward is {reward!r}; expected a "
+                                  "finite number")
         if not (len(self.trainable) == len(self.logprobs) == len(self.versions) == n):
             raise TrajectoryError(f"{where}: the trajectory's per-token lists have other "
                                   f"lengths than its {n} tokens (change it only through "

@@ -25,24 +25,33 @@ def kl_in_reward(algo: AlgorithmSpec) -> bool:
 
 
 def token_advantages(algo: AlgorithmSpec, scores: Tensor, group_size: int, mask: Tensor, *,
-                     kl: Tensor | None = None) -> Tensor:
+                     kl: Tensor | None = None, rows: int = 1) -> Tensor:
     """``[B, T]`` advantages, 0 off ``mask``.
 
     Args:
         algo: the job's algorithm section (``advantageEstimator``, ``gamma``, ``klCoef``).
-        scores: ``[B]`` shaped rewards, prompt groups contiguous runs of ``group_size``.
+        scores: ``[B / rows]`` shaped rewards, one per trajectory, prompt groups contiguous
+            runs of ``group_size``.
         mask: ``[B, T]`` 1 on the response tokens that are trained on (dropped groups are 0
             here, so token-level estimators whiten over the tokens that count).
         kl: ``[B, T]`` per-token KL estimate (sampling policy vs reference), required when
             ``kl_in_reward(algo)``.
+        rows: each trajectory's rows in ``mask``, consecutive (rollout.maxRowsPerSample): a
+            trajectory counts once in its group, and every row of it takes its advantage.
+            Above 1 for the group-relative sequence estimators only (grpo, dr_grpo, rloo).
     """
     est = algo.advantage_estimator
-    if est in ("grpo", "dr_grpo"):
+    if rows < 1 or scores.dim() != 1 or scores.shape[0] * rows != mask.shape[0]:
+        raise ValueError(f"{tuple(scores.shape)} scores of {rows} rows each do not match "
+                         f"the mask's {mask.shape[0]} rows")
+    if est in ("grpo", "dr_grpo", "rloo"):
         # Dr.GRPO drops the std normalisation (its length normalisation is a loss aggregation).
-        seq = advantages.grpo(scores, group_size, normalize_std=est == "grpo")
-        return advantages.to_tokens(seq, mask)
-    if est == "rloo":
-        return advantages.to_tokens(advantages.rloo(scores, group_size), mask)
+        seq = (advantages.rloo(scores, group_size) if est == "rloo" else
+               advantages.grpo(scores, group_size, normalize_std=est == "grpo"))
+        return advantages.to_tokens(seq.repeat_interleave(rows), mask)
+    if rows != 1:
+        raise ValueError(f"advantageEstimator {est} scores each row as an episode: several "
+                         "rows per trajectory need grpo, dr_grpo or rloo")
     kl_coef = algo.kl_coef if kl_in_reward(algo) else 0.0
     if kl_coef > 0 and kl is None:
         raise ValueError(f"klPenalty: reward with {est} needs the per-token KL")

@@ -86,8 +86,10 @@ class FSDPBackend:
         self.device = _resolve_device(device)
         self.mode: Mode = parallel_mode(world_size, self.device)
         self.micro_batch_size = spec.training.micro_batch_size
+        # (rows: a sample's rows, rollout.maxRowsPerSample, train in the same optimizer step)
         self.rank_batch_size = rank_batch_size(spec.global_batch_size, world_size,
-                                               self.micro_batch_size)
+                                               self.micro_batch_size
+                                               ) * spec.rollout.max_rows_per_sample
         # `module` is the HF model itself (HF state_dict names, save_pretrained); `model` is
         # what the training forward runs through (the DDP wrapper, when there is one).
         self.module = self._build_trainable()

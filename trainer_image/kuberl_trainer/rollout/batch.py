@@ -1,5 +1,11 @@
-"""A step's responses as the trainers take them (a TrainBatch), and what the step reports
-about them (rewards, lengths, advantages, each engine's throughput)."""
+"""A step's responses as the trainers take them (a TrainBatch), what the step reports about
+them (rewards, lengths, advantages, each engine's throughput), and its rows as trajectories.
+
+Each trajectory (a sample and seed: one member of its prompt's GRPO group) takes `rows`
+consecutive rows (rollout.maxRowsPerSample; 1 unless a rollout function returns several): its
+trajectories, then fillers out of the loss. Every row of a trajectory carries its one reward
+and score; a trajectory whose episode failed (environment.onError drop) is only fillers, the
+first with the error."""
 
 from __future__ import annotations
 
@@ -40,9 +46,39 @@ def pack(responses: list[Response], advantages: torch.Tensor, pad_id: int) -> Tr
                       advantages=token_adv, rollout_logprobs=rollout_lp)
 
 
-def step_metrics(responses: list[Response], rewards: torch.Tensor, scores: torch.Tensor,
-                 batch: TrainBatch) -> dict[str, float]:
-    lengths = [len(r.output_ids) for r in responses]
+def trajectories(responses: list[Response], rows: int) -> list[list[Response]]:
+    """The step's rows by trajectory: consecutive runs of `rows`."""
+    if rows < 1 or len(responses) % rows:
+        raise ValueError(f"{len(responses)} rows are not whole trajectories of {rows}")
+    return [responses[i:i + rows] for i in range(0, len(responses), rows)]
+
+
+def failed(trajectory: list[Response]) -> bool:
+    """Whether its episode failed (and was dropped: environment.onError drop)."""
+    return any(r.error is not None for r in trajectory)
+
+
+def graded_row(trajectory: list[Response]) -> Response | None:
+    """The row its answer is read from: its last real row (None when its episode failed)."""
+    real = [r for r in trajectory if not r.filler]
+    return real[-1] if real else None
+
+
+def failed_groups(responses: list[Response], n: int, rows: int) -> torch.Tensor:
+    """``BoolTensor[groups]``: the groups of ``n`` trajectories with a failed episode."""
+    return torch.tensor([failed(t) for t in trajectories(responses, rows)],
+                        dtype=torch.bool).view(-1, n).any(dim=1)
+
+
+def step_metrics(responses: list[Response], batch: TrainBatch, rows: int = 1
+                 ) -> dict[str, float]:
+    """Rewards and scores per trajectory, failed ones left out (never counted as 0); lengths
+    and truncation per row, fillers left out."""
+    done = [t[0] for t in trajectories(responses, rows) if not failed(t)]
+    rewards = torch.tensor([r.reward for r in done], dtype=torch.float32)
+    scores = torch.tensor([r.score for r in done], dtype=torch.float32)
+    real = [r for r in responses if not r.filler]
+    lengths = [len(r.output_ids) for r in real]
     on = batch.loss_mask.bool()
     adv = batch.advantages[on]
     return {
@@ -54,8 +90,9 @@ def step_metrics(responses: list[Response], rewards: torch.Tensor, scores: torch
         "response_length_mean": statistics.fmean(lengths),
         "response_length_min": float(min(lengths)),
         "response_length_max": float(max(lengths)),
-        "truncated_fraction": sum(r.truncated for r in responses) / len(responses),
-        **agent_metrics(responses),
+        "truncated_fraction": sum(r.truncated for r in real) / len(real),
+        **({"rows_mean": len(real) / len(done)} if rows > 1 and done else {}),
+        **agent_metrics(real),
     }
 
 

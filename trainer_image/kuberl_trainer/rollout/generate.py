@@ -41,6 +41,19 @@ class Response:
     env_tokens: int = 0  # the environment's tokens among output_ids
     env_step_s: float = 0.0  # the seconds its environment's steps took
     env_metrics: dict[str, float] = field(default_factory=dict)  # theirs, mean over steps
+    # The trajectory's reward by its environment (the sum of its step rewards) or the one its
+    # rollout function set (Trajectory.reward): what reward.type environment grades with
+    env_reward: float | None = None
+    # A row that only keeps the batch's shape, out of the loss: the rows a sample's rollout
+    # function did not fill up to rollout.maxRowsPerSample, or those of a dropped episode
+    filler: bool = False
+    error: str | None = None  # why its episode failed (environment.onError: drop), on fillers
+
+    @classmethod
+    def filler_row(cls, sample: Sample, pad_id: int, error: str | None = None) -> Response:
+        """A row of one padding token, out of the loss (and of every metric)."""
+        return cls(sample=sample, prompt_ids=[pad_id], output_ids=[], logprobs=[], text="",
+                   truncated=False, loss_mask=[], turns=0, filler=True, error=error)
 
     @classmethod
     def from_trajectory(cls, sample: Sample, traj: Trajectory, text: str,

@@ -2,15 +2,19 @@
 
 One step's rollout (`RolloutManager.generate`, top to bottom): take `rolloutBatchSize` prompts
 from the data source, have `nSamplesPerPrompt` responses made of each (generate.py: one batched
-request per engine), grade them, and then:
+request per engine; agentic.py: a trajectory per sample and seed, in one row or, from a
+rollout function, up to `rollout.maxRowsPerSample`), grade each trajectory once, and then:
 
+0. a group with an episode that failed (environment.onError drop) leaves the loss; a step
+   whose every group did is rolled out again with the next prompts (ALL_DROPPED_RETRIES);
 1. dynamic sampling (DAPO, `dynamicSamplingRounds`): replace groups whose rewards are all
    equal by the groups of fresh prompts, for up to that many extra rounds;
 2. shape the scores (DAPO's overlong penalty, `overlongBuffer`);
 3. pack token tensors (batch.py); groups with no reward spread leave the loss when asked
    (`dropConstantGroups`, or those dynamic sampling could not replace);
 4. advantages by the job's estimator over the tokens that stay in the loss (with the KL
-   penalty in the rewards, the trainer's reference log-probs first).
+   penalty in the rewards, the trainer's reference log-probs first), one per trajectory
+   (every row of it takes its advantage: its rows are not extra samples of the group).
 """
 
 from __future__ import annotations
@@ -31,9 +35,25 @@ from kuberl_trainer.algos.filters import expand_to_samples, nonconstant_groups
 from kuberl_trainer.backends.base import TrainBatch
 from kuberl_trainer.engines.client import EngineClient
 from kuberl_trainer.rollout.agentic import AgentRollout, agent_rollout
-from kuberl_trainer.rollout.batch import engine_throughput, pack, step_metrics
+from kuberl_trainer.rollout.batch import (
+    engine_throughput,
+    failed,
+    failed_groups,
+    graded_row,
+    pack,
+    step_metrics,
+    trajectories,
+)
 from kuberl_trainer.rollout.generate import Response, SingleTurn
 from kuberl_trainer.rollout.prompts import PromptSource, Sample
+
+# A step whose every group lost an episode (environment.onError drop) is rolled out again
+# with the next prompts, this many times at most; then the job fails with the last error.
+ALL_DROPPED_RETRIES = 2
+
+
+class RolloutError(RuntimeError):
+    """A step that has nothing to train on; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +99,7 @@ class RolloutManager:
         single = SingleTurn(spec, client, tokenizer, seed)
         self._sample: SingleTurn | AgentRollout = (
             agent_rollout(single, rollout_function, environment_class) or single)
+        self.rows = spec.rollout.max_rows_per_sample  # each trajectory's rows in the batch
         if estimators.needs_reference(spec.algorithm) and ref_logprobs is None:
             raise ValueError("klPenalty: reward and on_policy_distillation need the trainer's "
                              "reference (teacher) log-probs")
@@ -91,7 +112,8 @@ class RolloutManager:
         self._positions: dict[int, DataPosition] = {}  # see position_at
         self.eval_sets = [
             (e.name, PromptSource(e.path, spec.data.input_key, spec.data.label_key,
-                                  seed=seed).samples(), e.n_samples_per_prompt)
+                                  seed=seed, metadata_keys=spec.data.metadata_keys).samples(),
+             e.n_samples_per_prompt)
             for e in spec.data.eval_sets]
 
     def position_at(self, step: int) -> DataPosition:
@@ -110,38 +132,55 @@ class RolloutManager:
     async def generate(self, step: int) -> Rollout:
         """Step `step`'s rollout, in the order its parts happen."""
         d, algo = self.spec.data, self.spec.algorithm
-        n = d.n_samples_per_prompt
+        n, rows = d.n_samples_per_prompt, self.rows
         started = time.perf_counter()
         self._positions[step] = self._position_now()
-        # generate and grade (each response's score: its reward plus the shaping)
+        # generate and grade (each trajectory's score: its reward plus the shaping)
         samples = self.source.next_batch(d.rollout_batch_size)
         responses = await self._graded(step, samples, n)
+        errors = _errors(responses)
+        for retry in range(ALL_DROPPED_RETRIES + 1):  # every group dropped: the next prompts
+            if not bool(failed_groups(responses, n, rows).all()):
+                break
+            if retry == ALL_DROPPED_RETRIES:
+                raise RolloutError(
+                    f"step {step}: every group of {retry + 1} rollouts in a row had an episode "
+                    "that failed, so none is left to train on (environment.onError: drop); "
+                    f"the last error: {next(r.error for r in responses if r.error)}")
+            fresh = self.source.next_batch(d.rollout_batch_size)
+            samples, responses = samples + fresh, await self._graded(step, fresh, n)
+            errors += _errors(responses)
         metrics: dict[str, Any] = {}
         if algo.dynamic_sampling_rounds:  # replace groups without spread by fresh ones
-            responses, extra, rounds = await self._refill(step, responses)
-            samples = samples + extra
+            responses, extra, rounds, refill_errors = await self._refill(step, responses)
+            samples, errors = samples + extra, errors + refill_errors
             metrics["dynamic_sampling_rounds"] = rounds
+        if isinstance(self._sample, AgentRollout):
+            metrics["env_errors"] = errors  # episodes that failed and were dropped
         # Which prompts this step saw: a resumed run must see exactly the same ones.
         metrics["prompts_sha"] = hashlib.sha256(
             "\n".join(f"{s.epoch}:{s.index}" for s in samples).encode()).hexdigest()[:16]
         if self.sampled is not None:
             await self.sampled()
-        # pack, and filter: groups without spread leave the loss
-        rewards = torch.tensor([r.reward for r in responses], dtype=torch.float32)
-        scores = torch.tensor([r.score for r in responses], dtype=torch.float32)
+        # pack, and filter: groups with a failed episode, and those without spread when
+        # asked, leave the loss. They stay in the batch (shapes, and so data-parallel shards,
+        # stay fixed) with a mask of zero, so they don't dilute its mean.
+        scores = torch.tensor([t[0].score for t in trajectories(responses, rows)],
+                              dtype=torch.float32)  # [trajectories]: one per sample and seed
         batch = pack(responses, torch.zeros(len(responses)), self.tokenizer.pad_token_id)
+        keep = ~failed_groups(responses, n, rows)
         if algo.drop_constant_groups or algo.dynamic_sampling_rounds:
-            # Dropped groups stay in the batch (shapes, and so data-parallel shards, stay
-            # fixed) but leave the loss: their mask is zero, so they don't dilute its mean.
-            keep = expand_to_samples(nonconstant_groups(scores, n), n)
-            batch.loss_mask *= keep[:, None].to(batch.loss_mask.dtype)
+            keep &= nonconstant_groups(scores, n)
+        if not bool(keep.all()) or algo.drop_constant_groups or algo.dynamic_sampling_rounds:
+            batch.loss_mask *= expand_to_samples(keep, n * rows)[:, None].to(
+                batch.loss_mask.dtype)
             metrics["kept_group_fraction"] = float(keep.float().mean())
         # advantages, over the tokens that stay in the loss
         metrics.update(self._advantages(batch, scores, n))
-        metrics.update(step_metrics(responses, rewards, scores, batch))
+        metrics.update(step_metrics(responses, batch, rows))
         metrics.update(engine_throughput(responses))
         return Rollout(batch=batch, metrics=metrics, sft=self._demonstrations(),
-                       versions=[r.weight_version for r in responses],
+                       versions=[r.weight_version for r in responses if not r.filler],
                        seconds=time.perf_counter() - started)
 
     def _advantages(self, batch: TrainBatch, scores: torch.Tensor, n: int
@@ -169,7 +208,7 @@ class RolloutManager:
                 metrics["explained_variance"] = explained
         else:
             batch.advantages = estimators.token_advantages(algo, scores, n, batch.loss_mask,
-                                                           kl=kl)
+                                                           kl=kl, rows=self.rows)
         return metrics
 
     def _demonstrations(self) -> TrainBatch | None:
@@ -189,63 +228,88 @@ class RolloutManager:
         return pack(rows, torch.zeros(len(rows)), tok.pad_token_id)
 
     async def _graded(self, step: int, samples: list[Sample], n: int) -> list[Response]:
+        """The samples' trajectories, each graded once (its last real row's answer, or its
+        environment's reward), its reward and score on every row; a failed one is never
+        graded (its group leaves the step)."""
         responses = await self._sample(step, samples, n)
-        for r in responses:
-            r.reward = float(self.reward_fn(r.text, r.sample.label))
-        penalties = self._overlong(responses)
-        for r, p in zip(responses, penalties.tolist(), strict=True):
-            r.score = r.reward + p
+        trajs = trajectories(responses, self.rows)
+        rewards = [self._reward(t) for t in trajs]
+        penalties = self._overlong(trajs).tolist()
+        for traj, reward, penalty in zip(trajs, rewards, penalties, strict=True):
+            for r in traj:
+                r.reward, r.score = reward, reward + penalty
         return responses
 
+    def _reward(self, trajectory: list[Response]) -> float:
+        row = graded_row(trajectory)
+        if row is None:  # failed: a placeholder, never read (its group is dropped)
+            return 0.0
+        if self.spec.reward.type == "environment":
+            assert row.env_reward is not None  # (AgentRollout sees to it)
+            return row.env_reward
+        return float(self.reward_fn(row.text, row.sample.label))
+
     async def _refill(self, step: int, responses: list[Response]
-                      ) -> tuple[list[Response], list[Sample], int]:
+                      ) -> tuple[list[Response], list[Sample], int, int]:
         """DAPO's dynamic sampling: draw fresh prompts for the groups whose rewards are all
-        equal, up to `dynamicSamplingRounds` times, keeping the batch at `rolloutBatchSize`
-        groups. Returns (groups with spread first, then the constant ones left over; the
-        extra prompts drawn; the rounds used). Each fresh sample has its own seed (its
-        prompt differs), so a resumed run redraws the same."""
-        n = self.spec.data.n_samples_per_prompt
-        groups, spread = _groups(responses, n)
+        equal (or that lost an episode), up to `dynamicSamplingRounds` times, keeping the
+        batch at `rolloutBatchSize` groups. Returns (groups with spread first, then the ones
+        left over; the extra prompts drawn; the rounds used; the episodes that failed). Each
+        fresh sample has its own seed (its prompt differs), so a resumed run redraws the
+        same."""
+        groups, spread = self._groups(responses)
         rich = [g for g, ok in zip(groups, spread, strict=True) if ok]
         flat = [g for g, ok in zip(groups, spread, strict=True) if not ok]
         extra: list[Sample] = []
-        rounds = 0
+        rounds = errors = 0
         while flat and rounds < self.spec.algorithm.dynamic_sampling_rounds:
             rounds += 1
             fresh = self.source.next_batch(len(flat))
             extra += fresh
-            new = await self._graded(step, fresh, n)
-            new_groups, new_spread = _groups(new, n)
+            new = await self._graded(step, fresh, self.spec.data.n_samples_per_prompt)
+            errors += _errors(new)
+            new_groups, new_spread = self._groups(new)
             gained = [g for g, ok in zip(new_groups, new_spread, strict=True) if ok]
             rich += gained
             flat = flat[len(gained):]
-        return [r for g in rich + flat for r in g], extra, rounds
+        return [r for g in rich + flat for r in g], extra, rounds, errors
 
-    def _overlong(self, responses: list[Response]) -> torch.Tensor:
+    def _groups(self, responses: list[Response]) -> tuple[list[list[Response]], list[bool]]:
+        """The prompt groups' rows, and which have score spread (the same test as
+        dropConstantGroups: ``filters.nonconstant_groups``) and no failed episode."""
+        n, rows = self.spec.data.n_samples_per_prompt, self.rows
+        scores = torch.tensor([t[0].score for t in trajectories(responses, rows)],
+                              dtype=torch.float32)
+        size = n * rows
+        groups = [responses[i:i + size] for i in range(0, len(responses), size)]
+        keep = nonconstant_groups(scores, n) & ~failed_groups(responses, n, rows)
+        return groups, keep.tolist()
+
+    def _overlong(self, trajs: list[list[Response]]) -> torch.Tensor:
+        """DAPO's overlong penalty of each trajectory, by its longest row."""
         algo = self.spec.algorithm
         if algo.overlong_buffer is None:
-            return torch.zeros(len(responses))
-        lengths = torch.tensor([len(r.output_ids) for r in responses])
+            return torch.zeros(len(trajs))
+        lengths = torch.tensor([max(len(r.output_ids) for r in t) for t in trajs])
         return shaping.overlong_penalty(lengths, self.spec.data.max_response_len,
                                         algo.overlong_buffer, algo.overlong_penalty)
 
     async def evaluate(self, step: int) -> dict[str, float]:
         """Mean reward on each eval set: `nSamplesPerPrompt` samples per problem at the job's
-        temperature, or greedy when that is 1 (the usual "accuracy" number)."""
+        temperature, or greedy when that is 1 (the usual "accuracy" number). A failed episode
+        (environment.onError drop) is left out, and counted as eval_<name>_env_errors."""
         out: dict[str, float] = {}
         for name, samples, n in self.eval_sets:
-            responses = await self._sample(step, samples, n, greedy=n == 1)
-            rewards = [float(self.reward_fn(r.text, r.sample.label)) for r in responses]
-            out[f"eval_{name}_reward"] = statistics.fmean(rewards)
+            trajs = trajectories(await self._sample(step, samples, n, greedy=n == 1),
+                                 self.rows)
+            rewards = [self._reward(t) for t in trajs if not failed(t)]
+            if rewards:
+                out[f"eval_{name}_reward"] = statistics.fmean(rewards)
+            if len(rewards) < len(trajs):
+                out[f"eval_{name}_env_errors"] = float(len(trajs) - len(rewards))
         return out
 
 
-
-def _groups(responses: list[Response], n: int) -> tuple[list[list[Response]], list[bool]]:
-    """The prompt groups of ``n`` responses, and which have score spread (the same test as
-    dropConstantGroups: ``filters.nonconstant_groups``)."""
-    scores = torch.tensor([r.score for r in responses], dtype=torch.float32)
-    groups = [responses[i:i + n] for i in range(0, len(responses), n)]
-    return groups, nonconstant_groups(scores, n).tolist()
-
-
+def _errors(responses: list[Response]) -> int:
+    """The episodes among `responses` that failed (and were dropped)."""
+    return sum(r.error is not None for r in responses)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
+_Row = tuple[str, str, dict[str, Any]]  # a row's prompt, label and metadata
 
 
 class DataError(ValueError):
@@ -24,12 +26,15 @@ class DataError(ValueError):
 @dataclass(frozen=True)
 class Sample:
     """One prompt as handed to rollout: ``index`` is its row in the file (0-based, blank
-    JSONL lines not counted) and ``epoch`` the pass over the file it was drawn in."""
+    JSONL lines not counted) and ``epoch`` the pass over the file it was drawn in;
+    ``metadata``: the row's data.metadataKeys columns, as the file has them (for a rollout
+    function and an environment)."""
 
     prompt: str
     label: str
     index: int
     epoch: int
+    metadata: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
 
 class PromptSource:
@@ -39,14 +44,16 @@ class PromptSource:
     the epoch and the position within it for a resumed run to draw exactly the same prompts.
     """
 
-    def __init__(self, path: str | Path, input_key: str, label_key: str, *, seed: int) -> None:
+    def __init__(self, path: str | Path, input_key: str, label_key: str, *, seed: int,
+                 metadata_keys: Sequence[str] = ()) -> None:
         self.path = Path(path)
         self.input_key = input_key
         self.label_key = label_key
+        self.metadata_keys = tuple(metadata_keys)
         self.seed = seed
         self.epoch = 0
         self.position = 0
-        self._rows: list[tuple[str, str]] | None = None
+        self._rows: list[_Row] | None = None
         self._order: tuple[int, list[int]] | None = None  # (epoch, permutation) cache
 
     def check(self) -> None:
@@ -68,14 +75,15 @@ class PromptSource:
                 self.epoch, self.position = self.epoch + 1, 0
             order = self._permutation(self.epoch)
             index = order[self.position]
-            prompt, label = rows[index]
-            batch.append(Sample(prompt, label, index, self.epoch))
+            prompt, label, metadata = rows[index]
+            batch.append(Sample(prompt, label, index, self.epoch, dict(metadata)))
             self.position += 1
         return batch
 
     def samples(self) -> list[Sample]:
         """Every row once, in file order (for evaluation sets)."""
-        return [Sample(prompt, label, i, 0) for i, (prompt, label) in enumerate(self._load())]
+        return [Sample(prompt, label, i, 0, dict(metadata))
+                for i, (prompt, label, metadata) in enumerate(self._load())]
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
@@ -105,7 +113,7 @@ class PromptSource:
             self._order = (epoch, order)
         return self._order[1]
 
-    def _load(self) -> list[tuple[str, str]]:
+    def _load(self) -> list[_Row]:
         if self._rows is None:
             self._rows = self._validated(self._read_records())
         return self._rows
@@ -119,28 +127,35 @@ class PromptSource:
         if suffix in JSONL_SUFFIXES:
             return _read_jsonl(self.path)
         if suffix in PARQUET_SUFFIXES:
-            return _read_parquet(self.path, (self.input_key, self.label_key))
+            return _read_parquet(self.path, (self.input_key, self.label_key,
+                                             *self.metadata_keys))
         raise DataError(f"prompt file {self.path}: unsupported extension {suffix!r}; expected "
                         f"one of {', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)}")
 
-    def _validated(self, records: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, str]]:
+    def _validated(self, records: list[tuple[str, dict[str, Any]]]) -> list[_Row]:
         if not records:
             raise DataError(f"prompt file {self.path} is empty (no rows)")
         return [self._row(where, record) for where, record in records]
 
-    def _row(self, where: str, record: dict[str, Any]) -> tuple[str, str]:
+    def _row(self, where: str, record: dict[str, Any]) -> _Row:
+        present = ', '.join(map(repr, record)) or 'none'
         for key in (self.input_key, self.label_key):
             if key not in record:
                 raise DataError(f"prompt file {self.path}, {where}: missing key {key!r} "
-                                f"(keys present: {', '.join(map(repr, record)) or 'none'})")
+                                f"(keys present: {present})")
             if record[key] is None:
                 raise DataError(f"prompt file {self.path}, {where}: key {key!r} is null")
         prompt = record[self.input_key]
         if not isinstance(prompt, str):
             raise DataError(f"prompt file {self.path}, {where}: {self.input_key!r} must be a "
                             f"string, got {type(prompt).__name__}")
+        missing = [key for key in self.metadata_keys if key not in record]
+        if missing:
+            raise DataError(f"prompt file {self.path}, {where}: missing key {missing[0]!r} "
+                            f"of data.metadataKeys (keys present: {present})")
         # Labels are often numbers in the file ({"label": 42}); rewards compare text.
-        return prompt, _label_text(record[self.label_key])
+        return (prompt, _label_text(record[self.label_key]),
+                {key: record[key] for key in self.metadata_keys})
 
 
 def _label_text(value: Any) -> str:
@@ -167,7 +182,7 @@ def _read_jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:
     return records
 
 
-def _read_parquet(path: Path, keys: tuple[str, str]) -> list[tuple[str, dict[str, Any]]]:
+def _read_parquet(path: Path, keys: tuple[str, ...]) -> list[tuple[str, dict[str, Any]]]:
     # Imported here: pyarrow is a trainer extra, and JSONL-only users (tests, the CLI's
     # config check) should not pay for it.
     import pyarrow as pa

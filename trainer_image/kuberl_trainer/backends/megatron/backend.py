@@ -106,7 +106,7 @@ class MegatronBackend:
         model_parallel_cuda_manual_seed(SEED)
         self.te = M.has_transformer_engine()
         self.micro_batch_size = spec.training.micro_batch_size
-        self.rank_batch_size = spec.global_batch_size // self.dp_size
+        self.rank_batch_size = spec.global_batch_rows // self.dp_size  # (rows, see fsdp.py)
 
         self.shape = L.DecoderShape.from_hf_config(M.read_hf_config(spec.model.path))
         self.shape.check_tp(p.tp)

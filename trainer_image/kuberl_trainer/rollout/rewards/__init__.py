@@ -16,8 +16,8 @@ from kuberl_trainer.rollout.rewards.text import exact_match, token_f1
 # run's start-up on 2 cores that only a math reward needs.
 TEXT: dict[str, RewardFn] = {"exact": exact_match, "f1": token_f1}
 
-__all__ = ["TEXT", "RewardFn", "RewardLoadError", "exact_match", "load", "math_reward",
-           "token_f1"]
+__all__ = ["TEXT", "RewardFn", "RewardLoadError", "environment_reward", "exact_match", "load",
+           "math_reward", "token_f1"]
 
 
 def __getattr__(name: str) -> Any:
@@ -26,6 +26,14 @@ def __getattr__(name: str) -> Any:
 
         return math_reward
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def environment_reward(response: str, label: str) -> float:
+    """reward.type environment: the trajectory's reward comes from its environment (or its
+    rollout function), never from grading its text."""
+    raise RuntimeError("reward.type environment: a trajectory's reward is its environment's "
+                       "(Episode.reward, or the Trajectory.reward its rollout function set), "
+                       "not a grade of its text")
 
 
 def load(spec: RewardSpec) -> RewardFn:
@@ -39,6 +47,8 @@ def load(spec: RewardSpec) -> RewardFn:
         if spec.function is None:  # the spec's validator forbids this; keep mypy honest
             raise RewardLoadError("reward type custom needs function: 'module:function'")
         return import_reward(spec.function)
+    if spec.type == "environment":
+        return environment_reward
     if spec.type == "math":
         from kuberl_trainer.rollout.rewards.math_answers import math_reward
 
