@@ -68,6 +68,7 @@ class EnvironmentServer:
         self.episode_timeout_s = episode_timeout_s
         self.episodes: dict[str, Episode] = {}
         self.ended: OrderedDict[str, str] = OrderedDict()  # episode -> how it ended
+        self.served = 0  # episodes reset here
         self._parent = os.getppid() if exit_with_parent else None
         self._reaper: asyncio.Task[None] | None = None
 
@@ -107,6 +108,7 @@ class EnvironmentServer:
             ep = Episode(env, asyncio.ensure_future(env.reset(Sample(sample), **args)),
                          time.monotonic())
             self.episodes[episode] = ep
+            self.served += 1
         observation = await self._outcome(ep, ep.reset, "reset")
         return web.json_response({"observation": observation})
 
@@ -221,6 +223,9 @@ class EnvironmentServer:
     async def _stop(self, _: web.Application) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
+        left = len(self.episodes)
+        LOG.info("served %d episodes (%s)", self.served,
+                 f"{left} still open: closing them" if left else "all closed")
         for episode in list(self.episodes):
             ep = self.episodes.pop(episode)
             try:

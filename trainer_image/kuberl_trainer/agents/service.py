@@ -91,7 +91,7 @@ def environment_service(spec: RLJobSpec, opts: Options) -> Iterator[EnvironmentS
         raise EnvironmentUnavailable(f"spec.environment.image: ${runtime.ENV_ENVIRONMENT_URL} "
                                      "is not set (the operator sets it on the head)")
     if url is None:
-        log = (opts.log_dir or opts.output_dir) / "environment.log"
+        log = opts.output_dir / "logs" / "environment.log"  # beside the engines' logs
         server = LocalEnvironmentServer(env.class_, log)
     try:
         if server is not None:
