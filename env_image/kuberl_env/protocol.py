@@ -14,8 +14,9 @@ HEALTH: Final = "/health"
 RESET: Final = "/reset"
 STEP: Final = "/step"
 CLOSE: Final = "/close"
-# Episodes nobody touched for this long are closed and dropped (a trainer that died, or a
-# close that never arrived). A step running longer is never reaped in the middle.
+# Episodes nobody touched for this long are closed and dropped (a trainer that died, a close
+# that never arrived, a step that hung and was given up on). At least the longest call the
+# trainer waits for (environment.timeoutSeconds, at most 3600): its retries touch the episode.
 DEFAULT_EPISODE_TIMEOUT_S: Final = 3600.0
 
 

@@ -17,7 +17,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -51,10 +51,6 @@ class Episode:
     touched: float
     last_step: int = -1  # the index of the latest step started
     step: asyncio.Task[Any] | None = None
-    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
-
-    def busy(self) -> bool:
-        return any(not t.done() for t in (self.reset, self.step) if t is not None)
 
 
 class EnvironmentServer:
@@ -192,11 +188,12 @@ class EnvironmentServer:
             self.ended.popitem(last=False)
 
     async def reap(self) -> int:
-        """Close the episodes idle for longer than the timeout (none with a call running);
-        returns how many."""
+        """Close the episodes nobody asked about for longer than the timeout, a call still
+        running included (a hung step whose client gave up: every retry of a call touches
+        its episode, so a call only its client still waits for is never reaped); returns
+        how many."""
         now = time.monotonic()
-        idle = [e for e, ep in self.episodes.items()
-                if not ep.busy() and now - ep.touched > self.episode_timeout_s]
+        idle = [e for e, ep in self.episodes.items() if now - ep.touched > self.episode_timeout_s]
         for episode in idle:
             ep = self.episodes.pop(episode)
             self._ended(episode, f"was closed after {self.episode_timeout_s:g} s idle")

@@ -16,7 +16,7 @@ import pytest
 
 from kuberl_api import RLJob, runtime
 from kuberl_trainer.agents import service as service_module
-from kuberl_trainer.agents.remote import EnvironmentUnavailable
+from kuberl_trainer.agents.remote import EnvironmentService, EnvironmentUnavailable
 from kuberl_trainer.agents.service import environment_service
 from kuberl_trainer.options import Options, options
 
@@ -37,13 +37,23 @@ def image_job(make_rljob: MakeJob, cls: str = CHECKER) -> RLJob:
 
 def test_the_url_comes_from_the_flag_or_the_operator(
         make_rljob: MakeJob, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    job = image_job(make_rljob)
-    monkeypatch.delenv(runtime.ENV_ENVIRONMENT_URL, raising=False)
-    assert run_options(job, tmp_path).environment_url is None
+    """--environment-url wins over what the operator sets on the head; a job without an image
+    ignores the variable (it is the operator's, for image jobs only)."""
+    job, ready = image_job(make_rljob), []
+    monkeypatch.setattr(EnvironmentService, "wait_ready",
+                        lambda self, timeout_s: ready.append((self.url, timeout_s)))
     monkeypatch.setenv(runtime.ENV_ENVIRONMENT_URL, "http://demo-env:8000")
-    assert run_options(job, tmp_path).environment_url == "http://demo-env:8000"
-    assert run_options(job, tmp_path, environment_url="http://127.0.0.1:9000"
-                       ).environment_url == "http://127.0.0.1:9000"
+    opts = run_options(job, tmp_path)
+    opts.in_cluster = True
+    with environment_service(job.spec, opts) as svc:
+        assert svc is not None and svc.url == "http://demo-env:8000" and svc.resolves
+    flagged = run_options(job, tmp_path, environment_url="http://127.0.0.1:9000")
+    with environment_service(job.spec, flagged) as svc:
+        assert svc is not None and svc.url == "http://127.0.0.1:9000" and not svc.resolves
+    assert ready == [("http://demo-env:8000", 600.0), ("http://127.0.0.1:9000", 30.0)]
+    in_process = make_rljob(spec={"environment": {"class": CHECKER}})
+    with environment_service(in_process.spec, run_options(in_process, tmp_path)) as svc:
+        assert svc is None
 
 
 def test_what_cannot_work_is_refused_before_anything_starts(
@@ -51,8 +61,8 @@ def test_what_cannot_work_is_refused_before_anything_starts(
     monkeypatch.delenv(runtime.ENV_ENVIRONMENT_URL, raising=False)
     in_process = make_rljob(spec={"environment": {"class": CHECKER}})
     opts = run_options(in_process, tmp_path, environment_url="http://127.0.0.1:9")
-    with pytest.raises(EnvironmentUnavailable, match="--environment-url needs "
-                       "spec.environment.image"), environment_service(in_process.spec, opts):
+    with pytest.raises(EnvironmentUnavailable, match=r"--environment-url needs "
+                       r"spec\.environment\.image"), environment_service(in_process.spec, opts):
         pass
     job = image_job(make_rljob)
     opts = run_options(job, tmp_path)

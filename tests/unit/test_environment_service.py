@@ -196,12 +196,17 @@ async def test_a_timeout_that_persists_fails_naming_the_call_and_url(
         async def step(self, action_ids: list[int], action_text: str) -> Any:
             await asyncio.sleep(3600)
 
-    made, url, _ = served
+    made, url, server = served
     made.make = Hung
     with pytest.raises(EnvironmentUnavailable, match=rf"{NAME}.step: the environment service "
                        rf"at {url} failed 3 times; the last: no answer within 0.1 s"):
         await episode(service(url, timeout_s=0.1, retries=2)())
-    assert made.made[0].closed  # closed on the server, its hung step cancelled
+    # no close tried (it would wait out the same retries): the server drops the episode,
+    # its hung step cancelled, once nobody has asked about it for the idle timeout
+    assert not made.made[0].closed and len(server.episodes) == 1
+    server.episode_timeout_s = 0.0
+    assert await server.reap() == 1
+    assert made.made[0].closed and not server.episodes
 
 
 async def test_server_errors_are_retried_and_refusals_are_not() -> None:

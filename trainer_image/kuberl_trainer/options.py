@@ -4,11 +4,10 @@ cluster's RayJob) and where its outputs go (`kuberl run`'s flags)."""
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kuberl_api import RLJob, runtime
+from kuberl_api import RLJob
 
 
 @dataclass
@@ -21,8 +20,8 @@ class Options:
     tensorboard: Path | None
     seed: int
     wandb_project: str | None = None
-    # environment.image's service: --environment-url, or what the operator set on the head;
-    # None: `kuberl run` serves the class itself (agents/service.py)
+    # environment.image's service: --environment-url (else what the operator set on the head,
+    # else `kuberl run` serves the class itself: agents/service.py)
     environment_url: str | None = None
     # Every actor shares this machine: a local Ray, or (once joined: startup.HeadStart) a Ray
     # at --address whose nodes are all this machine; never with --in-cluster. Then the actors'
@@ -47,5 +46,4 @@ def options(job: RLJob, args: argparse.Namespace) -> Options:
                    checkpoint_dir=ckpt, prometheus_port=getattr(args, "metrics_port", 0) or 0,
                    tensorboard=getattr(args, "tensorboard", None), seed=getattr(args, "seed", 0),
                    wandb_project=getattr(args, "wandb", None),
-                   environment_url=(getattr(args, "environment_url", None)
-                                    or os.environ.get(runtime.ENV_ENVIRONMENT_URL) or None))
+                   environment_url=getattr(args, "environment_url", None) or None)

@@ -138,6 +138,7 @@ class RemoteEnvironment:
         self.episode = uuid.uuid4().hex
         self.replica: str | None = None  # pinned by the reset
         self.steps = 0
+        self._unreachable = False  # a call's retries ran out
         self._session: aiohttp.ClientSession | None = None
 
     async def reset(self, sample: Any, **args: str) -> Any:
@@ -162,9 +163,10 @@ class RemoteEnvironment:
     async def close(self) -> None:
         """Close the episode on its replica. Once the retries are spent the replica is
         left to drop it (it closes idle episodes), so a lost answer never fails a run; an
-        error of the environment's own close does, as in process."""
+        error of the environment's own close does, as in process. After a call that found
+        the replica unreachable, no close is tried (it would only wait out the same retries)."""
         try:
-            if self.replica is not None:
+            if self.replica is not None and not self._unreachable:
                 try:
                     await self._call(protocol.CLOSE, {"episode": self.episode})
                 except EnvironmentUnavailable as exc:
@@ -211,6 +213,7 @@ class RemoteEnvironment:
             else:  # the environment's own error, or a request it refuses: never retried
                 raise EnvironmentFailure(f"{svc.name}.{call} at {self.replica}: {message}")
         where = self.replica or svc.url
+        self._unreachable = True
         raise EnvironmentUnavailable(f"{svc.name}.{call}: the environment service at {where} "
                                      f"failed {tries} times; the last: {last}")
 

@@ -6,6 +6,7 @@ the run ends. Every way is checked before anything else starts."""
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -78,14 +79,15 @@ class LocalEnvironmentServer:
 @contextlib.contextmanager
 def environment_service(spec: RLJobSpec, opts: Options) -> Iterator[EnvironmentService | None]:
     """The run's environment service, ready (None without environment.image)."""
-    env, url = spec.environment, opts.environment_url
+    env = spec.environment
     if env.image is None:
-        if url:
+        if opts.environment_url:
             raise EnvironmentUnavailable("--environment-url needs spec.environment.image (with "
                                          "environment.class alone the class runs in process)")
         yield None
         return
     assert env.class_ is not None  # (a rule: image needs class)
+    url = opts.environment_url or os.environ.get(runtime.ENV_ENVIRONMENT_URL) or None
     server: LocalEnvironmentServer | None = None
     if url is None and opts.in_cluster:
         raise EnvironmentUnavailable(f"spec.environment.image: ${runtime.ENV_ENVIRONMENT_URL} "
