@@ -2,8 +2,9 @@
 the environment as a Deployment and a headless Service owned by the RLJob; the Deployment's
 controller makes the pods, the scheduler puts them on the pool the spec names, the endpoint
 controller lists the ready ones behind the Service (the addresses the head resolves), the
-head is told the Service's URL, and everything goes with the RLJob (the garbage collector).
-A malformed environment section is refused at apply.
+head is told the Service's URL; a suspended job's service is deleted and a resumed one's
+comes back, and everything goes with the RLJob (the garbage collector). A malformed
+environment section is refused at apply.
 
 kwok's pods run nothing, so readiness is kwok's word, not /health's; what the probe and the
 server do is the unit and integration tiers' (test_environment_service.py, test_agents.py).
@@ -109,6 +110,20 @@ def test_the_environment_runs_as_a_service_owned_by_the_rljob(
                              lambda: len(found := ready_addresses(c, ns, name)) == 2 and found,
                              timeout=60, detail=lambda: str(ready_addresses(c, ns, name)))
         assert sorted(addresses) == sorted(p["status"]["podIP"] for p in pods)
+
+        # Suspended, nothing calls it: it goes (the RLJob stays); resumed, it comes back with
+        # the new attempt.
+        c.kubectl("patch", "rljob", job, "-n", ns, "--type=merge",
+                  "-p", '{"spec": {"suspend": true}}')
+        wait_for("the environment service deleted while suspended", lambda: api.get(
+            f"{deployments(ns)}/{name}") is None and api.get(f"{services(ns)}/{name}") is None,
+            timeout=60, detail=w.detail)
+        assert w.status()["phase"] == "Suspended"
+        c.kubectl("patch", "rljob", job, "-n", ns, "--type=merge",
+                  "-p", '{"spec": {"suspend": false}}')
+        wait_for("the environment service back with attempt 1", lambda: w.rayjob(1) and api.get(
+            f"{deployments(ns)}/{name}") and api.get(f"{services(ns)}/{name}"), timeout=60,
+            detail=w.detail)
     finally:
         w.delete_and_wait_gc()  # (its leftovers include every pod with the job's label)
     for url in (f"{deployments(ns)}/{name}", f"{services(ns)}/{name}"):
