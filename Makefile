@@ -30,10 +30,10 @@ tier-reset:
 lint: $(STAMP)
 	@$(TIER) start lint
 	$(BIN)/ruff check .
-	$(BIN)/mypy operator trainer_image rollout_image wire
+	$(BIN)/mypy operator trainer_image rollout_image wire env_image
 	$(BIN)/mypy --strict e2e
 	$(BIN)/lint-imports
-	$(BIN)/hadolint Dockerfile.trainer Dockerfile.rollout Dockerfile.operator
+	$(BIN)/hadolint Dockerfile.trainer Dockerfile.rollout Dockerfile.operator Dockerfile.environment
 	@$(TIER) end lint
 
 # Test processes per tier (pytest-xdist): the tiers' tests are independent, and a local run

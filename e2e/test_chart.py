@@ -37,11 +37,13 @@ OPERATOR_NEEDS = [
     ("get", "rayclusters.ray.io"), ("create", "configmaps"), ("create", "serviceaccounts"),
     ("create", "roles.rbac.authorization.k8s.io"),
     ("create", "rolebindings.rbac.authorization.k8s.io"), ("create", "events"),
+    ("create", "deployments.apps"), ("patch", "deployments.apps"), ("create", "services"),
 ]
 # What it must never be able to do there.
 OPERATOR_MUST_NOT = [
     ("update", "rljobs.kuberl.dev"), ("patch", "rljobs.kuberl.dev"),  # the user's spec
-    ("create", "pods"), ("delete", "pods"), ("get", "secrets"), ("create", "deployments.apps"),
+    ("create", "pods"), ("delete", "pods"), ("get", "secrets"), ("create", "statefulsets.apps"),
+    ("create", "daemonsets.apps"),
 ]
 
 

@@ -25,6 +25,11 @@ ENV_JOB_NAME: Final = "KUBERL_RLJOB_NAME"
 ENV_JOB_NAMESPACE: Final = "KUBERL_RLJOB_NAMESPACE"
 ENV_ATTEMPT: Final = "KUBERL_ATTEMPT"
 
+# environment.image: the environment service's URL, which the operator sets on the head (its
+# headless Service, whose name resolves to every ready replica) and `kuberl run` reads
+# (--environment-url sets it too).
+ENV_ENVIRONMENT_URL: Final = "KUBERL_ENVIRONMENT_URL"
+
 # Ray custom resources: a train actor asks for 1 unit of RESOURCE_TRAIN per GPU, an engine for
 # gpusPerEngine units of RESOURCE_ROLLOUT (1 unit per actor on CPU). Colocated train pods carry
 # both. A critic actor (PPO) asks for 1 unit of RESOURCE_CRITIC: dedicated critic pods carry one

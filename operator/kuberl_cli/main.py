@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--wandb", metavar="PROJECT", default=None,
                      help="also log to Weights & Biases (needs wandb installed and logged in)")
     run.add_argument("--seed", type=int, default=0, help="seed for data order and sampling")
+    run.add_argument("--environment-url", default=None, metavar="URL",
+                     help="environment.image: use the environment service at URL (e.g. a "
+                     "container of the image: http://127.0.0.1:8000) instead of serving "
+                     "environment.class as a local subprocess")
     run.set_defaults(func=_cmd_run)
 
     stop = sub.add_parser("graceful-stop", help="preStop hook of the Ray pods: the head asks "

@@ -1,9 +1,10 @@
-"""Multi-turn jobs end to end: `kuberl run` with rollout.function and with environment.class on
-the tiny job (real Ray, a reference engine, weight sync): every trajectory has the model's
-turns and the environment's tokens the manifest asks for, and the job trains to its end. The
-function returns two rows per sample and sets their reward (reward.type environment) from a
-metadata column; the environment drops the groups of its failed episodes (onError drop) and
-rewards by its steps."""
+"""Multi-turn jobs end to end: `kuberl run` with rollout.function, with environment.class and
+with environment.image (the class served over HTTP by a local subprocess) on the tiny job (real
+Ray, a reference engine, weight sync): every trajectory has the model's turns and the
+environment's tokens the manifest asks for, and the job trains to its end. The function returns
+two rows per sample and sets their reward (reward.type environment) from a metadata column; the
+in-process environment drops the groups of its failed episodes (onError drop) and rewards by
+its steps. Then the tiny agent's learning arms."""
 
 from __future__ import annotations
 
@@ -37,6 +38,13 @@ SMALL = {"data": {"rolloutBatchSize": 4, "nSamplesPerPrompt": 4, "maxResponseLen
                                      "args": {"mode": "strict"}, "onError": "drop"},
                      "rollout": {"maxTurns": 3}, "reward": {"type": "environment"}},
      (1.5, 2.0), (0.5, 1.0)),
+    # the same environment as a service (environment.image): `kuberl run` serves the class
+    # as a local subprocess, and every reset, step and close goes over HTTP
+    ("environment-service", {"environment": {"class": "tests.integration.agent_tasks:Checker",
+                                             "args": {"mode": "strict"},
+                                             "image": "registry.example/checker:1"},
+                             "rollout": {"maxTurns": 3}},
+     (1.5, 2.0), (0.5, 1.0)),
 ])
 def test_a_multi_turn_job_trains_on_its_trajectories(
         tiny: Path, tmp_path: Path, name: str, agent: dict[str, Any],
@@ -54,16 +62,20 @@ def test_a_multi_turn_job_trains_on_its_trajectories(
         if name == "function":  # one reward a sample (0 or 1), its two rows trained together
             assert row["rows_mean"] == 2.0 and row["env_errors"] == 0
             assert 0.0 <= row["reward_mean"] <= 1.0
-        if name == "environment":  # its own metric, prefixed: steps 1 and 2, mean 1.5 (1.0
-            # for an episode the budget ended after one step)
+        if name.startswith("environment"):  # its own metric, prefixed: steps 1 and 2, mean
+            # 1.5 (1.0 for an episode the budget ended after one step)
             assert 1.0 <= row["env_steps"] <= 1.5 and row["env_step_s"] >= 0
             if row["turns_mean"] == 2.0:
                 assert row["env_steps"] == pytest.approx(1.5)
+        if name == "environment":
             # 2 of the step's 16 episodes fail: their groups (1 or 2 of 4) leave the step,
             # and the reward (a step's 1, summed) of the episodes that finished is 1 or 2,
             # never a failed one's 0
             assert row["env_errors"] == 2 and row["kept_group_fraction"] in (0.5, 0.75)
             assert 1.0 <= row["reward_mean"] <= 2.0
+    if name == "environment-service":  # every episode went over HTTP, and was closed there
+        log = (tmp_path / "out" / "logs" / "environment.log").read_text()
+        assert "served 32 episodes (all closed)" in log, log
 
 
 @pytest.fixture(scope="session")

@@ -105,6 +105,21 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("rollout-function-and-environment", both(set_("rollout.function", "agent:run"),
                                               set_("environment.class", "envs:Calculator")),
      "spec.environment.class", "set one"),
+    ("environment-image-without-class", set_("environment.image", "envs:1"),
+     "spec.environment.image", "image needs class"),
+    *((f"environment-{field}-without-image", set_(f"environment.{field}", value),
+       f"spec.environment.{field}", "applies only with image")
+      for field, value in (("replicas", 2), ("timeoutSeconds", 30),
+                           ("resources", {"cpu": "1"}), ("nodePool", {}),
+                           ("env", {"LEVEL": "2"}))),
+    ("environment-env-name", both(set_("environment.class", "envs:Calculator"),
+                                  set_("environment.image", "envs:1"),
+                                  set_("environment.env", {"1LEVEL": "2"})),
+     "spec.environment.env", "C identifiers"),
+    ("environment-replicas-zero", both(set_("environment.class", "envs:Calculator"),
+                                       set_("environment.image", "envs:1"),
+                                       set_("environment.replicas", 0)),
+     "spec.environment.replicas", ""),
     ("max-turns-without-agent", set_("rollout.maxTurns", 4), "spec.rollout.maxTurns",
      "needs rollout.function or environment.class"),
     ("on-error-drop-without-episodes", set_("environment.onError", "drop"),
@@ -702,6 +717,10 @@ GOOD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
     ("an-environment-drops-and-rewards", both(
         set_("environment.class", "envs:Calculator"), set_("environment.onError", "drop"),
         set_("reward.type", "environment"), set_("data.metadataKeys", ["level"]))),
+    ("environment-service-with-everything", set_("environment", {
+        "class": "envs:Calculator", "image": "registry.example/envs:1", "args": {"level": "2"},
+        "replicas": 4, "timeoutSeconds": 120, "resources": {"cpu": "2", "memory": "4Gi"},
+        "nodePool": {"nodeSelector": {"pool": "cpu"}}, "env": {"LEVEL": "2"}})),
     ("tolerations-kubernetes-accepts", pool(
         {"operator": "Exists"}, {"key": "gpu", "operator": "Exists", "value": ""},
         {"key": "gpu", "value": "a", "effect": "NoSchedule"},

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
 PACKAGES = {"kuberl_trainer": "trainer_image", "kuberl_api": "operator",
             "kuberl_operator": "operator", "kuberl_cli": "operator",
-            "kuberl_rollout": "rollout_image", "kuberl_wire": "wire"}
+            "kuberl_rollout": "rollout_image", "kuberl_wire": "wire", "kuberl_env": "env_image"}
 # A file path: folders, then a name with a source or config suffix (`engines/fleet.py`,
 # `trainer_image/kuberl_trainer/loops/`); a folder path ends with "/" and holds a package
 # name or a known folder. Dotted modules: `kuberl_trainer.rollout.manager.RolloutManager`.

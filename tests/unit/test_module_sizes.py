@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = ("operator", "trainer_image", "rollout_image", "wire")
+PRODUCT = ("operator", "trainer_image", "rollout_image", "wire", "env_image")
 LIMIT = 600
 REASON = "Long because"
 

@@ -22,7 +22,8 @@ def test_image_extras_pin_the_rendered_ray_version() -> None:
 
 def test_dockerfiles_install_the_distribution_like_ci() -> None:
     for name, extra in (("Dockerfile.trainer", "trainer,megatron,kernels"),
-                        ("Dockerfile.rollout", "rollout")):
+                        ("Dockerfile.rollout", "rollout"),
+                        ("Dockerfile.environment", "environment")):
         text = (ROOT / name).read_text()
         assert f'pip install ".[{extra}]"' in text, name
         assert re.search(r"^FROM \S+:\S+", text, re.M), f"{name}: base image must be pinned"
@@ -44,3 +45,21 @@ def test_kernels_extra_pins_the_checked_liger_release() -> None:
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
     assert extras["kernels"] == ["liger-kernel==0.8.5"]
+
+
+def test_every_image_copies_every_package_the_wheel_needs() -> None:
+    """pip builds the one wheel from the sources in the image: a package directory the wheel
+    lists and the Dockerfile does not copy fails the build."""
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"][
+        "targets"]["wheel"]["packages"]
+    roots = {p.split("/")[0] for p in packages}
+    for dockerfile in sorted(ROOT.glob("Dockerfile.*")):
+        copied = set(re.findall(r"^COPY (\S+)/ ", dockerfile.read_text(), re.M))
+        assert roots <= copied, (dockerfile.name, sorted(roots - copied))
+
+
+def test_the_environment_image_needs_no_trainer_dependency() -> None:
+    """An environment image installs only the `environment` extra: the server's own needs."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert [d.split("==")[0] for d in extras["environment"]] == ["aiohttp"]

@@ -20,6 +20,9 @@ class Options:
     tensorboard: Path | None
     seed: int
     wandb_project: str | None = None
+    # environment.image's service: --environment-url (else what the operator set on the head,
+    # else `kuberl run` serves the class itself: agents/service.py)
+    environment_url: str | None = None
     # Every actor shares this machine: a local Ray, or (once joined: startup.HeadStart) a Ray
     # at --address whose nodes are all this machine; never with --in-cluster. Then the actors'
     # output goes to log files, CPU actors split the cores, and the weight-sync rendezvous
@@ -42,4 +45,5 @@ def options(job: RLJob, args: argparse.Namespace) -> Options:
     return Options(address=args.address, in_cluster=args.in_cluster, output_dir=out,
                    checkpoint_dir=ckpt, prometheus_port=getattr(args, "metrics_port", 0) or 0,
                    tensorboard=getattr(args, "tensorboard", None), seed=getattr(args, "seed", 0),
-                   wandb_project=getattr(args, "wandb", None))
+                   wandb_project=getattr(args, "wandb", None),
+                   environment_url=getattr(args, "environment_url", None) or None)

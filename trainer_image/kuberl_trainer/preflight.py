@@ -153,7 +153,9 @@ def check(spec: RLJobSpec) -> Checked:
 
 def check_agent(spec: RLJobSpec) -> tuple[Callable[..., Any] | None, Callable[[], Any] | None]:
     """rollout.function and environment.class, imported now (before Ray) so that a typo or
-    a missing dependency fails the job at once, naming the field."""
+    a missing dependency fails the job at once, naming the field. With environment.image the
+    class is the image's, served over HTTP (agents/service.py starts or reaches it), never
+    imported here."""
     from kuberl_trainer.user_code import UserCodeError, import_object
 
     function = environment = None
@@ -166,7 +168,7 @@ def check_agent(spec: RLJobSpec) -> tuple[Callable[..., Any] | None, Callable[[]
     except UserCodeError as exc:
         raise PreflightError(f"spec.rollout.function: {exc}") from None
     try:
-        if spec.environment.class_:
+        if spec.environment.class_ and spec.environment.image is None:
             environment = import_object(spec.environment.class_, "environment class")
             for method in ("reset", "step", "close"):
                 if not inspect.iscoroutinefunction(getattr(environment, method, None)):

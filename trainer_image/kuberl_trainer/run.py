@@ -36,6 +36,18 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
     except preflight.PreflightError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    from kuberl_trainer.agents.remote import EnvironmentUnavailable
+    from kuberl_trainer.agents.service import environment_service
+
+    # environment.image: its service reached (or served here) before Ray starts, stopped last
+    services = contextlib.ExitStack()
+    try:
+        service = services.enter_context(environment_service(job.spec, opts))
+    except EnvironmentUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if service is not None:
+        checked.environment_class = service
     from kuberl_trainer.startup import HeadStart  # (no torch: see there)
 
     # Kubernetes stops pods with SIGTERM (the head's preStop hook finds the driver by its pid
@@ -82,6 +94,7 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
         elif head is not None:
             head.close()
         stop.uninstall()
+        services.close()
     return 0
 
 

@@ -61,6 +61,13 @@ The operator's permissions, shared by the cluster-wide ClusterRole and the per-n
 - apiGroups: [""]
   resources: ["configmaps", "serviceaccounts"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+# environment.image: the environment service (a Deployment and its headless Service).
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["get", "create", "update", "patch", "delete"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "create", "update", "patch", "delete"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]

@@ -27,7 +27,7 @@ from typing import Any
 from kuberl_api import RLJob
 from kuberl_operator.metrics import Metrics
 from kuberl_operator.reconcile.children import adopt, apply
-from kuberl_operator.reconcile.kube import CONCURRENCY, EVENT, RAYJOB, RLJOB, Kube
+from kuberl_operator.reconcile.kube import CONCURRENCY, EVENT, KINDS, RAYJOB, RLJOB, Kube
 from kuberl_operator.reconcile.observe import observe
 from kuberl_operator.render import names, render_children
 from kuberl_operator.settings import Config
@@ -36,6 +36,7 @@ from kuberl_operator.status import (
     Action,
     CreateAttempt,
     Decision,
+    DeleteEnvironment,
     DeleteRayJob,
     DeleteRLJob,
     Event,
@@ -266,6 +267,9 @@ class Controller:
             await self.kube.delete(RAYJOB.url(namespace, action.name))
         elif isinstance(action, DeleteRLJob):
             await self.kube.delete(RLJOB.url(namespace, body["metadata"]["name"]))
+        elif isinstance(action, DeleteEnvironment):
+            for kind in (("apps/v1", "Deployment"), ("v1", "Service")):
+                await self.kube.delete(KINDS[kind].url(namespace, action.name))
         return None
 
     async def _create_attempt(self, body: Mapping[str, Any], job: RLJob,

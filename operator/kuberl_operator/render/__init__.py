@@ -10,6 +10,7 @@ from typing import Any
 
 from kuberl_api.rljob import RLJob
 from kuberl_operator.render.config import configmap
+from kuberl_operator.render.environment import environment_children
 from kuberl_operator.render.rayjob import rayjob
 from kuberl_operator.render.rbac import role, role_binding, service_account
 
@@ -17,15 +18,18 @@ __all__ = ["render_children"]
 
 
 def render_children(job: RLJob, attempt: int = 0) -> list[dict[str, Any]]:
-    """All children in apply order: ServiceAccount, Role, RoleBinding, ConfigMap, RayJob.
-    Plain dicts, no ownerReferences (the reconciler adopts them), namespace = job.namespace.
+    """All children in apply order: ServiceAccount, Role, RoleBinding, ConfigMap, with
+    environment.image the environment's Service and Deployment, then the RayJob. Plain dicts,
+    no ownerReferences (the reconciler adopts them), namespace = job.namespace.
 
     The order matters: the head pod needs its ServiceAccount and ConfigMap to start, so those
-    exist before the RayJob that creates it."""
+    exist before the RayJob that creates it; the environment's pods start while the Ray
+    cluster does."""
     return [
         service_account(job),
         role(job),
         role_binding(job),
         configmap(job),
+        *environment_children(job),
         rayjob(job, attempt),
     ]

@@ -25,6 +25,7 @@ from kuberl_api.runtime import (
     RESOURCE_ROLLOUT as RESOURCE_ROLLOUT,
     RESOURCE_TRAIN as RESOURCE_TRAIN,
 )
+from kuberl_env import protocol as environment_protocol
 
 MAX_RAYJOB_NAME: Final = 47  # KubeRay's MaxRayJobNameLength
 MAX_ATTEMPTS: Final = 100  # backoffLimit <= 99, so attempts fit in two digits
@@ -49,6 +50,7 @@ COMPONENT_CONFIG: Final = "config"
 COMPONENT_RAYJOB: Final = "rayjob"
 COMPONENT_HEAD: Final = "ray-head"
 COMPONENT_WORKER: Final = "ray-worker"
+COMPONENT_ENVIRONMENT: Final = "environment"
 
 
 GROUP_HEAD: Final = "head"
@@ -89,6 +91,22 @@ def role(job: str) -> str:
 
 def role_binding(job: str) -> str:
     return f"{job}-status"
+
+
+def environment(job: str) -> str:
+    """The environment service's Deployment and headless Service (environment.image)."""
+    return f"{job}-env"
+
+
+def environment_url(job: str) -> str:
+    """What the head calls the environment service: the headless Service's name, which
+    resolves to every ready replica (in the head's own namespace)."""
+    return f"http://{environment(job)}:{environment_protocol.DEFAULT_PORT}"
+
+
+def environment_selector(job: str) -> dict[str, str]:
+    """The environment pods of one RLJob (the Deployment's selector: never changes)."""
+    return {LABEL_JOB: job, LABEL_COMPONENT: COMPONENT_ENVIRONMENT}
 
 
 def labels(job: str, component: str | None = None, attempt: int | None = None) -> dict[str, str]:

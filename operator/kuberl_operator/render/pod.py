@@ -138,10 +138,14 @@ def head_template(job: RLJob, attempt: int) -> dict[str, Any]:
     vols.storage(VOLUME_MODEL, job.spec.model.storage)
     vols.storage(VOLUME_DATA, job.spec.data.storage)
     vols.checkpoints(job)
+    env = identity_env(job, attempt)
+    if job.spec.environment.image is not None:  # the loop's environment service
+        env.append({"name": runtime.ENV_ENVIRONMENT_URL,
+                    "value": names.environment_url(job.name)})
     container = {
         "name": HEAD_CONTAINER,
         "image": job.spec.training.image,
-        "env": identity_env(job, attempt),
+        "env": env,
         "resources": quantities(HEAD_CPU, HEAD_MEMORY, {}),
         "volumeMounts": vols.mounts,
         "ports": head_ports(),

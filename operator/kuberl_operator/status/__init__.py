@@ -33,6 +33,7 @@ from kuberl_operator.status.model import (
     Action,
     CreateAttempt,
     Decision,
+    DeleteEnvironment,
     DeleteRayJob,
     DeleteRLJob,
     Event,
@@ -42,7 +43,7 @@ from kuberl_operator.status.model import (
 from kuberl_operator.status.pods import pod_problems
 
 __all__ = [
-    "ANNOTATION_RESTARTS", "OWNED_KEYS", "Action", "CreateAttempt", "Decision", "DeleteRLJob",
-    "DeleteRayJob", "Event", "Observed", "Tunables", "attempt_of", "decide", "fmt_time",
-    "parse_time", "pod_problems", "section_digests",
+    "ANNOTATION_RESTARTS", "OWNED_KEYS", "Action", "CreateAttempt", "Decision",
+    "DeleteEnvironment", "DeleteRLJob", "DeleteRayJob", "Event", "Observed", "Tunables",
+    "attempt_of", "decide", "fmt_time", "parse_time", "pod_problems", "section_digests",
 ]

@@ -10,6 +10,7 @@ from typing import Any
 from kuberl_api import InvalidRLJob, RLJob, parse
 from kuberl_api.rljob import EDITABLE_PHASES, IMMUTABLE_SECTIONS
 from kuberl_api.status import TERMINAL_PHASES
+from kuberl_operator.render import names
 from kuberl_operator.status import phases, queueing, running
 from kuberl_operator.status.builder import (
     Builder,
@@ -22,6 +23,7 @@ from kuberl_operator.status.builder import (
 from kuberl_operator.status.model import (
     ANNOTATION_RESTARTS,
     Decision,
+    DeleteEnvironment,
     DeleteRayJob,
     Event,
     Observed,
@@ -74,6 +76,10 @@ def decide(body: Mapping[str, Any], observed: Observed, now: datetime,
         queueing.waiting(b, job, current_attempt or 0, live_current, observed.workload, edited)
     else:
         running.track(b, job, current_attempt or 0, live_current, observed, tun, refused)
+    if (job.spec.environment.image is not None and b.phase != b.old_phase
+            and b.phase in (*TERMINAL_PHASES, "Suspended")):
+        # the environment service stops with the job (an attempt, resumed, applies it again)
+        b.actions.append(DeleteEnvironment(names.environment(job.name)))
     if b.phase in TERMINAL_PHASES and b.old_phase not in TERMINAL_PHASES:
         # The pass that finishes the job schedules its TTL: nothing else is due to wake the
         # operator for it (the watch event of its own status patch may never come, and the

@@ -61,7 +61,17 @@ class DeleteRLJob:
     """ttlSecondsAfterFinished expired: delete the RLJob (its children go by garbage collection)."""
 
 
-Action = CreateAttempt | DeleteRayJob | DeleteRLJob
+@dataclass(frozen=True)
+class DeleteEnvironment:
+    """The environment service's Deployment and Service (environment.image, both named
+    `name`): nothing calls it once the job has finished or is suspended, and its pods would
+    hold their nodes' resources until the RLJob is deleted. A resumed job's attempt applies
+    them again."""
+
+    name: str
+
+
+Action = CreateAttempt | DeleteRayJob | DeleteRLJob | DeleteEnvironment
 
 
 @dataclass(frozen=True)
