@@ -18,6 +18,9 @@ then hold the trainer's checksums on every tensor, each of which differed before
         # SIGKILLed as the weights of version 2 go out; it must be replaced on its GPU and the
         # replacement must hold the trainer's weights. The base model on disk is perturbed
         # after start-up, so a replacement that missed the sync fails the checksum check.
+    python bench/gpu_loop.py --turns 4 --steps 6                      # multi-turn: 4 model
+        # turns of a quarter of the budget each (less the observations), a 4-token
+        # observation between them (bench/agent_turns.py): against the single-turn run
     python bench/gpu_loop.py --cpu --steps 2                      # no GPU: the tiny shape,
         # fsdp on CPU, a CPU reference engine; checks the code paths (and the check's)
 
@@ -59,6 +62,10 @@ def manifest(out: Path, args: argparse.Namespace) -> dict[str, Any]:
         "schedule": {"numRollouts": args.steps},
     }
     spec["rollout"]["gpusPerEngine"] = args.engine_tp
+    if args.turns > 1:  # each trajectory: the model's turns and an observation between them
+        spec["rollout"] |= {"function": "agent_turns:turns", "maxTurns": args.turns,
+                            "functionArgs": {"turns": str(args.turns),
+                                             "observation": "+12="}}
     if getattr(args, "cpu", False):  # the dry run: CPU trainer and engine, as `make demo`
         spec["training"]["gpusPerNode"] = 0
         spec["rollout"] |= {"gpus": 0}
@@ -91,6 +98,9 @@ def main() -> int:
                    help="(disaggregated) the nodes that engine spans")
     p.add_argument("--kill-engine-at-sync", type=int, default=None, metavar="VERSION",
                    help="SIGKILL the engine as this weight version goes out (fleet check)")
+    p.add_argument("--turns", type=int, default=1,
+                   help="model turns per trajectory (bench/agent_turns.py), sharing "
+                   "--response-len")
     p.add_argument("--cpu", action="store_true",
                    help="dry run without a GPU: the tiny shape (unless --shape), small "
                         "batches, fsdp on CPU and a CPU reference engine")
@@ -100,7 +110,8 @@ def main() -> int:
             p.error("--cpu runs the fsdp backend without fused kernels and a TP=1 engine only")
         if args.shape == p.get_default("shape"):
             args.shape = "tiny"
-        args.prompts, args.samples, args.response_len = 4, 2, 8
+        args.prompts, args.samples = 4, 2
+        args.response_len = 8 if args.turns == 1 else 32
         args.micro_batch = min(args.micro_batch, 8)
         args.out = args.out.with_name(args.out.name + "-cpu")
 
@@ -176,11 +187,13 @@ def report(run_dir: Path, args: argparse.Namespace, verdict: SyncCheck) -> None:
     steady = rows[1:] or rows  # step 0 includes CUDA warm-up
     mean = lambda k: statistics.fmean(r[k] for r in steady)  # noqa: E731
     samples = args.prompts * args.samples
-    gen_tokens = mean("response_length_mean") * samples
-    train_tokens = gen_tokens + 6 * samples
+    # the model's tokens (a multi-turn trajectory's observations are not generated)
+    gen_tokens = mean("response_model_tokens_mean" if args.turns > 1
+                      else "response_length_mean") * samples
+    train_tokens = mean("response_length_mean") * samples + 6 * samples
     print(f"\n{args.shape}, backend {args.backend} (fusedKernels {args.fused_kernels}), "
           f"{args.placement}, engine TP "
-          f"{args.engine_tp} over {args.engine_nodes} node(s), "
+          f"{args.engine_tp} over {args.engine_nodes} node(s), {args.turns} turn(s), "
           f"GPU: {card()}, "
           f"{samples} samples/step, steps {len(rows)} (first excluded)")
     print(f"{'gen tok/s':>10} {'train tok/s':>12} {'gen s':>7} {'train s':>8} {'sync s':>7} "

@@ -342,11 +342,11 @@ def _tool_measures(model_dir: Path, eval_file: Path) -> dict[str, float]:
     problems = [ToolProblem(*map(int, json.loads(line)["prompt"][:-1].split("+")))
                 for line in eval_file.read_text().splitlines() if line.strip()]
     measures = tool_measures(model, tokenizer, problems)
-    # the calculator's result after a call, as if the model wrote it: its log-probability
+    # the calculator's answer to a call ("92="), as if the model wrote it: its log-probability
     # rises far more if the environment's tokens are trained
     measures["result_logprob"] = float(sequence_logprob(
         model, tokenizer, [p.prompt + "=" for p in problems],
-        [p.label for p in problems]).mean())
+        [p.label + "=" for p in problems]).mean())
     return measures
 
 
@@ -378,7 +378,7 @@ def _example_job(example: str) -> dict[str, Any]:
 # the tiny agent's example as written (the test's steps and seed)
 TOOL_JOB = _example_job("tiny-agent.yaml")
 LYING = {"environment": {"args": {"lie": "1"}}}
-TOOL_STEPS = 12
+TOOL_STEPS = 16
 
 
 def _tool(thresholds: dict[str, float], ceilings: dict[str, float], *,

@@ -79,6 +79,9 @@ async def test_the_budget_is_never_exceeded_nor_cut() -> None:
     ctx = RolloutContext(Engine([[5]]), {})  # type: ignore[arg-type]
     with pytest.raises(TrajectoryError, match="no budget left"):
         await ctx.generate(traj)
+    # a turn of no tokens is a mistake, not "whatever is left"
+    with pytest.raises(TrajectoryError, match="max_new_tokens must be at least 1, got 0"):
+        await ctx.generate(Trajectory(prompt_ids=[1], budget=4), max_new_tokens=0)
 
 
 @pytest.mark.parametrize("tamper, why", [

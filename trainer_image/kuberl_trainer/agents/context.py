@@ -69,6 +69,8 @@ class RolloutContext:
         if self.max_turns is not None and traj.turns >= self.max_turns:
             raise TrajectoryError(f"rollout.maxTurns is {self.max_turns}: the trajectory "
                                   "has had all its turns")
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise TrajectoryError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         left = traj.remaining
         if left <= 0:
             raise TrajectoryError(f"no budget left for another turn (data.maxResponseLen "
