@@ -146,6 +146,8 @@ def test_a_failed_episode_drops_its_group_and_the_others_train(tmp_path: Path) -
              else "8" for i in up]
     rewards = [2.0 if t == "7" else 1.0 for t in texts]
     assert m["reward_mean"] == statistics.fmean(rewards)  # the failed episodes: not counted
+    # an environment job reports its turns even when every episode was one turn
+    assert m["turns_mean"] == 1.0 and m["response_env_tokens_mean"] == 0.0
     if rewards[0] != rewards[1]:  # GRPO over the healthy group: +-1/sqrt(2) (unbiased std)
         adv = b.advantages[up].sum(1) / b.loss_mask[up].sum(1)
         assert adv.abs().tolist() == pytest.approx([2 ** -0.5] * 2, rel=1e-4)

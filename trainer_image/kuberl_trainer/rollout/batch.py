@@ -70,10 +70,11 @@ def failed_groups(responses: list[Response], n: int, rows: int) -> torch.Tensor:
                         dtype=torch.bool).view(-1, n).any(dim=1)
 
 
-def step_metrics(responses: list[Response], batch: TrainBatch, rows: int = 1
-                 ) -> dict[str, float]:
+def step_metrics(responses: list[Response], batch: TrainBatch, rows: int = 1, *,
+                 agentic: bool = False) -> dict[str, float]:
     """Rewards and scores per trajectory, failed ones left out (never counted as 0); lengths
-    and truncation per row, fillers left out."""
+    and truncation per row, fillers left out; `agentic`: the job has a rollout function or an
+    environment (its turn and token metrics every step, even one of single turns)."""
     done = [t[0] for t in trajectories(responses, rows) if not failed(t)]
     rewards = torch.tensor([r.reward for r in done], dtype=torch.float32)
     scores = torch.tensor([r.score for r in done], dtype=torch.float32)
@@ -92,17 +93,14 @@ def step_metrics(responses: list[Response], batch: TrainBatch, rows: int = 1
         "response_length_max": float(max(lengths)),
         "truncated_fraction": sum(r.truncated for r in real) / len(real),
         **({"rows_mean": len(real) / len(done)} if rows > 1 and done else {}),
-        **agent_metrics(real),
+        **(agent_metrics(real) if agentic or _multi_turn(real) else {}),
     }
 
 
 def agent_metrics(responses: list[Response]) -> dict[str, float]:
     """Multi-turn trajectories: the model's turns, each trajectory's length split into the
     model's tokens and the environment's, the seconds of its environment's steps, and the
-    environment's own metrics (mean over steps, then trajectories; prefixed env_). None for
-    single-turn responses."""
-    if all(r.turns == 1 and r.env_tokens == 0 for r in responses):
-        return {}
+    environment's own metrics (mean over steps, then trajectories; prefixed env_)."""
     env = [float(r.env_tokens) for r in responses]
     out = {"turns_mean": statistics.fmean(r.turns for r in responses),
            "response_env_tokens_mean": statistics.fmean(env),
@@ -113,6 +111,10 @@ def agent_metrics(responses: list[Response]) -> dict[str, float]:
         values = [r.env_metrics[key] for r in responses if key in r.env_metrics]
         out[f"env_{key}"] = statistics.fmean(values)
     return out
+
+
+def _multi_turn(responses: list[Response]) -> bool:
+    return any(r.turns != 1 or r.env_tokens for r in responses)
 
 
 def engine_throughput(responses: list[Response]) -> dict[str, float]:

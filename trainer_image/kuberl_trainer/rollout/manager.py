@@ -177,7 +177,8 @@ class RolloutManager:
             metrics["kept_group_fraction"] = float(keep.float().mean())
         # advantages, over the tokens that stay in the loss
         metrics.update(self._advantages(batch, scores, n))
-        metrics.update(step_metrics(responses, batch, rows))
+        metrics.update(step_metrics(responses, batch, rows,
+                                    agentic=isinstance(self._sample, AgentRollout)))
         metrics.update(engine_throughput(responses))
         return Rollout(batch=batch, metrics=metrics, sft=self._demonstrations(),
                        versions=[r.weight_version for r in responses if not r.filler],
