@@ -17,7 +17,9 @@ def import_object(path: str, what: str) -> Any:
     function", "environment class")."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise UserCodeError(f"{what} {path!r} must look like 'module:{what.split()[-1]}'")
+        kind = what.split()[-1]  # "function", "class"
+        raise UserCodeError(f"{what} {path!r} must look like "
+                            f"'module:{'Class' if kind == 'class' else kind}'")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any failure while importing user code: syntax, deps, ...
