@@ -3,6 +3,7 @@ as a user's module would be: importable on the head."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from kuberl_trainer.agents import RolloutContext, Trajectory
@@ -59,3 +60,17 @@ class FlakyChecker(Checker):
         if FlakyChecker.resets % 8 == 1:
             raise ConnectionError("checker unreachable")
         return await super().reset(sample, **args)
+
+
+async def ask_twice_recorded(ctx: RolloutContext, *, note: str, record: str) -> Trajectory:
+    """ask_twice, each trajectory written to the file `record` (one JSON line: its turns'
+    sampling seeds, tokens, log-probs and per-token weight versions) for the test to compare
+    runs and check versions with."""
+    traj = await ask_twice(ctx, note=note)
+    with open(record, "a") as f:
+        f.write(json.dumps({"seed": ctx.sampling["sampling_seed"],
+                            "sample": [ctx.sample.epoch, ctx.sample.index],
+                            "prompt": traj.prompt_ids, "ids": traj.ids,
+                            "trainable": traj.trainable, "logprobs": traj.logprobs,
+                            "versions": traj.versions}) + "\n")
+    return traj
