@@ -3,6 +3,8 @@ as a user's module would be: importable on the head."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 from kuberl_trainer.agents import RolloutContext, Trajectory
@@ -59,3 +61,24 @@ class FlakyChecker(Checker):
         if FlakyChecker.resets % 8 == 1:
             raise ConnectionError("checker unreachable")
         return await super().reset(sample, **args)
+
+
+async def ask_twice_recorded(ctx: RolloutContext, *, note: str, record: str,
+                             pause: str = "0") -> Trajectory:
+    """ask_twice, waiting `pause` seconds between the turns (a slow tool: in mode async the
+    trainers' update lands meanwhile), each trajectory written to the file `record` (one JSON
+    line: its seed, tokens, log-probs, per-token weight versions and its turns' reported ones)
+    for the test to check versions and compare runs with."""
+    traj = ctx.trajectory()
+    await ctx.generate(traj, max_new_tokens=4)
+    await asyncio.sleep(float(pause))
+    traj.append_env(ctx.tokenize(note))
+    await ctx.generate(traj, max_new_tokens=4)
+    with open(record, "a") as f:
+        f.write(json.dumps({"seed": ctx.sampling["sampling_seed"],
+                            "sample": [ctx.sample.epoch, ctx.sample.index],
+                            "prompt": traj.prompt_ids, "ids": traj.ids,
+                            "trainable": traj.trainable, "logprobs": traj.logprobs,
+                            "versions": traj.versions,
+                            "turn_versions": traj.turn_versions}) + "\n")
+    return traj

@@ -8,6 +8,8 @@ its steps. Then the tiny agent's learning arms."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,67 @@ def test_a_multi_turn_job_trains_on_its_trajectories(
     if name == "environment-service":  # every episode went over HTTP, and was closed there
         log = (tmp_path / "out" / "logs" / "environment.log").read_text()
         assert "served 32 episodes (all closed)" in log, log
+
+
+def test_an_async_multi_turn_job_bounds_every_token_and_resumes_to_the_same_turns(
+        tiny: Path, tmp_path: Path) -> None:
+    """Mode async, one-step-off with partial rollouts, a two-turn rollout function whose tool
+    takes a second between the turns: each step's update lands between its trajectories'
+    turns, so a trajectory's first turn is of the weights it was submitted under and its
+    second of the next. Every token's version is recorded; a row's staleness is its oldest
+    token's (the bound holds per token) and the rows count as partial rollouts. A run resumed
+    from the checkpoint after step 2 sends the same seeds for the same samples, and a turn
+    sampled under the same weights in both runs (step 3's first turns: version 2, restored
+    exactly) is the same turn, token for token, with the same log-probs."""
+    def run(name: str, out: Path) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]]]:
+        record = tmp_path / f"{name}.jsonl"
+        spec = {**SMALL, "placement": "disaggregated", "mode": "async",
+                "async": {"maxStaleness": 1, "partialRollout": True},
+                "schedule": {"numRollouts": 4, "saveInterval": 2},
+                "rollout": {"gpus": 0, "function": "tests.integration.agent_tasks:"
+                            "ask_twice_recorded", "maxTurns": 2,
+                            "functionArgs": {"note": "=7+", "record": str(record),
+                                             "pause": "1"}}}
+        res = kuberl_run(manifest(tiny, tmp_path, "async-agent", **spec), out)
+        assert res.returncode == 0, failed(res)
+        trajs = [json.loads(line) for line in record.read_text().splitlines()]
+        return metrics(out), {t["seed"]: t for t in trajs}
+
+    whole, trajs = run("whole", tmp_path / "a")
+    resumed_out = tmp_path / "b"
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step_2",
+                    resumed_out / "checkpoints" / "step_2")
+    resumed, again = run("resumed", resumed_out)
+    assert [r["step"] for r in whole] == [0, 1, 2, 3] and [r["step"] for r in resumed] == [2, 3]
+    for t in [*trajs.values(), *again.values()]:  # each token's version, oldest first
+        model = [int(v) for v, m in zip(t["versions"], t["trainable"], strict=True) if m]
+        assert model == sorted(model) and len(t["turn_versions"]) == 2, t
+    # Each step k after the first: submitted under k-1, trained at k. The rows' first turns
+    # are k-1's, their second k's (the update came between): staleness 1, counted from the
+    # oldest token, never more (the bound, per token), and the rows spanned an update.
+    assert [r["staleness_max"] for r in whole] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["dropped_stale_samples"] == 0 for r in whole + resumed)
+    assert all(r["partial_rollout_fraction"] > 0 for r in whole[1:]), whole
+    spans = [t for t in trajs.values() if len({v for v in t["versions"] if v}) == 2]
+    assert spans, "no trajectory's turns were sampled under two versions"
+    # resumed: the first rollout under the restored weights (2: fresher than the bound)
+    assert resumed[0]["staleness_max"] == 0.0 and resumed[1]["staleness_max"] == 1.0
+    assert [r["prompts_sha"] for r in resumed] == [r["prompts_sha"] for r in whole[2:]]
+    assert set(again) <= set(trajs) and len(again) == 2 * 16  # the same seeds, 2 steps
+
+    def first_turn(t: dict[str, Any]) -> tuple[list[int], list[float]]:
+        n = t["trainable"].index(False)  # (the note follows the first turn)
+        return t["ids"][:n], t["logprobs"][:n]
+
+    same = [seed for seed, t in again.items()  # both first turns exactly of version 2
+            if t["turn_versions"][0] == trajs[seed]["turn_versions"][0] == "2"
+            and set(t["versions"][:t["trainable"].index(False)]) == {"2"}
+            and set(trajs[seed]["versions"][:trajs[seed]["trainable"].index(False)]) == {"2"}]
+    assert len(same) >= 8, same  # step 3's (the resumed run's step 2 had other seeds)
+    for seed in same:
+        ids, logprobs = first_turn(again[seed])
+        assert ids == first_turn(trajs[seed])[0], seed
+        assert logprobs == pytest.approx(first_turn(trajs[seed])[1], rel=1e-4, abs=1e-5)
 
 
 @pytest.fixture(scope="session")

@@ -109,7 +109,7 @@ def test_a_samples_rows_are_one_member_of_its_group_with_one_advantage(tmp_path:
     assert m["reward_std"] == pytest.approx(statistics.pstdev([1.0, 0.0, 0.5, 0.5]))
     assert m["rows_mean"] == 1.5 and m["env_errors"] == 0
     assert m["response_length_mean"] == answer  # real rows only: fillers are not responses
-    assert rollout.versions == ["3"] * 6  # the real rows'
+    assert rollout.versions == [("3", "3")] * 6  # the real rows: (oldest, newest)
     assert "kept_group_fraction" not in m  # nothing dropped
 
 

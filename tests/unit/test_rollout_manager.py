@@ -323,3 +323,13 @@ def test_engine_throughput_per_engine_and_spread() -> None:
     assert out == {"engine_tokens_per_s_min": 3.0, "engine_tokens_per_s_max": 4.0,
                    "engine_tokens_per_s_mean": 3.5, "engine_throughput_spread": 4.0 / 3.0}
     assert engine_throughput([resp("", 3, 0.0, 0)]) == {}  # (untimed: none reported)
+
+
+def test_a_rows_versions_are_its_oldest_possible_and_its_newest(tmp_path: Path) -> None:
+    """Mode async tells the rollout the version the engines hold as it goes (`held`): a
+    response reported under a newer one (an update came while it was generated) counts as of
+    the held one, the oldest weights that can have sampled its first tokens."""
+    mgr, _ = setup(tmp_path)  # the table's engines report version 1
+    assert set(asyncio.run(mgr.generate(step=0, held=lambda: 0)).versions) == {("0", "1")}
+    assert set(asyncio.run(mgr.generate(step=1, held=lambda: 1)).versions) == {("1", "1")}
+    assert set(asyncio.run(mgr.generate(step=2)).versions) == {("1", "1")}  # (sync mode)

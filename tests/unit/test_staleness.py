@@ -16,24 +16,34 @@ def test_reported_versions_are_read_as_update_counts() -> None:
 
 
 def test_one_step_off_lags_one_version_and_drops_nothing() -> None:
-    got = staleness_metrics(5, ["4", "4", "4", "4"], submitted=4)
+    got = staleness_metrics(5, [("4", "4")] * 4, submitted=4, max_staleness=1)
     assert got == {"staleness_mean": 1.0, "staleness_max": 1.0,
                    "partial_rollout_fraction": 0.0, "dropped_stale_samples": 0.0}
 
 
-def test_staleness_counts_the_oldest_token_of_a_partial_rollout() -> None:
-    # submitted under version 3, trained at 6; two responses finished after updates to 4 and
-    # 5 (partial rollouts), one before any, one unreported (taken as the submitted version)
-    got = staleness_metrics(6, ["4", "5", "3", None], submitted=3)
-    assert got["staleness_max"] == got["staleness_mean"] == 3.0
-    assert got["partial_rollout_fraction"] == pytest.approx(2 / 4)
+def test_staleness_counts_each_rows_oldest_token() -> None:
+    # submitted under version 3, trained at 6. Rows as (oldest token's, newest reported):
+    # one spanned updates to 5 (a partial rollout: its oldest tokens are 3's), one whose every
+    # token is 4's (a second turn sent after the update to 4), one of 3 only, one unreported
+    # (taken as the submitted version). Lags 3, 2, 3, 3.
+    got = staleness_metrics(6, [("3", "5"), ("4", "4"), ("3", "3"), (None, None)],
+                            submitted=3, max_staleness=3)
+    assert got["staleness_max"] == 3.0
+    assert got["staleness_mean"] == pytest.approx((3 + 2 + 3 + 3) / 4)
+    assert got["partial_rollout_fraction"] == pytest.approx(1 / 4)
+    # a trajectory whose first turn was 3's and second 4's spans an update too
+    assert staleness_metrics(4, [("3", "4"), ("4", "4")], submitted=3)[
+        "partial_rollout_fraction"] == 0.5
 
 
 def test_versions_that_cannot_be_are_errors() -> None:
     with pytest.raises(ValueError, match="newer than the policy"):
-        staleness_metrics(2, ["3"], submitted=2)
+        staleness_metrics(2, [("2", "3")], submitted=2)
     with pytest.raises(ValueError, match="did not land"):
-        staleness_metrics(5, ["2"], submitted=3)
+        staleness_metrics(5, [("2", "3")], submitted=3)
+    # one token past the bound, however new the rest of its row: the loop broke its rule
+    with pytest.raises(ValueError, match=r"version 1, 3 versions behind.*maxStaleness 2"):
+        staleness_metrics(4, [("3", "4"), ("1", "4")], submitted=1, max_staleness=2)
 
 
 def test_overlap_when_generation_is_the_longer_side() -> None:

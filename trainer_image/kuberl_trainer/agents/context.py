@@ -1,5 +1,17 @@
 """What a rollout function is handed for one sample: `generate` on the job's engines, with the
-job's sampling settings and a seed per (sample, turn)."""
+job's sampling settings and a seed per (sample, turn).
+
+Weight versions per token: in mode async with partial rollouts the engines may take new weights
+while a turn is generated (the update pauses them, and the turn goes on under the new weights).
+An engine reports only the version it held when the turn finished, so each token is recorded
+with the oldest version that can have sampled it: the reported one when it is the version the
+engines held as the turn was sent (`held`), else that held version. A row's staleness is its
+oldest token's, so the bound holds per token however the update split a turn.
+
+A turn the engine answers as aborted (finish_reason "abort": SGLang's /abort_request, or a
+pause in abort mode) is continued: its tokens so far go back as input, and the continuation is
+appended to the same turn, each part's tokens with its own version, MAX_CONTINUATIONS times at
+most."""
 
 from __future__ import annotations
 
@@ -8,8 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kuberl_trainer.agents.trajectory import Trajectory, TrajectoryError
+from kuberl_trainer.agents.trajectory import Trajectory, TrajectoryError, version_number
 from kuberl_trainer.engines.client import EngineClient
+
+MAX_CONTINUATIONS = 4  # continuations of one aborted turn, before it is an error
 
 
 @dataclass(frozen=True)
@@ -20,7 +34,8 @@ class Turn:
     text: str
     logprobs: list[float]
     finish_reason: str
-    weight_version: str | None
+    weight_version: str | None  # the engine's when the turn finished: its newest token's
+    versions: tuple[str | None, ...] = ()  # each token's oldest possible (see the module)
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -30,6 +45,22 @@ def turn_seed(seed: int, turn: int) -> int:
         return seed
     digest = hashlib.sha256(f"{seed}:turn:{turn}".encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def continuation_seed(seed: int, done: int) -> int:
+    """The seed of an aborted turn's continuation after `done` of its tokens."""
+    digest = hashlib.sha256(f"{seed}:continue:{done}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def oldest_version(reported: str | None, held: int | None) -> str | None:
+    """The oldest weight version that can have sampled a request's tokens: `reported` (the
+    engine's, when it finished) unless it is newer than `held` (what the engines held at least
+    when it was sent: None, nothing changes them during a rollout), then `held`."""
+    if held is None:
+        return reported
+    number = version_number(reported)
+    return reported if number is not None and number <= held else str(held)
 
 
 class RolloutContext:
@@ -45,8 +76,12 @@ class RolloutContext:
                  url: str | None = None, sample: Any = None,
                  prompt_ids: list[int] | None = None, budget: int = 0,
                  tokenize: Callable[[str], list[int]] | None = None,
-                 max_turns: int | None = None) -> None:
+                 max_turns: int | None = None,
+                 held: Callable[[], int] | None = None) -> None:
         self.client, self.sampling, self.url = client, dict(sampling), url
+        # The weight version the engines hold at least, now (mode async: the loop's count);
+        # None when nothing changes their weights during a rollout
+        self.held = held
         self.max_turns = max_turns  # (rollout.maxTurns: a trajectory's model turns at most)
         self.sample, self.prompt_ids, self.budget = sample, list(prompt_ids or []), budget
         self._tokenize = tokenize
@@ -84,10 +119,30 @@ class RolloutContext:
             params["stop"] = list(stop)
         if stop_token_ids:
             params["stop_token_ids"] = [*params.get("stop_token_ids", []), *stop_token_ids]
-        out = await self.client.generate_one(traj.input_ids, params, url=self.url)
-        self.url = out.engine_url
-        logprobs = list(out.logprobs or [])
-        traj.append_model(list(out.output_ids), logprobs, out.weight_version,
-                          out.finish_reason, out.text)
-        return Turn(ids=list(out.output_ids), text=out.text, logprobs=logprobs,
-                    finish_reason=out.finish_reason, weight_version=out.weight_version)
+        limit, seed = params["max_new_tokens"], params.get("sampling_seed")
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[str | None] = []
+        texts: list[str] = []
+        for part in range(MAX_CONTINUATIONS + 1):
+            if part:  # an aborted turn: the rest of it, after the tokens it has
+                params["max_new_tokens"] = limit - len(ids)
+                if seed is not None:
+                    params["sampling_seed"] = continuation_seed(int(seed), len(ids))
+            held = self.held() if self.held is not None else None
+            out = await self.client.generate_one([*traj.input_ids, *ids], params, url=self.url)
+            self.url = out.engine_url
+            ids += out.output_ids
+            logprobs += list(out.logprobs or [])
+            versions += [oldest_version(out.weight_version, held)] * len(out.output_ids)
+            texts.append(out.text)
+            if out.finish_reason != "abort" or len(ids) >= limit:
+                break
+        else:
+            raise TrajectoryError(f"the engine aborted a turn {MAX_CONTINUATIONS + 1} times "
+                                  f"(trajectory turn {traj.turns}, {len(ids)} tokens)")
+        finish = "length" if out.finish_reason == "abort" else out.finish_reason
+        text = "".join(texts)
+        traj.append_model(ids, logprobs, out.weight_version, finish, text, versions=versions)
+        return Turn(ids=ids, text=text, logprobs=logprobs, finish_reason=finish,
+                    weight_version=out.weight_version, versions=tuple(versions))

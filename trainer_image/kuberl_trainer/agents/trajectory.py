@@ -5,6 +5,25 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# What an engine reports before its first weight update (SGLang's default, and the reference
+# engine's): the base model, version 0.
+INITIAL_VERSION = "default"
+
+
+def version_number(reported: str | None) -> int | None:
+    """A weight version as an engine reports it, as the trainer's update count (None: not
+    reported). kuberl sets integers; anything else is an engine updated by something else."""
+    if reported is None:
+        return None
+    if reported == INITIAL_VERSION:
+        return 0
+    try:
+        return int(reported)
+    except ValueError:
+        raise ValueError(f"engine reported weight_version {reported!r}: kuberl sets "
+                         "integers (the trainer's update count); was the engine updated by "
+                         "something else?") from None
+
 
 class TrajectoryError(ValueError):
     """A trajectory the trainer must not train on: the message names what is wrong and where
@@ -15,8 +34,11 @@ class TrajectoryError(ValueError):
 class Trajectory:
     """`prompt_ids`, then `ids`: every token after the prompt, model's and environment's, in
     order. Per token of `ids`: `trainable` (the model sampled it), `logprobs` (the engine's;
-    0.0 for environment tokens) and `versions` (the weight version that sampled it; None for
-    environment tokens). `budget`: how many tokens `ids` may hold."""
+    0.0 for environment tokens) and `versions` (the oldest weight version that can have sampled
+    it: the engine's, unless weights changed while its turn was generated; None for
+    environment tokens). Per model turn: `turn_versions` (the version its engine reported
+    when the turn finished: the newest of its tokens'). `budget`: how many tokens `ids` may
+    hold."""
 
     prompt_ids: list[int]
     budget: int
@@ -25,6 +47,7 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)
     versions: list[str | None] = field(default_factory=list)
     turns: int = 0  # the model's turns so far
+    turn_versions: list[str | None] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)  # each model turn's text, as decoded
     finish_reason: str = ""  # the last turn's ("stop", "length", "abort")
     # Set by a rollout function under reward.type environment: the trajectory's reward (a
@@ -62,10 +85,16 @@ class Trajectory:
         self._extend(ids, trainable=False, logprobs=[0.0] * len(ids), version=None)
 
     def append_model(self, ids: list[int], logprobs: list[float], version: str | None,
-                     finish_reason: str, text: str = "") -> None:
-        """A model turn, as the engine returned it (RolloutContext.generate calls this)."""
+                     finish_reason: str, text: str = "", *,
+                     versions: list[str | None] | None = None) -> None:
+        """A model turn, as the engine returned it (RolloutContext.generate calls this).
+        `version`: what the engine reported with it; `versions`: each token's, when they
+        differ from it (weights changed during the turn)."""
         if len(logprobs) != len(ids):
             raise TrajectoryError(f"{len(logprobs)} log-probs for {len(ids)} sampled tokens")
+        if versions is not None and len(versions) != len(ids):
+            raise TrajectoryError(f"{len(versions)} weight versions for {len(ids)} sampled "
+                                  "tokens")
         if len(ids) > self.remaining:
             raise TrajectoryError(
                 f"the engine returned {len(ids)} tokens with {self.remaining} left of the "
@@ -73,6 +102,9 @@ class Trajectory:
         self._sampled.append((len(self.ids), tuple(int(t) for t in ids)))
         self._extend([int(t) for t in ids], trainable=True, logprobs=list(logprobs),
                      version=version)
+        if versions is not None:
+            self.versions[len(self.ids) - len(ids):] = list(versions)
+        self.turn_versions.append(version)
         self.turns += 1
         self.texts.append(text)
         self.finish_reason = finish_reason

@@ -12,8 +12,10 @@ After each step the trainers send the new weights:
 - with it, at once: the weight sender pauses generation (retract), updates and continues it
   (`weight_sync.sender.paused`), and the requests in flight finish under the new weights.
 
-A response's oldest token is of the version the engines held when its rollout was submitted
-(the loop records it; the engines report the newest, with the response).
+A row's oldest token is at least of the version the engines held when its rollout was
+submitted (the loop records it, and tells the rollout the version they hold as each request
+goes, `held`: an engine reports only the newest, with the response); staleness counts the
+oldest token of each row (loops/staleness.py), across a trajectory's turns too.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ async def _run(parts: Parts, start: int, total: int, weight_version: int, max_st
             step_s = t3 - t0 - saved_s
             record = {
                 "step": step, **rollout.metrics, **stats, "weight_version": weight_version,
-                **staleness_metrics(trained_from, rollout.versions, submitted),
+                **staleness_metrics(trained_from, rollout.versions, submitted, max_staleness),
                 "time_generate_s": rollout.seconds, **sync_bytes(parts, synced),
                 "engine_restarts_total": parts.fleet.restarts,
                 **overlap_times(train_s=t2 - t1 - saved_s, sync_s=t3 - t_sync,
@@ -133,7 +135,9 @@ async def _produce(parts: Parts, engines: _Engines, ready: asyncio.Queue[tuple[R
             began = time.perf_counter()
             engines.idle_s += began - waited
             submitted = engines.version
-            rollout = await parts.rollout.generate(step)
+            # (partial rollouts: an update may come during it; each token is counted as of
+            # the oldest weights that can have sampled it, agents.context)
+            rollout = await parts.rollout.generate(step, held=lambda: engines.version)
             engines.generating_s += time.perf_counter() - began
         await ready.put((rollout, submitted))
 

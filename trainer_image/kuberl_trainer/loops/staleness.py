@@ -2,56 +2,57 @@
 generation and training overlapped.
 
 Versions count the trainer's updates: the policy that trains at step k has made `k` of them
-(its weights are version k). The loop knows the version the engines held when a rollout was
-submitted (its responses' oldest tokens are of it), and an engine reports, with every
-response, the version it held when the response finished (`meta_info.weight_version`, set by
-each weight update): newer than the submitted one when an update came while the response was
-generated (a partial rollout). A sample's staleness is the policy's version minus its oldest
-token's: 0 in sync mode, 1 for every sample after the first step in one-step-off, at most
-`async.maxStaleness` in any step.
+(its weights are version k). Each row comes with two versions (rollout.generate.Response): its
+oldest model token's (`weight_version`: the oldest weights that can have sampled it, since an
+engine reports only the version it held when a request finished; agents.context) and the
+newest its engine reported (`newest_version`: newer when an update came while the row was
+generated, a partial rollout, or between a trajectory's turns). A row's staleness is the
+policy's version minus its oldest token's: 0 in sync mode, 1 for every row after the first
+step in one-step-off, at most `async.maxStaleness` in any step, for every token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-# What an engine reports before its first weight update (SGLang's default, and the reference
-# engine's): the base model, version 0.
-INITIAL_VERSION = "default"
+from kuberl_trainer.agents.trajectory import INITIAL_VERSION, version_number
+
+__all__ = ["INITIAL_VERSION", "behaviour_version", "overlap_times", "staleness_metrics"]
 
 
 def behaviour_version(reported: str | None, fallback: int) -> int:
     """The weight version an engine reported with a response, or `fallback` when it reports
     none."""
-    if reported is None:
-        return fallback
-    if reported == INITIAL_VERSION:
-        return 0
-    try:
-        return int(reported)
-    except ValueError:
-        raise ValueError(f"engine reported weight_version {reported!r}: kuberl sets "
-                         "integers (the trainer's update count); was the engine updated by "
-                         "something else?") from None
+    number = version_number(reported)
+    return fallback if number is None else number
 
 
-def staleness_metrics(trained_from: int, reported: Sequence[str | None],
-                      submitted: int) -> dict[str, float]:
-    """`trained_from`: the version of the policy that trains on the samples; `reported`: each
-    response's version as its engine reported it; `submitted`: the version the engines held
-    when the rollout was submitted. Staleness counts a response's oldest token; the bound
-    keeps every sample within it, so none is dropped (`dropped_stale_samples` 0)."""
-    newest = [behaviour_version(v, submitted) for v in reported]
-    if any(v < submitted for v in newest):
-        raise ValueError(f"an engine reported weight version {min(newest)}, older than the "
+def staleness_metrics(trained_from: int, versions: Sequence[tuple[str | None, str | None]],
+                      submitted: int, max_staleness: int | None = None) -> dict[str, float]:
+    """`trained_from`: the version of the policy that trains on the rows; `versions`: each
+    row's (oldest token's, newest reported) version; `submitted`: the version the engines held
+    when the rollout was submitted (a row without versions is taken as of it). Staleness
+    counts a row's oldest token. The bound (`max_staleness`) keeps every token within it, so
+    none is dropped (`dropped_stale_samples` 0); a row past it, or with a version that cannot
+    be, is an error (the loop broke its own rule)."""
+    oldest = [behaviour_version(old, submitted) for old, _ in versions]
+    newest = [max(behaviour_version(new, o), o) for (_, new), o in zip(versions, oldest,
+                                                                        strict=True)]
+    if any(v < submitted for v in oldest):
+        raise ValueError(f"an engine reported weight version {min(oldest)}, older than the "
                          f"{submitted} it held when the rollout began: an update did not land")
     if any(v > trained_from for v in newest) or submitted > trained_from:
         raise ValueError(f"a sample's weight version is newer than the policy training on it "
                          f"(version {trained_from}; reported {sorted(set(newest))})")
-    lag = float(trained_from - submitted)
-    spanned = sum(v > submitted for v in newest)
-    return {"staleness_mean": lag if newest else 0.0, "staleness_max": lag if newest else 0.0,
-            "partial_rollout_fraction": spanned / len(newest) if newest else 0.0,
+    lags = [float(trained_from - v) for v in oldest]
+    if max_staleness is not None and lags and max(lags) > max_staleness:
+        raise ValueError(f"a row's oldest token is of weight version {min(oldest)}, "
+                         f"{max(lags):.0f} versions behind the policy training on it "
+                         f"(version {trained_from}): past async.maxStaleness {max_staleness}")
+    spanned = sum(new > old for old, new in zip(oldest, newest, strict=True))
+    return {"staleness_mean": sum(lags) / len(lags) if lags else 0.0,
+            "staleness_max": max(lags, default=0.0),
+            "partial_rollout_fraction": spanned / len(lags) if lags else 0.0,
             "dropped_stale_samples": 0.0}
 
 

@@ -62,17 +62,19 @@ class AgentRollout:
         self.rows, self.drop, self.env_reward = rows, drop, env_reward
 
     async def __call__(self, step: int, samples: list[Sample], n: int, *,
-                       greedy: bool = False) -> list[Response]:
-        """`n` trajectories per sample, groups consecutive, each `rows` rows."""
+                       greedy: bool = False,
+                       held: Callable[[], int] | None = None) -> list[Response]:
+        """`n` trajectories per sample, groups consecutive, each `rows` rows. `held`: the
+        weight version the engines hold at least, now (as SingleTurn's), for each token's."""
         tok, cut = self.single.tokenizer, self.single.spec.data.max_prompt_len
         encoded = tok([s.prompt for s in samples], add_special_tokens=False)["input_ids"]
         out = await asyncio.gather(*(
-            self._one(step, sample, list(ids[-cut:]), k, greedy)
+            self._one(step, sample, list(ids[-cut:]), k, greedy, held)
             for sample, ids in zip(samples, encoded, strict=True) for k in range(n)))
         return [row for rows in out for row in rows]
 
     async def _one(self, step: int, sample: Sample, prompt_ids: list[int], k: int,
-                   greedy: bool) -> list[Response]:
+                   greedy: bool, held: Callable[[], int] | None = None) -> list[Response]:
         params = self.single.sampling_params(step, sample, k)
         if greedy:
             params["temperature"] = 0.0
@@ -81,7 +83,7 @@ class AgentRollout:
                              budget=self.single.spec.data.max_response_len,
                              tokenize=lambda text: list(tok.encode(text,
                                                                    add_special_tokens=False)),
-                             max_turns=self.max_turns)
+                             max_turns=self.max_turns, held=held)
         try:
             rows = await (self._function(ctx) if self.function is not None
                           else self._episode(ctx, sample))

@@ -11,11 +11,14 @@ the same way.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.agents import Trajectory
+from kuberl_trainer.agents.context import oldest_version
+from kuberl_trainer.agents.trajectory import version_number
 from kuberl_trainer.engines.client import EngineClient
 from kuberl_trainer.rollout.prompts import Sample
 
@@ -28,7 +31,11 @@ class Response:
     logprobs: list[float]
     text: str
     truncated: bool
-    weight_version: str | None = None  # the engine's, as it reported it (the behaviour policy)
+    # The oldest weight version that can have sampled one of its model tokens (the behaviour
+    # policy, as staleness counts it), and the newest its engine reported: they differ when
+    # weights changed while it was generated (a partial rollout)
+    weight_version: str | None = None
+    newest_version: str | None = None
     engine: str = ""  # the URL of the engine that generated it
     seconds: float = 0.0  # its engine's request for it, from send to answer
     request: int = 0  # which request that was
@@ -67,6 +74,7 @@ class Response:
                    logprobs=list(traj.logprobs), text=text,
                    truncated=traj.finish_reason == "length",
                    weight_version=min(versions, key=_version_order) if versions else None,
+                   newest_version=max(traj.turn_versions, key=_version_order, default=None),
                    loss_mask=traj.loss_mask(), turns=traj.turns, env_tokens=traj.env_tokens)
 
 
@@ -91,20 +99,25 @@ class SingleTurn:
         }
 
     async def __call__(self, step: int, samples: list[Sample], n: int, *,
-                       greedy: bool = False) -> list[Response]:
-        """`n` responses per sample, groups consecutive, from one request per engine."""
+                       greedy: bool = False,
+                       held: Callable[[], int] | None = None) -> list[Response]:
+        """`n` responses per sample, groups consecutive, from one request per engine. `held`:
+        the weight version the engines hold at least, now (None: their weights do not change
+        during the rollout), for each response's oldest token (agents.context)."""
         encoded = self.tokenizer([s.prompt for s in samples], add_special_tokens=False)
         cut = self.spec.data.max_prompt_len
         prompt_ids = [list(ids[-cut:]) for ids in encoded["input_ids"]]
         params = [self.sampling_params(step, s, k) for s in samples for k in range(n)]
         if greedy:
             params = [p | {"temperature": 0.0} for p in params]
+        floor = held() if held is not None else None
         outs = await self.client.generate_spread(
             [ids for ids in prompt_ids for _ in range(n)], params, group=n)
         return [Response(sample=samples[i // n], prompt_ids=prompt_ids[i // n],
                          output_ids=list(o.output_ids), logprobs=list(o.logprobs or []),
                          text=o.text, truncated=o.finish_reason == "length",
-                         weight_version=o.weight_version, engine=o.engine_url,
+                         weight_version=oldest_version(o.weight_version, floor),
+                         newest_version=o.weight_version, engine=o.engine_url,
                          seconds=o.seconds, request=o.request)
                 for i, o in enumerate(outs)]
 
@@ -115,7 +128,10 @@ def sample_seed(seed: int, step: int, sample: Sample, k: int) -> int:
 
 
 def _version_order(version: str | None) -> tuple[int, str]:
-    """Weight versions oldest first (numbers as numbers): a row counts as old as its oldest
-    model token, for the staleness bound."""
-    text = version or ""
-    return (int(text), text) if text.isdigit() else (-1, text)
+    """Weight versions oldest first (numbers as numbers, "default" as 0): a row counts as old
+    as its oldest model token, for the staleness bound."""
+    try:
+        number = version_number(version)
+    except ValueError:  # (not one of kuberl's: staleness_metrics says so)
+        number = None
+    return (-1 if number is None else number, version or "")

@@ -70,7 +70,9 @@ class Rollout:
     batch: TrainBatch
     metrics: dict[str, Any] = field(default_factory=dict)
     sft: TrainBatch | None = None  # the step's demonstrations (algorithm.sftCoef)
-    versions: list[str | None] = field(default_factory=list)  # each response's weight version
+    # Each row's (oldest token's, newest reported) weight version (Response.weight_version,
+    # .newest_version; fillers have none)
+    versions: list[tuple[str | None, str | None]] = field(default_factory=list)
     seconds: float = 0.0  # generating, grading and packing it
 
 
@@ -110,6 +112,7 @@ class RolloutManager:
             raise ValueError("data.sft and the SFT prompt source come together")
         self.sft_source = sft_source
         self._positions: dict[int, DataPosition] = {}  # see position_at
+        self._held: Callable[[], int] | None = None  # generate's, for the rollout under way
         self.eval_sets = [
             (e.name, PromptSource(e.path, spec.data.input_key, spec.data.label_key,
                                   seed=seed, metadata_keys=spec.data.metadata_keys).samples(),
@@ -129,8 +132,11 @@ class RolloutManager:
         return DataPosition(self.source.state_dict(),
                             self.sft_source.state_dict() if self.sft_source is not None else {})
 
-    async def generate(self, step: int) -> Rollout:
-        """Step `step`'s rollout, in the order its parts happen."""
+    async def generate(self, step: int, *, held: Callable[[], int] | None = None) -> Rollout:
+        """Step `step`'s rollout, in the order its parts happen. `held`: the weight version
+        the engines hold at least, now (mode async, where an update may come during the
+        rollout); None when their weights do not change during it."""
+        self._held = held
         d, algo = self.spec.data, self.spec.algorithm
         n, rows = d.n_samples_per_prompt, self.rows
         started = time.perf_counter()
@@ -181,7 +187,8 @@ class RolloutManager:
                                     agentic=isinstance(self._sample, AgentRollout)))
         metrics.update(engine_throughput(responses))
         return Rollout(batch=batch, metrics=metrics, sft=self._demonstrations(),
-                       versions=[r.weight_version for r in responses if not r.filler],
+                       versions=[(r.weight_version, r.newest_version) for r in responses
+                                 if not r.filler],
                        seconds=time.perf_counter() - started)
 
     def _advantages(self, batch: TrainBatch, scores: torch.Tensor, n: int
@@ -232,7 +239,7 @@ class RolloutManager:
         """The samples' trajectories, each graded once (its last real row's answer, or its
         environment's reward), its reward and score on every row; a failed one is never
         graded (its group leaves the step)."""
-        responses = await self._sample(step, samples, n)
+        responses = await self._sample(step, samples, n, held=self._held)
         trajs = trajectories(responses, self.rows)
         rewards = [self._reward(t) for t in trajs]
         penalties = self._overlong(trajs).tolist()
