@@ -142,12 +142,13 @@ def step_record(step: int, engine: str) -> dict[str, Any]:
     stats.add_step(1.5, 1e-6)
     sample = Sample("1+1?", "2", 0, 0)
     responses = [Response(sample, [1, 2], list(range(64)), [0.0] * 64, "2", False,
-                          str(step), engine, 0.5 + 0.1 * i, i) for i in range(4)]
+                          weight_version=str(step), engine=engine, seconds=0.5 + 0.1 * i,
+                          request=i) for i in range(4)]
     rollout = {"reward_mean": 0.1 * step, "reward_std": 0.2, "score_mean": 0.1 * step,
                "response_length_mean": 64.0, "truncated_fraction": 0.0,
                **engine_throughput(responses)}
     return {"step": step, **rollout, **stats.summary(), "weight_version": step + 1,
-            **staleness_metrics(step, [str(step - 1)], step - 1),
+            **staleness_metrics(step, [(str(step - 1), str(step - 1))], step - 1),
             "time_generate_s": 2.0, "engine_restarts_total": min(step, ENGINE_RESTARTS),
             "weight_sync_bytes": SYNC_BYTES, "weight_sync_bytes_total": SYNC_BYTES * (step + 2),
             **overlap_times(train_s=1.5, sync_s=0.3, step_s=2.2, trainers_idle_s=0.4,
