@@ -2,10 +2,11 @@
 
 `python -m kuberl_env module:Class` serves any class with the environment protocol of
 `kuberl_trainer.agents` (async `reset(sample, **args)`, `step(action_ids, action_text)`,
-`close()`; one instance per episode) over HTTP, so an environment runs in an image of its own,
+`close()`; one instance per episode; a reset that declares `seed` gets the trajectory's)
+over HTTP, so an environment runs in an image of its own,
 with its own dependencies, beside the training job:
 
-    POST /reset  {"episode", "sample", "args"}            -> {"observation": ... | null}
+    POST /reset  {"episode", "sample", "args", "seed"}    -> {"observation": ... | null}
     POST /step   {"episode", "step", "action_ids", "action_text"} -> {"result": ...}
     POST /close  {"episode"}                               -> {"closed": true | false}
     GET  /health                                           -> {"status": "ok", ...}

@@ -5,7 +5,8 @@ and the trainer's client (the paths and fields) import it too."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 DEFAULT_PORT: Final = 8000
@@ -18,6 +19,18 @@ CLOSE: Final = "/close"
 # that never arrived, a step that hung and was given up on). At least the longest call the
 # trainer waits for (environment.timeoutSeconds, at most 3600): its retries touch the episode.
 DEFAULT_EPISODE_TIMEOUT_S: Final = 3600.0
+
+
+def takes_seed(reset: Callable[..., Any]) -> bool:
+    """Whether an environment's `reset` declares a `seed` parameter: it then gets the
+    trajectory's seed (the same on a resumed run). A `**kwargs` alone does not count: an
+    environment that never asked for a seed must not receive one."""
+    try:
+        parameter = inspect.signature(reset).parameters.get("seed")
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return False
+    return parameter is not None and parameter.kind in (
+        inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 class WireError(ValueError):

@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from kuberl_env import protocol
-from kuberl_env.protocol import Sample, WireError, answer_to_wire
+from kuberl_env.protocol import Sample, WireError, answer_to_wire, takes_seed
 
 LOG = logging.getLogger("kuberl.env")
 ENDED_KEPT = 4096  # ended episodes remembered, for an error that says how they ended
@@ -87,10 +87,12 @@ class EnvironmentServer:
     async def reset(self, request: web.Request) -> web.Response:
         body = await _body(request)
         episode = _episode_id(body)
-        sample, args = body.get("sample"), body.get("args") or {}
+        sample, args, seed = body.get("sample"), body.get("args") or {}, body.get("seed")
         if not isinstance(sample, dict) or not isinstance(args, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in args.items()):
             raise CallError(400, "reset needs `sample` (an object) and `args` (strings)")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise CallError(400, f"reset's `seed` must be an integer or null, got {seed!r}")
         ep = self.episodes.get(episode)
         if ep is None:
             if episode in self.ended:
@@ -101,7 +103,9 @@ class EnvironmentServer:
             except Exception as exc:
                 raise UserCodeFailed(f"{self.name}() failed: {type(exc).__name__}: {exc}") \
                     from exc
-            ep = Episode(env, asyncio.ensure_future(env.reset(Sample(sample), **args)),
+            given = {"seed": seed} if takes_seed(env.reset) else {}
+            ep = Episode(env, asyncio.ensure_future(env.reset(Sample(sample), **args,
+                                                              **given)),
                          time.monotonic())
             self.episodes[episode] = ep
             self.served += 1

@@ -332,3 +332,53 @@ def test_a_class_that_cannot_be_served_stops_the_server_at_once(
     assert "cannot import module 'no_such_module_here'" in capsys.readouterr().err
     assert kuberl_env_main(["tests.unit.test_environment_service:Sample"]) == 2
     assert "needs `async def reset`" in capsys.readouterr().err
+
+
+class Seeded:
+    """Draws its observation from the seed its reset declares (an environment's randomness)."""
+
+    async def reset(self, sample: Any, *, seed: int | None, **args: str) -> dict[str, Any]:
+        self.seed = seed
+        return {"ids": [30 + (seed or 0) % 7]}
+
+    async def step(self, action_ids: list[int], action_text: str) -> dict[str, Any]:
+        return {"done": True}
+
+    async def close(self) -> None:
+        pass
+
+
+async def seeded_episode(env: Any, seed: int) -> Trajectory:
+    ctx = RolloutContext(Engine([[7, 8]] * 5),  # type: ignore[arg-type]
+                         {"max_new_tokens": 99, "sampling_seed": seed})
+    traj = Trajectory(prompt_ids=[1, 2], budget=20)
+    await run_episode(ctx, env, traj, Sample("1+1=", "2"), max_turns=2, args={}, name=NAME,
+                      tokenize=lambda text: [ord(c) for c in text])
+    return traj
+
+
+async def test_a_reset_that_declares_seed_gets_the_trajectorys_in_process_and_over_http(
+) -> None:
+    """The trajectory's seed (its first turn's sampling seed, ctx.seed) reaches a reset that
+    asks for it, in process and through the server: a resumed run, sending the same seeds,
+    sees the same observations. A reset that does not declare it (Calculator, with **args)
+    is never given one."""
+    local = Seeded()
+    assert (await seeded_episode(local, 12)).ids[0] == 30 + 12 % 7 and local.seed == 12
+    made = Made(Seeded)
+    srv, url = await start(made)
+    try:
+        remote = await seeded_episode(service(url)(), 12)
+        assert remote.ids[0] == 30 + 12 % 7 and made.made[0].seed == 12
+        plain = Made()
+        srv2, url2 = await start(plain)
+        try:
+            await seeded_episode(service(url2)(), 12)
+            assert "seed" not in plain.made[0].reset_with[1]
+        finally:
+            await srv2.close()
+        status, body = await post(url, "/reset", {"episode": "e1", "sample": {}, "args": {},
+                                                  "seed": "12"})
+        assert status == 400 and "seed" in body["error"]
+    finally:
+        await srv.close()

@@ -16,6 +16,8 @@ from kuberl_api.spec.pods import NodePool, Resources
 from kuberl_api.spec.rollout import UserArgs
 
 ENVIRONMENT_ARGS_NEED_CLASS = "args applies only with class"
+ARGS_NO_SEED = ("args may not name seed: kuberl gives a reset that declares seed the "
+                "trajectory's seed")
 IMAGE_NEEDS_CLASS = ("image needs class: the module:Class inside the image that its server "
                      "serves")
 DEFAULT_REPLICAS = 1
@@ -51,6 +53,7 @@ class EnvironmentSpec(ApiModel):
         Rule("size(self.args) == 0 || has(self.class)",
              lambda e: not e.args or e.class_ is not None, ENVIRONMENT_ARGS_NEED_CLASS, "args",
              value=lambda e: sorted(e.args)),
+        Rule("!('seed' in self.args)", lambda e: "seed" not in e.args, ARGS_NO_SEED, "args"),
         Rule("!has(self.image) || has(self.class)",
              lambda e: e.image is None or e.class_ is not None, IMAGE_NEEDS_CLASS, "image"),
         _image_only("replicas", "!has(self.replicas)"),

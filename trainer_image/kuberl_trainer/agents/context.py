@@ -86,6 +86,14 @@ class RolloutContext:
         self.sample, self.prompt_ids, self.budget = sample, list(prompt_ids or []), budget
         self._tokenize = tokenize
 
+    @property
+    def seed(self) -> int | None:
+        """The trajectory's seed (its first turn's sampling seed): for the randomness of
+        whatever the function or environment does besides sampling, so that a resumed run
+        makes the same trajectories. None when the job samples without seeds."""
+        seed = self.sampling.get("sampling_seed")
+        return None if seed is None else int(seed)
+
     def trajectory(self) -> Trajectory:
         """A new trajectory of this sample: its prompt, the job's budget."""
         return Trajectory(prompt_ids=list(self.prompt_ids), budget=self.budget)

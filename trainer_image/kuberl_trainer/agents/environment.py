@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
+from kuberl_env.protocol import takes_seed
 from kuberl_trainer.agents.context import RolloutContext
 from kuberl_trainer.agents.trajectory import Trajectory
 
@@ -118,11 +119,13 @@ async def run_episode(ctx: RolloutContext, env: Environment, traj: Trajectory, s
     """The built-in loop over `env` (`name`: its import path, for errors). The reset's
     observation follows the prompt; each model turn is followed by the step's observation,
     out of the loss. An observation that does not fit what is left of the budget ends the
-    episode as truncated (finish_reason "length"), never cut."""
+    episode as truncated (finish_reason "length"), never cut. A reset that takes a `seed`
+    keyword gets the trajectory's (`ctx.seed`)."""
     episode = Episode()
     try:
         try:
-            obs = as_observation(await env.reset(sample, **args), f"{name}.reset")
+            seed = {"seed": ctx.seed} if takes_seed(env.reset) else {}
+            obs = as_observation(await env.reset(sample, **args, **seed), f"{name}.reset")
         except EnvironmentFailure:
             raise
         except Exception as exc:

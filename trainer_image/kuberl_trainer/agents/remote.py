@@ -141,12 +141,13 @@ class RemoteEnvironment:
         self._unreachable = False  # a call's retries ran out
         self._session: aiohttp.ClientSession | None = None
 
-    async def reset(self, sample: Any, **args: str) -> Any:
+    async def reset(self, sample: Any, *, seed: int | None = None, **args: str) -> Any:
+        """`seed`: the trajectory's; the server gives it to a reset that takes one."""
         try:
             wire = sample_to_wire(sample)
         except WireError as exc:
             raise EnvironmentFailure(f"{self.service.name}.reset: {exc}") from None
-        body = {"episode": self.episode, "sample": wire, "args": dict(args)}
+        body = {"episode": self.episode, "sample": wire, "args": dict(args), "seed": seed}
         out = await self._call(protocol.RESET, body, movable=True)
         return out.get("observation")
 
