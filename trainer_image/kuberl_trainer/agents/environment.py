@@ -124,7 +124,7 @@ async def run_episode(ctx: RolloutContext, env: Environment, traj: Trajectory, s
     episode = Episode()
     try:
         try:
-            seed = {"seed": ctx.seed} if takes_seed(env.reset) else {}
+            seed: dict[str, Any] = {"seed": ctx.seed} if takes_seed(env.reset) else {}
             obs = as_observation(await env.reset(sample, **args, **seed), f"{name}.reset")
         except EnvironmentFailure:
             raise
