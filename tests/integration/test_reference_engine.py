@@ -152,11 +152,12 @@ async def test_logprobs_are_temperature_scaled_logprobs_of_the_sampled_tokens(
 
 
 async def test_a_trajectory_goes_token_in_token_out_across_turns(
-        pair: list[str], reference_model: torch.nn.Module) -> None:
+        pair: list[str], reference_model: torch.nn.Module, model_dir: Path) -> None:
     """Multi-turn, exactly (kuberl_trainer.agents): turn 2's request is the prompt, turn 1's
     output and the observation's ids (the engine answers it as it answers those ids sent by
     hand with turn 2's seed); the trained row is those and turn 2's output, the observation
-    out of the loss; the engine's log-prob of every trainable token is the model's (fp32)."""
+    out of the loss; the engine's log-prob of every trainable token is the model's (fp32),
+    and the trainer's (the fsdp backend on the same weights, step 0)."""
     from kuberl_trainer.agents import RolloutContext, Trajectory, turn_seed
     from kuberl_trainer.rollout.batch import pack
     from kuberl_trainer.rollout.generate import Response
@@ -188,6 +189,16 @@ async def test_a_trajectory_goes_token_in_token_out_across_turns(
     expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     assert torch.allclose(row.rollout_logprobs[0, 1:][trained[1:]], expected[trained[1:]],
                           atol=1e-4)
+    from kuberl_api.spec import RLJobSpec
+    from kuberl_trainer.backends.factory import make_backend
+
+    spec = RLJobSpec.model_validate({
+        "model": {"path": str(model_dir)},
+        "data": {"prompts": "/p.jsonl", "maxPromptLen": len(prompt), "maxResponseLen": budget},
+        "training": {"backend": "fsdp", "gpusPerNode": 0}, "rollout": {"engine": "reference"},
+        "algorithm": {"temperature": 1.0}})
+    trainer = make_backend(spec, rank=0, world_size=1, device="cpu").logprobs(row)[0]
+    assert torch.allclose(trainer[trained], row.rollout_logprobs[0][trained], atol=1e-4)
 
 
 async def test_seeds_reproduce_and_differ(pair: list[str]) -> None:
