@@ -28,7 +28,7 @@ NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 # backoffLimit, heartbeatTimeoutSeconds) are read by the operator and may change any time.
 IMMUTABLE_SECTIONS = ("model", "data", "reward", "algorithm", "training", "rollout",
                       "environment", "critic", "placement", "mode", "schedule", "checkpoint",
-                      "network", "scheduling")
+                      "network", "scheduling", "code")
 # Phases in which nothing has run yet, so the spec may still change freely.
 EDITABLE_PHASES = ("Pending",)
 

@@ -60,8 +60,23 @@ def _cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def code_notice(job: RLJob) -> str | None:
+    """What `kuberl run` says about spec.code outside a cluster: it mounts nothing here (there
+    is no ConfigMap or PVC to read), so the modules come from where they always do locally.
+    A notice rather than a refusal: the same manifest runs in both places."""
+    source = job.spec.code.source
+    if source is None:
+        return None
+    return (f"notice: spec.code ({source}) is mounted only in a cluster; kuberl run imports "
+            "rollout.function, environment.class and reward.function from the current "
+            "directory and PYTHONPATH")
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     job = _load(args.manifest)
+    notice = None if args.in_cluster else code_notice(job)
+    if notice:
+        print(notice, file=sys.stderr)
     try:
         from kuberl_trainer.run import run
     except ImportError as exc:

@@ -123,6 +123,21 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
                                        set_("environment.image", "envs:1"),
                                        set_("environment.replicas", 0)),
      "spec.environment.replicas", ""),
+    *((f"code-{case}", both(set_("rollout.function", "agent:run"), set_("code", code)),
+       f"spec.code.{field}", words)
+      for case, code, field, words in (
+          ("two-sources", {"configMap": "agent", "pvc": "agent"}, "pvc", "set one"),
+          ("sub-path-without-pvc", {"configMap": "agent", "subPath": "src"}, "subPath",
+           "only with pvc"),
+          ("sub-path-absolute", {"pvc": "agent", "subPath": "/src"}, "subPath", "relative"),
+          ("sub-path-up", {"pvc": "agent", "subPath": "src/../../etc"}, "subPath", "'..'"),
+          ("configmap-name", {"configMap": "My_Agent"}, "configMap", ""),
+          ("pvc-name", {"pvc": "-agent"}, "pvc", ""))),
+    ("code-without-user-code", set_("code", {"configMap": "agent"}), "spec.code",
+     "only the head imports"),
+    ("code-for-an-environment-image", both(
+        set_("environment", {"class": "envs:Calculator", "image": "envs:1"}),
+        set_("code", {"pvc": "agent"})), "spec.code", "an image serves its own class"),
     ("max-turns-without-agent", set_("rollout.maxTurns", 4), "spec.rollout.maxTurns",
      "needs rollout.function or environment.class"),
     ("on-error-drop-without-episodes", set_("environment.onError", "drop"),
@@ -724,6 +739,13 @@ GOOD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
         "class": "envs:Calculator", "image": "registry.example/envs:1", "args": {"level": "2"},
         "replicas": 4, "timeoutSeconds": 120, "resources": {"cpu": "2", "memory": "4Gi"},
         "nodePool": {"nodeSelector": {"pool": "cpu"}}, "env": {"LEVEL": "2"}})),
+    ("code-from-a-configmap", both(set_("rollout.function", "my_agent:run"),
+                                   set_("code", {"configMap": "my-agent.v2"}))),
+    ("code-from-a-pvc-directory", both(set_("environment.class", "envs:Calculator"),
+                                       set_("code", {"pvc": "code", "subPath": "v1..2/./src"}))),
+    ("code-for-a-reward-function", both(set_("reward", {"type": "custom",
+                                                        "function": "my_rewards:score"}),
+                                        set_("code", {"pvc": "code"}))),
     ("tolerations-kubernetes-accepts", pool(
         {"operator": "Exists"}, {"key": "gpu", "operator": "Exists", "value": ""},
         {"key": "gpu", "value": "a", "effect": "NoSchedule"},
@@ -806,6 +828,17 @@ def test_immutable_once_running(section: str, edit: Any) -> None:
     assert "immutable" in problems[0]
     # before the job starts, the same edit is fine
     assert admit(SCHEMA, _running(_manifest(edit), "Pending"), _running(base(), "Pending")) == []
+
+
+def test_code_is_immutable_once_running() -> None:
+    """A running job's pods mounted the code it started with: another source would apply only
+    to a restart."""
+    def job(name: str) -> dict[str, Any]:
+        return _manifest(both(set_("rollout.function", "my_agent:run"),
+                              set_("code", {"configMap": name})))
+    problems = admit(SCHEMA, _running(job("agent-2"), "Running"), _running(job("agent-1"),
+                                                                            "Running"))
+    assert problems and problems[0].startswith("spec.code") and "immutable" in problems[0]
 
 
 @pytest.mark.parametrize("edit", [set_("suspend", True), set_("backoffLimit", 5),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -64,3 +66,28 @@ def test_two_documents(tmp_path: Path, capsys: Any) -> None:
     f.write_text(GOOD + "---\n" + GOOD)
     assert main(["validate", str(f)]) == 1
     assert "exactly one YAML document, found 2" in capsys.readouterr().err
+
+
+CODE = GOOD + """\
+  rollout: {function: my_agent:run}
+  code: {configMap: my-agent}
+"""
+
+
+@pytest.mark.parametrize(("in_cluster", "noticed"), [(False, True), (True, False)])
+def test_run_says_that_code_is_mounted_only_in_a_cluster(
+        tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, in_cluster: bool,
+        noticed: bool) -> None:
+    """Locally spec.code mounts nothing: `kuberl run` says so (and where the modules come
+    from) and runs on; on the head, where the operator mounted it, it says nothing."""
+    ran: list[Any] = []
+    fake = types.ModuleType("kuberl_trainer.run")
+    fake.run = lambda job, args: ran.append(job) or 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "kuberl_trainer.run", fake)
+    f = tmp_path / "job.yaml"
+    f.write_text(CODE)
+    assert main(["run", str(f), *(["--in-cluster"] if in_cluster else [])]) == 0
+    assert len(ran) == 1
+    err = capsys.readouterr().err
+    assert ("spec.code (ConfigMap my-agent) is mounted only in a cluster" in err) == noticed
+    assert ("current directory and PYTHONPATH" in err) == noticed

@@ -38,10 +38,18 @@ from kuberl_api.spec.algorithm import (
     LossAggregation,
     PolicyLoss,
 )
+from kuberl_api.spec.code import (
+    CODE_ONE_SOURCE,
+    SUB_PATH_NEEDS_PVC,
+    SUB_PATH_RELATIVE,
+    CodeSpec,
+)
 from kuberl_api.spec.common import (
+    CODE_DIR,
     DEFAULT_GPUS_PER_NODE,
     DEFAULT_ROLLOUT_IMAGE,
     DEFAULT_TRAINER_IMAGE,
+    DNS_SUBDOMAIN_PATTERN,
     ENV_NAME_PATTERN,
     IMPORT_PATH_PATTERN,
     LABEL_KEY_PATTERN,
@@ -75,6 +83,7 @@ from kuberl_api.spec.job import Placement, RLJobSpec
 from kuberl_api.spec.job_rules import (
     ASYNC_DISAGGREGATED,
     ASYNC_SETTINGS_ASYNC_ONLY,
+    CODE_NEEDS_USER_CODE,
     COLOCATED_FROM_TRAINING,
     CRITIC_PPO_ONLY,
     ENGINE_RESTARTS_DISAGGREGATED,
@@ -138,6 +147,9 @@ from kuberl_api.spec.training import (
 __all__ = [
     "ASYNC_DISAGGREGATED",
     "ASYNC_SETTINGS_ASYNC_ONLY",
+    "CODE_DIR",
+    "CODE_NEEDS_USER_CODE",
+    "CODE_ONE_SOURCE",
     "COLOCATED_FROM_TRAINING",
     "COLOCATED_MEMORY_FRACTION",
     "CP_NOT_SUPPORTED",
@@ -149,6 +161,7 @@ __all__ = [
     "DEFAULT_TRAINER_IMAGE",
     "DISCOUNTED_ESTIMATORS",
     "DNS_LABEL_PATTERN",
+    "DNS_SUBDOMAIN_PATTERN",
     "DUAL_CLIP_PPO_ONLY",
     "ENGINES_ON_CPU_ONLY",
     "ENGINE_ARG_NAMES",
@@ -201,6 +214,8 @@ __all__ = [
     "RESERVED_PATHS",
     "ROLLOUT_WHOLE_NODES",
     "SGLANG_NEEDS_GPUS",
+    "SUB_PATH_NEEDS_PVC",
+    "SUB_PATH_RELATIVE",
     "TOKEN_LEVEL_ESTIMATORS",
     "TOLERATION_EQUAL_NEEDS_KEY",
     "TOLERATION_EXISTS_HAS_NO_VALUE",
@@ -209,6 +224,7 @@ __all__ = [
     "AlgorithmSpec",
     "AsyncSpec",
     "CheckpointSpec",
+    "CodeSpec",
     "CriticSpec",
     "DataSpec",
     "EnvironmentSpec",

@@ -13,14 +13,19 @@ LABEL_KEY_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z
                      r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 IMPORT_PATH_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 PVC_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+# A DNS-1123 subdomain (the names of ConfigMaps and PersistentVolumeClaims): dot-separated
+# labels of lowercase letters, digits and '-', each starting and ending alphanumeric.
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 # Bounds keep CEL cost estimates finite (the API server refuses rules over unbounded lists).
 MAX_STR = 1024
 MAX_ITEMS = 64
 
-# Mount points kuberl itself uses in every pod (config, shared memory for NCCL).
-RESERVED_PATHS = ("/etc/kuberl", "/dev/shm")
+# Where spec.code's modules are mounted in every Ray pod (and put first on PYTHONPATH).
+CODE_DIR = "/opt/kuberl/code"
+# Mount points kuberl itself uses in every pod (config, shared memory for NCCL, user code).
+RESERVED_PATHS = ("/etc/kuberl", "/dev/shm", CODE_DIR)
 
 # Upper bounds of the integers that CEL rules multiply, divide or take a modulus of: far above
 # any real job, and low enough that no product in a rule can overflow CEL's int64 (the largest,

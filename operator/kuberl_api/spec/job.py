@@ -10,6 +10,7 @@ from pydantic import Field
 
 from kuberl_api.base import ApiModel, rules_schema
 from kuberl_api.spec.algorithm import AlgorithmSpec
+from kuberl_api.spec.code import CodeSpec
 from kuberl_api.spec.critic import CriticSpec
 from kuberl_api.spec.data import DataSpec
 from kuberl_api.spec.environment import EnvironmentSpec
@@ -41,6 +42,7 @@ class RLJobSpec(ApiModel):
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     environment: EnvironmentSpec = Field(default_factory=EnvironmentSpec)
     critic: CriticSpec = Field(default_factory=CriticSpec)
+    code: CodeSpec = Field(default_factory=CodeSpec)
     placement: Placement = "colocate"
     mode: Literal["sync", "async"] = Field(
         "sync", description="sync: generate, then train, then push weights, each step; async: "

@@ -1,6 +1,6 @@
 """Read what the decision needs: the RLJob's RayJobs, the current attempt's RayCluster (and its
 pods while it is not ready), with a Kueue queue its Workload, and whether the job's
-PriorityClass exists.
+PriorityClass and its code's ConfigMap exist.
 
 Direct reads (not a watch cache): right after creating attempt N+1 a cache may not have it yet,
 and "the current RayJob is missing" is a decision (a restart), so it must be authoritative.
@@ -20,6 +20,7 @@ from kuberl_operator.status import Observed, attempt_of
 # Kueue ties a Workload to the job it was made for.
 WORKLOAD = Kind("kueue.x-k8s.io/v1beta2", "workloads")
 POD = Kind("v1", "pods")
+CONFIGMAP = Kind("v1", "configmaps")
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 PRIORITY_CLASSES = "/apis/scheduling.k8s.io/v1/priorityclasses"
 FORBIDDEN = 403
@@ -48,8 +49,11 @@ async def observe(kube: Kube, job: Mapping[str, Any]) -> Observed:
     creating = current is None or bool((current.get("metadata") or {}).get("deletionTimestamp"))
     missing = (await _missing_priority_class(kube, scheduling.get("priorityClassName"))
                if creating else None)
+    code = (job.get("spec") or {}).get("code") or {}
+    no_code = (await _missing_configmap(kube, namespace, code.get("configMap"))
+               if creating else None)
     return Observed(rayjobs=rayjobs, raycluster=cluster, workload=workload,
-                    priority_class_problem=missing, pods=tuple(pods))
+                    priority_class_problem=missing, code_problem=no_code, pods=tuple(pods))
 
 
 async def _workload(kube: Kube, namespace: str, rayjob_uid: str) -> Mapping[str, Any] | None:
@@ -61,6 +65,22 @@ async def _workload(kube: Kube, namespace: str, rayjob_uid: str) -> Mapping[str,
         return None
     return max(found, key=lambda w: str(w["metadata"].get("creationTimestamp") or ""),
                default=None)
+
+
+async def _missing_configmap(kube: Kube, namespace: str, name: object) -> str | None:
+    """The API server's answer when spec.code.configMap names no ConfigMap (its pods would
+    wait in ContainerCreating, with the reason only in the kubelet's FailedMount Events);
+    None when it exists or is unset. A missing spec.code.pvc needs no such read: the
+    scheduler reports it on the pods (PodUnschedulable, status/pods.py)."""
+    if not isinstance(name, str) or not name:
+        return None
+    try:
+        found = await kube.get(CONFIGMAP.url(namespace, name))
+    except APIError as exc:
+        if getattr(exc, "status", None) == FORBIDDEN:
+            return None
+        raise
+    return None if found is not None else f'configmaps "{name}" not found'
 
 
 async def _missing_priority_class(kube: Kube, name: object) -> str | None:

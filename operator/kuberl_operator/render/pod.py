@@ -9,6 +9,7 @@ from kuberl_api import runtime
 from kuberl_api.rljob import RLJob
 from kuberl_api.spec import NodePool, Storage
 from kuberl_operator.render import names, nccl
+from kuberl_operator.render.code import code_volume, with_code_path
 from kuberl_operator.render.layout import WorkerGroup
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -99,6 +100,12 @@ class Volumes:
             self.add(pvc_volume(name, storage.pvc, storage.read_only),
                      storage_mount(name, storage))
 
+    def code(self, job: RLJob) -> None:
+        """spec.code's modules, read-only at CODE_DIR (render/code.py)."""
+        found = code_volume(job.spec.code)
+        if found is not None:
+            self.add(*found)
+
     def checkpoints(self, job: RLJob) -> None:
         """A PVC when given; otherwise an emptyDir, so the path exists but a restart (a new
         RayJob, new pods) starts from scratch, as CheckpointSpec documents."""
@@ -138,6 +145,7 @@ def head_template(job: RLJob, attempt: int) -> dict[str, Any]:
     vols.storage(VOLUME_MODEL, job.spec.model.storage)
     vols.storage(VOLUME_DATA, job.spec.data.storage)
     vols.checkpoints(job)
+    vols.code(job)
     env = identity_env(job, attempt)
     if job.spec.environment.image is not None:  # the loop's environment service
         env.append({"name": runtime.ENV_ENVIRONMENT_URL,
@@ -145,7 +153,7 @@ def head_template(job: RLJob, attempt: int) -> dict[str, Any]:
     container = {
         "name": HEAD_CONTAINER,
         "image": job.spec.training.image,
-        "env": env,
+        "env": with_code_path(env, job.spec.code),
         "resources": quantities(HEAD_CPU, HEAD_MEMORY, {}),
         "volumeMounts": vols.mounts,
         "ports": head_ports(),
@@ -228,7 +236,7 @@ def worker_container(job: RLJob, group: WorkerGroup, attempt: int,
     container: dict[str, Any] = {
         "name": WORKER_CONTAINER,
         "image": group.image,
-        "env": env,
+        "env": with_code_path(env, job.spec.code),
         "resources": quantities(group.resources.cpu, group.resources.memory, extra),
         "volumeMounts": mounts,
     }
@@ -247,6 +255,7 @@ def worker_template(job: RLJob, group: WorkerGroup, attempt: int) -> dict[str, A
     vols.storage(VOLUME_MODEL, job.spec.model.storage)
     if group.mounts_checkpoints:
         vols.checkpoints(job)
+    vols.code(job)
     spec: dict[str, Any] = {
         # Workers never call the Kubernetes API; don't hand them a token.
         "automountServiceAccountToken": False,

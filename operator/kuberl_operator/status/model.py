@@ -32,6 +32,9 @@ class Observed:
     workload: Mapping[str, Any] | None = None
     # The API server's message when spec.scheduling.priorityClassName names no PriorityClass.
     priority_class_problem: str | None = None
+    # The API server's message when spec.code.configMap names no ConfigMap (read only by a
+    # pass that may create an attempt, like the PriorityClass).
+    code_problem: str | None = None
     # The current attempt's pods, read while its cluster is not ready (see pod_problems).
     pods: tuple[Mapping[str, Any], ...] = ()
 

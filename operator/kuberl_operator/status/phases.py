@@ -36,6 +36,15 @@ def start(b: Builder, job: RLJob, last_attempt: int | None, refused: list[str],
         b.set("Accepted", False, "PriorityClassNotFound", message)
         b.phase = b.phase or "Pending"
         return
+    if observed.code_problem:  # the pods would sit in ContainerCreating: create nothing yet
+        message = (f"spec.code.configMap: {observed.code_problem}; nothing is created until "
+                   "it exists")
+        old = b.old_condition("Accepted")
+        if old is None or old.get("message") != message:
+            b.events.append(Event("Warning", "CodeNotFound", message))
+        b.set("Accepted", False, "CodeNotFound", message)
+        b.phase = b.phase or "Pending"
+        return
     attempt = 0 if last_attempt is None else last_attempt + 1
     if attempt >= names.MAX_ATTEMPTS:
         fail(b, "AttemptsExhausted", f"{names.MAX_ATTEMPTS} RayJob attempts used", None)
