@@ -388,14 +388,19 @@ def _tool(thresholds: dict[str, float], ceilings: dict[str, float], *,
 
 
 # The three arms of test_agents.py's tool test, same seeds (bench/RESULTS.md, "The tiny
-# agent"): a truthful calculator is learnt to be called; a lying one is not; and with the
-# environment's tokens in the loss (a test-only switch) the model learns to write the
-# calculator's results itself, which masking them prevents.
+# agent", 6 seeds of 16 steps). A truthful calculator is learnt to be called: the expected
+# reward rose by 0.69-0.93 (the line, 0.4, is 5 sd below the mean). A lying one is not: the
+# call probability moved by -0.006..+0.018 (line 0.1) and the reward by under 0.004 (line
+# 0.05). With the environment's tokens in the loss (a test-only switch) the model learns to
+# write the calculator's "92=" itself: its log-probability rose by 16.4-17.2 nats, against
+# 1.3-5.1 in the truthful arm, whose trajectories are the same but masked (line 12 for both:
+# > 12 sd from either mean).
+RESULT_LINE = 12.0
 TOOL_ARMS: dict[str, Scenario] = {
-    "tool-truthful": _tool({"tool_reward_gain": 0.5}, {"result_logprob_gain": 1.0}),
-    "tool-lying": _tool({}, {"call_prob_gain": 0.01, "lying_reward_gain": 0.01}, spec=LYING),
+    "tool-truthful": _tool({"tool_reward_gain": 0.4}, {"result_logprob_gain": RESULT_LINE}),
+    "tool-lying": _tool({}, {"call_prob_gain": 0.1, "lying_reward_gain": 0.05}, spec=LYING),
     "tool-env-tokens-trained": _tool(
-        {"result_logprob_gain": 2.0}, {},
+        {"result_logprob_gain": RESULT_LINE}, {},
         env={"KUBERL_TEST_TRAIN_ENV_TOKENS": "1"}),
 }
 

@@ -92,8 +92,14 @@ def example_on_cpu(tiny: Path, tmp: Path, example: str, steps: int = 2) -> Path:
 
 # so `tests.integration.toy_rewards` imports (an existing path kept: a machine without the
 # package installed, e.g. a GPU box running the benches from source, has it there)
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
-    filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+def run_env() -> dict[str, str]:
+    """This process's environment as it is now (bench/learning_margins.py sets numerics
+    variables around each run), with the repository on PYTHONPATH."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+ENV = run_env()  # as the test session started
 
 
 # The Ray this test process's local runs join (conftest.shared_ray): set while it runs.
@@ -108,7 +114,7 @@ def kuberl_run(job: Path, out: Path, *extra: str, timeout: float = 600,
     ray = ["--address", os.environ[SHARED_RAY]] if os.environ.get(SHARED_RAY) else []
     return subprocess.run([*KUBERL, "run", str(job), "--output-dir", str(out), *ray, *extra],
                           capture_output=True, text=True, timeout=timeout, cwd=job.parent,
-                          env={**ENV, **(env or {})})
+                          env={**run_env(), **(env or {})})
 
 
 def failed(res: subprocess.CompletedProcess[str]) -> str:
