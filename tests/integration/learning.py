@@ -388,13 +388,14 @@ def _tool(thresholds: dict[str, float], ceilings: dict[str, float], *,
 
 
 # The three arms of test_agents.py's tool test, same seeds (bench/RESULTS.md, "The tiny
-# agent", 6 seeds of 16 steps). A truthful calculator is learnt to be called: the expected
-# reward rose by 0.69-0.93 (the line, 0.4, is 5 sd below the mean). A lying one is not: the
-# call probability moved by -0.006..+0.018 (line 0.1) and the reward by under 0.004 (line
-# 0.05). With the environment's tokens in the loss (a test-only switch) the model learns to
-# write the calculator's "92=" itself: its log-probability rose by 16.4-17.2 nats, against
-# 1.3-5.1 in the truthful arm, whose trajectories are the same but masked (line 12 for both:
-# > 12 sd from either mean).
+# agent": 6 seeds of 16 steps). A truthful calculator is learnt to be called: the expected
+# reward rose by 0.86 on average (sd 0.09, worst 0.69; the line, 0.4, is 5 sd below). A lying
+# one is not: the call probability moved by 0.002 (sd 0.009, worst +0.018; line 0.1, 10 sd
+# off) and the reward by under 0.004 (line 0.05). With the environment's tokens in the loss (a
+# test-only switch) the model learns to write the calculator's "92=" itself: its
+# log-probability rose by 16.6 nats (sd 0.5, worst 15.7), against 2.9 (sd 1.5, worst 5.1) in
+# the truthful arm, whose trajectories are the same but masked; the line between, 12, is 9 sd
+# from the first and 6 from the second.
 RESULT_LINE = 12.0
 TOOL_ARMS: dict[str, Scenario] = {
     "tool-truthful": _tool({"tool_reward_gain": 0.4}, {"result_logprob_gain": RESULT_LINE}),
