@@ -27,24 +27,20 @@ def start(b: Builder, job: RLJob, last_attempt: int | None, refused: list[str],
               "resume is held until the refused spec change is reverted")
         b.phase = "Suspended"
         return
-    if observed.priority_class_problem:  # the pods would be refused: create nothing yet
-        message = (f"spec.scheduling.priorityClassName: {observed.priority_class_problem}; "
-                   "nothing is created until it exists")
-        old = b.old_condition("Accepted")
-        if old is None or old.get("message") != message:
-            b.events.append(Event("Warning", "PriorityClassNotFound", message))
-        b.set("Accepted", False, "PriorityClassNotFound", message)
-        b.phase = b.phase or "Pending"
-        return
-    if observed.code_problem:  # the pods would sit in ContainerCreating: create nothing yet
-        message = (f"spec.code.configMap: {observed.code_problem}; nothing is created until "
-                   "it exists")
-        old = b.old_condition("Accepted")
-        if old is None or old.get("message") != message:
-            b.events.append(Event("Warning", "CodeNotFound", message))
-        b.set("Accepted", False, "CodeNotFound", message)
-        b.phase = b.phase or "Pending"
-        return
+    # an input the pods need is missing: create nothing yet, say which (once per message)
+    missing = (("spec.scheduling.priorityClassName", observed.priority_class_problem,
+                "PriorityClassNotFound"),  # the pods would be refused
+               ("spec.code.configMap", observed.code_problem,
+                "CodeNotFound"))  # the pods would sit in ContainerCreating
+    for field, problem, reason in missing:
+        if problem:
+            message = f"{field}: {problem}; nothing is created until it exists"
+            old = b.old_condition("Accepted")
+            if old is None or old.get("message") != message:
+                b.events.append(Event("Warning", reason, message))
+            b.set("Accepted", False, reason, message)
+            b.phase = b.phase or "Pending"
+            return
     attempt = 0 if last_attempt is None else last_attempt + 1
     if attempt >= names.MAX_ATTEMPTS:
         fail(b, "AttemptsExhausted", f"{names.MAX_ATTEMPTS} RayJob attempts used", None)
