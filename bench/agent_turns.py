@@ -8,12 +8,18 @@ from __future__ import annotations
 from kuberl_trainer.agents import RolloutContext, Trajectory
 
 
-async def turns(ctx: RolloutContext, *, turns: str, observation: str) -> Trajectory:
-    traj = ctx.trajectory()
-    n, obs = int(turns), ctx.tokenize(observation)
-    share = (traj.budget - (n - 1) * len(obs)) // n
-    for k in range(n):
-        await ctx.generate(traj, max_new_tokens=share)
-        if k < n - 1:
-            traj.append_env(obs)
-    return traj
+async def turns(ctx: RolloutContext, *, turns: str, observation: str, rows: str = "1"
+                ) -> list[Trajectory]:
+    """`rows` trajectories of the sample (rollout.maxRowsPerSample: one group member, one
+    reward), one after the other, each of `turns` turns."""
+    out = []
+    for _ in range(int(rows)):
+        traj = ctx.trajectory()
+        n, obs = int(turns), ctx.tokenize(observation)
+        share = (traj.budget - (n - 1) * len(obs)) // n
+        for k in range(n):
+            await ctx.generate(traj, max_new_tokens=share)
+            if k < n - 1:
+                traj.append_env(obs)
+        out.append(traj)
+    return out

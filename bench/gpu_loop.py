@@ -21,6 +21,8 @@ then hold the trainer's checksums on every tensor, each of which differed before
     python bench/gpu_loop.py --turns 4 --steps 6                      # multi-turn: 4 model
         # turns of a quarter of the budget each (less the observations), a 4-token
         # observation between them (bench/agent_turns.py): against the single-turn run
+    python bench/gpu_loop.py --backend megatron --turns 2 --rows 2  # 2 rows per sample (one
+        # group member, one reward: rollout.maxRowsPerSample), each of 2 turns
     python bench/gpu_loop.py --cpu --steps 2                      # no GPU: the tiny shape,
         # fsdp on CPU, a CPU reference engine; checks the code paths (and the check's)
 
@@ -62,9 +64,10 @@ def manifest(out: Path, args: argparse.Namespace) -> dict[str, Any]:
         "schedule": {"numRollouts": args.steps},
     }
     spec["rollout"]["gpusPerEngine"] = args.engine_tp
-    if args.turns > 1:  # each trajectory: the model's turns and an observation between them
+    if args.turns > 1 or args.rows > 1:  # the model's turns, an observation between them
         spec["rollout"] |= {"function": "agent_turns:turns", "maxTurns": args.turns,
-                            "functionArgs": {"turns": str(args.turns),
+                            "maxRowsPerSample": args.rows,
+                            "functionArgs": {"turns": str(args.turns), "rows": str(args.rows),
                                              "observation": "+12="}}
     if getattr(args, "cpu", False):  # the dry run: CPU trainer and engine, as `make demo`
         spec["training"]["gpusPerNode"] = 0
@@ -101,6 +104,8 @@ def main() -> int:
     p.add_argument("--turns", type=int, default=1,
                    help="model turns per trajectory (bench/agent_turns.py), sharing "
                    "--response-len")
+    p.add_argument("--rows", type=int, default=1,
+                   help="trajectories per sample (rollout.maxRowsPerSample), each of --turns")
     p.add_argument("--cpu", action="store_true",
                    help="dry run without a GPU: the tiny shape (unless --shape), small "
                         "batches, fsdp on CPU and a CPU reference engine")
@@ -188,12 +193,13 @@ def report(run_dir: Path, args: argparse.Namespace, verdict: SyncCheck) -> None:
     mean = lambda k: statistics.fmean(r[k] for r in steady)  # noqa: E731
     samples = args.prompts * args.samples
     # the model's tokens (a multi-turn trajectory's observations are not generated)
-    gen_tokens = mean("response_model_tokens_mean" if args.turns > 1
-                      else "response_length_mean") * samples
-    train_tokens = mean("response_length_mean") * samples + 6 * samples
+    per_sample = mean("rows_mean") if args.rows > 1 else 1.0  # a sample's real rows
+    gen_tokens = mean("response_model_tokens_mean" if args.turns > 1 or args.rows > 1
+                      else "response_length_mean") * samples * per_sample
+    train_tokens = (mean("response_length_mean") + 6) * samples * per_sample
     print(f"\n{args.shape}, backend {args.backend} (fusedKernels {args.fused_kernels}), "
           f"{args.placement}, engine TP "
-          f"{args.engine_tp} over {args.engine_nodes} node(s), {args.turns} turn(s), "
+          f"{args.engine_tp} over {args.engine_nodes} node(s), {args.turns} turn(s) x {args.rows} row(s), "
           f"GPU: {card()}, "
           f"{samples} samples/step, steps {len(rows)} (first excluded)")
     print(f"{'gen tok/s':>10} {'train tok/s':>12} {'gen s':>7} {'train s':>8} {'sync s':>7} "
