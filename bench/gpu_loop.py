@@ -199,7 +199,8 @@ def report(run_dir: Path, args: argparse.Namespace, verdict: SyncCheck) -> None:
     train_tokens = (mean("response_length_mean") + 6) * samples * per_sample
     print(f"\n{args.shape}, backend {args.backend} (fusedKernels {args.fused_kernels}), "
           f"{args.placement}, engine TP "
-          f"{args.engine_tp} over {args.engine_nodes} node(s), {args.turns} turn(s) x {args.rows} row(s), "
+          f"{args.engine_tp} over {args.engine_nodes} node(s), "
+          f"{args.turns} turn(s) x {args.rows} row(s), "
           f"GPU: {card()}, "
           f"{samples} samples/step, steps {len(rows)} (first excluded)")
     print(f"{'gen tok/s':>10} {'train tok/s':>12} {'gen s':>7} {'train s':>8} {'sync s':>7} "
