@@ -27,6 +27,20 @@ CODE_DIR = "/opt/kuberl/code"
 # Mount points kuberl itself uses in every pod (config, shared memory for NCCL, user code).
 RESERVED_PATHS = ("/etc/kuberl", "/dev/shm", CODE_DIR)
 
+
+
+def under_cel(path: str, mount: str) -> str:
+    """CEL: the path `path` lies under the mount point `mount` (both CEL string expressions):
+    the mount itself or below it, so /mnt/dta is not under /mnt/d (a plain prefix would be)."""
+    return (f"({path} == {mount} || {path}.startsWith({mount}.endsWith('/') ? {mount} : "
+            f"{mount} + '/'))")
+
+
+def under(path: str, mount: str) -> bool:
+    """Python's twin of `under_cel`."""
+    return path == mount or path.startswith(mount if mount.endswith("/") else mount + "/")
+
+
 # Upper bounds of the integers that CEL rules multiply, divide or take a modulus of: far above
 # any real job, and low enough that no product in a rule can overflow CEL's int64 (the largest,
 # microBatchSize * dataParallel, is at most 65536 * (4096 * 16) = 2**32).

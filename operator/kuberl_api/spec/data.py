@@ -13,8 +13,12 @@ from kuberl_api.spec.common import (
     MAX_ROLLOUT_BATCH,
     MAX_SAMPLES_PER_PROMPT,
     MAX_STR,
+    under,
+    under_cel,
 )
 from kuberl_api.spec.model import Storage
+
+_MOUNT = "self.storage.mountPath"
 
 
 class EvalSet(ApiModel):
@@ -36,13 +40,31 @@ class SftData(ApiModel):
                             "optimizer steps and data-parallel ranks.")
 
 
+def _outside_mount(d: DataSpec) -> list[str]:
+    """The eval sets' paths outside the data PVC's mount (Python's twin of the CEL's `all`)."""
+    mount = d.storage.mount_path if d.storage else ""
+    return [e.path for e in d.eval_sets if not under(e.path, mount)]
+
+
 class DataSpec(ApiModel):
     """Where prompts come from and how many are generated per step."""
 
     RULES = (
-        Rule("!has(self.storage) || self.prompts.startsWith(self.storage.mountPath)",
-             lambda d: d.storage is None or d.prompts.startswith(d.storage.mount_path),
+        Rule(f"!has(self.storage) || {under_cel('self.prompts', _MOUNT)}",
+             lambda d: d.storage is None or under(d.prompts, d.storage.mount_path),
              "prompts must lie under storage.mountPath when a PVC holds the data", "prompts",
+             detail=lambda d: f"storage.mountPath = {d.storage.mount_path}"),
+        # The other files the head reads from the data PVC: a typo is refused at apply, not
+        # found at the first evaluation or SFT step, after a cluster was provisioned.
+        Rule(f"!has(self.storage) || self.evalSets.all(e, {under_cel('e.path', _MOUNT)})",
+             lambda d: d.storage is None or not _outside_mount(d),
+             "evalSets[].path must lie under storage.mountPath when a PVC holds the data",
+             "evalSets", value=lambda d: _outside_mount(d),
+             detail=lambda d: f"storage.mountPath = {d.storage.mount_path}"),
+        Rule(f"!has(self.storage) || !has(self.sft) || {under_cel('self.sft.path', _MOUNT)}",
+             lambda d: (d.storage is None or d.sft is None
+                        or under(d.sft.path, d.storage.mount_path)),
+             "sft.path must lie under storage.mountPath when a PVC holds the data", "sft.path",
              detail=lambda d: f"storage.mountPath = {d.storage.mount_path}"),
     )
     model_config = {"json_schema_extra": rules_schema(RULES)}

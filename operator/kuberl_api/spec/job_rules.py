@@ -4,6 +4,7 @@ CEL fragments (and Python twins) they share."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pydantic.alias_generators import to_camel
@@ -24,6 +25,8 @@ from kuberl_api.spec.common import (
     _is_default,
     _mp_outside,
     _outside,
+    under,
+    under_cel,
 )
 from kuberl_api.spec.critic import CriticSpec
 from kuberl_api.spec.network import NetworkSpec
@@ -214,6 +217,17 @@ def _episodes(spec: RLJobSpec) -> bool:
     return spec.rollout.function is not None or spec.environment.class_ is not None
 
 
+def _on_model_storage_rule(field: str, get: Callable[[RLJobSpec], str | None]) -> Rule:
+    """`field` (a model directory, optional) lies under model.storage.mountPath when a PVC
+    holds the model, as model.path must."""
+    return Rule(f"!has(self.model.storage) || !has(self.{field}) || "
+                f"{under_cel(f'self.{field}', 'self.model.storage.mountPath')}",
+                lambda s: (s.model.storage is None or get(s) is None
+                           or under(str(get(s)), s.model.storage.mount_path)),
+                f"{field} must lie under model.storage.mountPath when a PVC holds the model",
+                field, detail=lambda s: f"model.storage.mountPath = {s.model.storage.mount_path}")
+
+
 JOB_RULES = (
     Rule("self.mode == 'sync' || self.placement == 'disaggregated'",
          lambda s: s.mode == "sync" or s.placement == "disaggregated", ASYNC_DISAGGREGATED,
@@ -393,6 +407,11 @@ JOB_RULES = (
     Rule("!has(self.data.storage) || self.data.storage.mountPath != self.checkpoint.path",
          lambda s: s.data.storage is None or s.data.storage.mount_path != s.checkpoint.path,
          "checkpoint.path must differ from data.storage.mountPath", "checkpoint.path"),
+    # The other models a job loads live where the policy does: with a PVC for the model, a
+    # path outside its mount is a typo, refused at apply rather than after a cluster starts.
+    *(_on_model_storage_rule(field, get) for field, get in (
+        ("algorithm.teacherPath", lambda s: s.algorithm.teacher_path),
+        ("critic.modelPath", lambda s: s.critic.model_path))),
     # Trajectories come from one maker: a user's function (which runs its own environment
     # if it has one) or kuberl's loop over environment.class.
     Rule("!has(self.rollout.function) || !has(self.environment.class)",

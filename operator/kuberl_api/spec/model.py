@@ -5,7 +5,9 @@ from __future__ import annotations
 from pydantic import Field
 
 from kuberl_api.base import ApiModel, Rule, rules_schema
-from kuberl_api.spec.common import MAX_STR, PVC_NAME_PATTERN, RESERVED_PATHS
+from kuberl_api.spec.common import MAX_STR, PVC_NAME_PATTERN, RESERVED_PATHS, under, under_cel
+
+_MOUNT = "self.storage.mountPath"
 
 
 class Storage(ApiModel):
@@ -34,10 +36,16 @@ class ModelSpec(ApiModel):
     """The policy's starting point: a Hugging Face checkpoint directory."""
 
     RULES = (
-        Rule("!has(self.storage) || self.path.startsWith(self.storage.mountPath)",
-             lambda m: m.storage is None or m.path.startswith(m.storage.mount_path),
+        Rule(f"!has(self.storage) || {under_cel('self.path', _MOUNT)}",
+             lambda m: m.storage is None or under(m.path, m.storage.mount_path),
              "path must lie under storage.mountPath when a PVC holds the model", "path",
              detail=lambda m: f"storage.mountPath = {m.storage.mount_path}"),
+        Rule(f"!has(self.storage) || !has(self.tokenizer) || "
+             f"{under_cel('self.tokenizer', _MOUNT)}",
+             lambda m: (m.storage is None or m.tokenizer is None
+                        or under(m.tokenizer, m.storage.mount_path)),
+             "tokenizer must lie under storage.mountPath when a PVC holds the model",
+             "tokenizer", detail=lambda m: f"storage.mountPath = {m.storage.mount_path}"),
     )
     model_config = {"json_schema_extra": rules_schema(RULES)}
 
