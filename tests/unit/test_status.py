@@ -501,6 +501,17 @@ QUEUE_ROWS = [
              spec=spec(rollout={"function": "agent:run"}, code={"configMap": "agent"})),
         Observed(), phase="Provisioning", conditions={"Accepted": ("True", "Accepted")},
         actions=[CreateAttempt(0, 0)], events=["Created"]),
+    # Issue 36: without a checkpoint PVC the head and the train pods would each hold a part.
+    Row("saveInterval without checkpoint.pvc: Accepted=False CheckpointNotHeld, nothing created",
+        body(spec=spec(schedule={"saveInterval": 10})), Observed(),
+        phase="Pending", conditions={"Accepted": ("False", "CheckpointNotHeld")},
+        actions=[], events=["CheckpointNotHeld"], extra={"rayJobName": None}),
+    Row("checkpoint.pvc added: Accepted, attempt 0 created",
+        body({"phase": "Pending", "conditions": [
+            cond("Accepted", "False", "CheckpointNotHeld")]},
+             spec=spec(schedule={"saveInterval": 10}, checkpoint={"pvc": "ckpt"})),
+        Observed(), phase="Provisioning", conditions={"Accepted": ("True", "Accepted")},
+        actions=[CreateAttempt(0, 0)], events=["Created"]),
     Row("no queue: Queued=False NoQueue once running",
         body(running_status(phase="Provisioning")),
         Observed(rayjobs=(rayjob(0, "RUNNING", "Running", cluster="c0", started=ago(5)),),
@@ -680,3 +691,25 @@ def test_digests_ignore_defaults_and_name_sections() -> None:
     assert digests() == digests(algorithm={})
     changed = {k for k, v in digests(algorithm={"lr": 0.5}).items() if digests()[k] != v}
     assert changed == {"algorithm"}
+
+
+def test_unheld_checkpoints_names_the_field_and_spares_the_examples() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    from kuberl_api import parse
+    from kuberl_operator.status.phases import unheld_checkpoints
+
+    def job(**extra: Any) -> Any:
+        return parse({"apiVersion": "kuberl.dev/v1alpha1", "kind": "RLJob",
+                      "metadata": {"name": "j", "namespace": "n"}, "spec": spec(**extra)})
+
+    message = unheld_checkpoints(job(schedule={"saveInterval": 5}))
+    assert message is not None and message.startswith("spec.checkpoint.pvc: ")
+    assert unheld_checkpoints(job()) is None  # no saves asked for: a restart starts over
+    assert unheld_checkpoints(job(schedule={"saveInterval": 5}, checkpoint={"pvc": "c"})) is None
+    examples = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+    assert examples
+    for path in examples:
+        assert unheld_checkpoints(parse(yaml.safe_load(path.read_text()))) is None, path

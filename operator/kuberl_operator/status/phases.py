@@ -27,6 +27,14 @@ def start(b: Builder, job: RLJob, last_attempt: int | None, refused: list[str],
               "resume is held until the refused spec change is reverted")
         b.phase = "Suspended"
         return
+    unheld = unheld_checkpoints(job)
+    if unheld:  # a cluster-only refusal: see unheld_checkpoints
+        old = b.old_condition("Accepted")
+        if old is None or old.get("message") != unheld:
+            b.events.append(Event("Warning", "CheckpointNotHeld", unheld))
+        b.set("Accepted", False, "CheckpointNotHeld", unheld)
+        b.phase = b.phase or "Pending"
+        return
     # an input the pods need is missing: create nothing yet, say which (once per message)
     missing = (("spec.scheduling.priorityClassName", observed.priority_class_problem,
                 "PriorityClassNotFound"),  # the pods would be refused
@@ -67,6 +75,28 @@ def start(b: Builder, job: RLJob, last_attempt: int | None, refused: list[str],
         b.set("Suspended", False, "NotSuspended")
         where = f" in LocalQueue {queue}" if queue else ""
         b.to_phase(phase, Event("Normal", "Created", f"created RayJob {name}{where}"))
+
+
+CHECKPOINT_NOT_HELD = (
+    "spec.checkpoint.pvc: schedule.saveInterval needs a checkpoint PVC in a cluster: without one "
+    "the head and the train pods each write their part of a checkpoint to their own emptyDir, "
+    "so no pod holds a whole one and a restart resumes from nothing; set checkpoint.pvc (a "
+    "ReadWriteMany claim when training spans nodes) or drop schedule.saveInterval")
+
+
+def unheld_checkpoints(job: RLJob) -> str | None:
+    """Why the job's checkpoints would be held by no pod, or None.
+
+    In a cluster the driver runs on the head, which hosts no training rank (render/layout.py),
+    and train pods always exist: the head writes trainer_state.json and the COMPLETE marker,
+    the ranks their model and optimizer files, so without a shared claim the parts land in
+    different emptyDirs. The CRD cannot refuse it: the same manifest is right for `kuberl run`,
+    where one filesystem holds the whole checkpoint (under --output-dir), and the model that
+    validates both is one. So the operator refuses it before creating anything."""
+    spec = job.spec
+    if spec.schedule.save_interval is not None and spec.checkpoint.pvc is None:
+        return CHECKPOINT_NOT_HELD
+    return None
 
 
 def submitted(b: Builder, job: RLJob, name: str) -> None:
