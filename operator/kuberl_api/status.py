@@ -23,6 +23,13 @@ CONDITION_TYPES: tuple[ConditionType, ...] = ("Accepted", "Queued", "ClusterRead
                                               "Failed")
 
 
+# What progress.trainerPhase holds (kuberl_trainer/report/heartbeat.py reports it).
+TrainerPhase = Literal["Starting", "Placing", "EnginesStarting", "Loading", "FirstStep",
+                       "Training"]
+STARTUP_PHASES: tuple[str, ...] = ("Starting", "Placing", "EnginesStarting", "Loading",
+                                   "FirstStep")
+
+
 class Condition(ApiModel):
     """Kubernetes' metav1.Condition, field for field."""
 
@@ -47,6 +54,10 @@ class Progress(ApiModel):
     reward_mean: float | None = None
     last_heartbeat_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
     last_checkpoint: CheckpointRef | None = None
+    trainer_phase: TrainerPhase | None = Field(
+        None, description="Where the trainer is: Starting (Ray, the engines' actors), Placing "
+        "(the training ranks), EnginesStarting, Loading (the models), FirstStep, Training (per "
+        "step). During start-up it reports every 30 s; after the first step, once a step.")
     engine_restarts: int | None = Field(
         None, ge=0, description="Engines replaced in this attempt (rollout.maxEngineRestarts "
         "bounds them).")

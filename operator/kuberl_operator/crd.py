@@ -134,6 +134,8 @@ PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
     {"name": "Reward", "type": "number", "jsonPath": ".status.progress.rewardMean"},
+    {"name": "Trainer", "type": "string", "jsonPath": ".status.progress.trainerPhase",
+     "priority": 1},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "priority": 1},
     {"name": "RayJob", "type": "string", "jsonPath": ".status.rayJobName", "priority": 1},
     {"name": "Engine-Restarts", "type": "integer", "jsonPath": ".status.progress.engineRestarts",

@@ -44,6 +44,7 @@ def test_report_patches_only_progress() -> None:
     progress = Progress.model_validate(req["body"]["status"]["progress"])  # the API's shape
     assert (progress.step, progress.total_steps, progress.reward_mean) == (7, 100, 0.625)
     assert progress.engine_restarts == 2
+    assert progress.trainer_phase == "Training"  # a step's report: start-up is over
     assert progress.last_checkpoint is not None and progress.last_checkpoint.step == 5
     assert progress.last_heartbeat_time and progress.last_heartbeat_time.endswith("Z")
 

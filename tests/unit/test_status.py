@@ -179,6 +179,23 @@ ROWS = [
         body(running_status(progress={"step": 7, "lastHeartbeatTime": ago(10)})),
         Observed(rayjobs=(RUNNING_RJ0,), raycluster=raycluster()),
         phase="Running", conditions={"Training": ("True", "Running")}, actions=[], events=[]),
+    # Issue 36: start-up beats every 30 s with its phase; the Ray job has run 2000 s, far past
+    # heartbeatTimeoutSeconds (300), and the job is not Stalled (each row fails without the
+    # start-up heartbeat: the last heartbeat would be the start, 2000 s ago).
+    Row("a slow start-up that keeps beating is not Stalled",
+        body(running_status(progress={"lastHeartbeatTime": ago(20),
+                                      "trainerPhase": "EnginesStarting"})),
+        Observed(rayjobs=(rayjob(0, "RUNNING", "Running", cluster="c0", started=ago(2000)),),
+                 raycluster=raycluster()),
+        phase="Running", conditions={"Training": ("True", "Running"),
+                                     "Stalled": ("False", "Progressing")}, actions=[]),
+    Row("a start-up phase gone silent past the timeout: Stalled, restarted",
+        body(running_status(progress={"lastHeartbeatTime": ago(400), "trainerPhase": "Loading"})),
+        Observed(rayjobs=(rayjob(0, "RUNNING", "Running", cluster="c0", started=ago(2000)),),
+                 raycluster=raycluster()),
+        phase="Restarting", conditions={"Stalled": ("True", "HeartbeatTimeout")},
+        actions=[CreateAttempt(1, 1), DeleteRayJob(RJ0)], events=["Restarting"],
+        extra={"_message": "in trainer phase Loading"}),
     Row("no heartbeat yet, within the timeout of the job's start",
         body(running_status()),
         Observed(rayjobs=(rayjob(0, "RUNNING", "Running", cluster="c0", started=ago(200)),),
@@ -713,3 +730,26 @@ def test_unheld_checkpoints_names_the_field_and_spares_the_examples() -> None:
     assert examples
     for path in examples:
         assert unheld_checkpoints(parse(yaml.safe_load(path.read_text()))) is None, path
+
+
+@pytest.mark.parametrize(("phase", "beat", "started", "words"), [
+    ("EnginesStarting", 20, 2000, "trainer starting on RayJob rlj-r0: waiting for the engines"),
+    ("Loading", 20, 2000, "loading the models (Loading)"),
+    ("Training", 20, 2000, "training on RayJob rlj-r0 at step 7"),
+    # a phase an earlier attempt reported (before this Ray job started) is not this one's
+    ("Loading", 200, 100, "training on RayJob rlj-r0 at step 7"),
+])
+def test_training_message_says_the_trainers_start_up_phase(phase: str, beat: int, started: int,
+                                                           words: str) -> None:
+    from kuberl_api.status import STARTUP_PHASES
+    from kuberl_operator.status.running import STARTUP_WORDS
+
+    assert set(STARTUP_WORDS) == set(STARTUP_PHASES)
+    b = body(running_status(progress={"step": 7, "lastHeartbeatTime": ago(beat),
+                                      "trainerPhase": phase}))
+    d = decide(b, Observed(rayjobs=(rayjob(0, "RUNNING", "Running", cluster="c0",
+                                           started=ago(started)),),
+                           raycluster=raycluster()), NOW, TUN)
+    training = d.condition("Training")
+    assert training["status"] == "True"
+    assert words.replace("rlj-r0", RJ0) in training["message"], training["message"]

@@ -20,6 +20,7 @@ from kuberl_trainer.report.progress import Progress
 from kuberl_trainer.stopping import GracefulStop, PidFile, StopRequested
 
 if TYPE_CHECKING:
+    from kuberl_trainer.report.heartbeat import StartupHeartbeat
     from kuberl_trainer.session import Session
 
 LOG = logging.getLogger("kuberl.run")
@@ -58,6 +59,7 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
     pid_file = PidFile(runtime.DRIVER_PID_FILE) if opts.in_cluster else contextlib.nullcontext()
     head: HeadStart | None = None
     session: Session | None = None
+    beat = _startup_heartbeat(job) if opts.in_cluster else None
     try:
         with pid_file:
             # Ray and the engines start while a thread imports the loop (torch, transformers)
@@ -66,7 +68,7 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
                 print(f"logs: {opts.log_dir}/ (engines, training workers)", flush=True)
             from kuberl_trainer.session import Session
 
-            session = Session(job, opts, checked)
+            session = Session(job, opts, checked, beat=beat)
             session.start(head)
             stop.install()
             session.train(Progress(job.spec.schedule.num_rollouts), stop)
@@ -89,6 +91,8 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
         print(f"error: {why}", file=sys.stderr)
         return 1
     finally:
+        if beat is not None:
+            beat.stop()
         if session is not None:
             session.close()
         elif head is not None:
@@ -96,6 +100,20 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
         stop.uninstall()
         services.close()
     return 0
+
+
+def _startup_heartbeat(job: RLJob) -> StartupHeartbeat:
+    """In a cluster, the RLJob status heartbeat from now until the first step reports (see
+    report/heartbeat.py): phase Starting while Ray and the engines' actors start."""
+    from kuberl_trainer.report.heartbeat import StartupHeartbeat
+    from kuberl_trainer.report.status import StatusReporter
+
+    reporter = StatusReporter.in_cluster()
+    total = job.spec.schedule.num_rollouts
+    beat = StartupHeartbeat(lambda phase: reporter.beat(phase, total))
+    beat.reporter = reporter
+    beat.enter("Starting")
+    return beat
 
 
 STOPPED = 143  # 128 + SIGTERM, as a shell reports a process that SIGTERM ended

@@ -26,6 +26,7 @@ from kuberl_trainer.loops.parts import Parts
 from kuberl_trainer.memory_handoff import MemoryHandoff, Ranks
 from kuberl_trainer.placement import layout
 from kuberl_trainer.preflight import Checked
+from kuberl_trainer.report.heartbeat import ENGINE_START_S
 from kuberl_trainer.report.metrics_log import MetricsLog
 from kuberl_trainer.report.progress import Progress
 from kuberl_trainer.rollout.manager import DataPosition, RolloutManager
@@ -34,11 +35,13 @@ from kuberl_trainer.startup import HeadStart
 from kuberl_trainer.stopping import GracefulStop
 
 if TYPE_CHECKING:
+    from kuberl_api.status import TrainerPhase
     from kuberl_trainer.options import Options
+    from kuberl_trainer.report.heartbeat import StartupHeartbeat
     from kuberl_trainer.report.status import StatusReporter
 
 LOG = logging.getLogger("kuberl.run")
-ENGINE_START_TIMEOUT_S = 600.0
+ENGINE_START_TIMEOUT_S = ENGINE_START_S  # (the start-up heartbeat's EnginesStarting allows it)
 # Weight-sync bucket: each costs a round trip and the engine's per-bucket work, so fewer is
 # faster (1.5B over NCCL on H200s: 0.107 s a sync in 64 MB buckets, 0.024 s in 512 MB;
 # colocated 1 GB: 74 ms, 30 ms; bench/RESULTS.md). A sync holds up to three buckets on the
@@ -48,7 +51,8 @@ BUCKET_BYTES = 512 << 20
 
 
 class Session:
-    def __init__(self, job: RLJob, opts: Options, checked: Checked) -> None:
+    def __init__(self, job: RLJob, opts: Options, checked: Checked,
+                 beat: StartupHeartbeat | None = None) -> None:
         self.job, self.spec, self.opts, self.checked = job, job.spec, opts, checked
         self.engines: EngineGroup | None = None
         self.trainers: TrainGroup | None = None
@@ -61,7 +65,12 @@ class Session:
                                       job.spec.checkpoint.keep, self._position)
         self.aio = asyncio.new_event_loop()  # one loop for the run: the HTTP session lives on it
         self.status: StatusReporter | None = None
-        if opts.in_cluster:  # (the kubernetes client: imported only where it reports)
+        # The start-up heartbeat (in a cluster; run.py starts it): the phase the start-up is
+        # in, until the first step reports.
+        self.beat = beat
+        if beat is not None and beat.reporter is not None:
+            self.status = beat.reporter
+        elif opts.in_cluster:  # (the kubernetes client: imported only where it reports)
             from kuberl_trainer.report.status import StatusReporter
 
             self.status = StatusReporter.in_cluster()
@@ -76,6 +85,7 @@ class Session:
         clock, logs, local = head.clock, self.opts.log_dir, self.opts.one_machine
         self.engines = head.engines
         lay = layout(self.spec)
+        self._phase("Placing")
         # The training workers' processes import while the engines load; they build their
         # models in `setup` (colocated, only once the engines made room).
         self.trainers = TrainGroup(self.spec, lay, one_machine=local, log_dir=logs)
@@ -90,14 +100,18 @@ class Session:
         self.fleet.announce = self._announce_replacement
         self.memory = MemoryHandoff(self.client, self.aio, [], self.spec.trainer_offload)
         if self.memory.on:  # colocated: the engines start alone, then make room (see there)
+            self._phase("EnginesStarting")
             self._wait_for_engines()
             clock.mark("engines ready")
             self.memory.release_engines()
+            self._phase("Loading")
             self._setup_ranks()
             clock.mark("trainers ready")
         else:  # (disaggregated: the trainers build their models while the engines load)
+            self._phase("Loading")
             self._setup_ranks()
             clock.mark("trainers ready")
+            self._phase("EnginesStarting")
             self._wait_for_engines()
             clock.mark("engines ready")
         self.memory.ranks = self._colocated_ranks()
@@ -111,12 +125,18 @@ class Session:
                                    metadata_keys=d.metadata_keys)
         self.sft_source = (PromptSource(d.sft.path, d.input_key, d.label_key,
                                         seed=self.opts.seed) if d.sft else None)
+        self._phase("Loading")  # (the checkpoint, if any)
         resumed = self._resume()
         if resumed:
             clock.mark("checkpoint loaded")
+        self._phase("FirstStep")  # until the first step reports (_Watchers.step)
         self._first_sync(resumed)
         clock.mark("first weights")
         print(clock.line(), flush=True)
+
+    def _phase(self, phase: TrainerPhase) -> None:
+        if self.beat is not None:
+            self.beat.enter(phase)
 
     def _setup_ranks(self) -> None:
         assert self.trainers is not None
@@ -296,6 +316,9 @@ class _Watchers:
     def step(self, step: int, metrics: dict[str, Any], checkpoint: tuple[int, str] | None
              ) -> None:
         self.progress.step(metrics)
+        if self.session.beat is not None:  # a step is the heartbeat from now on
+            self.session.beat.stop()
+            self.session.beat = None
         reporter = self.session.status
         if reporter is None:
             return

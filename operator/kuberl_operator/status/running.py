@@ -76,7 +76,9 @@ def track(b: Builder, job: RLJob, attempt: int, rayjob: Mapping[str, Any],
                          stalled=True)
         return
     step = dig(b.old, "progress", "step")
+    starting = _starting_phase(b, rayjob)
     b.set("Training", True, "Running",
+          f"trainer starting on RayJob {rname}: {starting}" if starting else
           f"training on RayJob {rname}" + (f" at step {step}" if step is not None else ""))
     b.set("Stalled", False, "Progressing")
     b.to_phase("Running", Event("Normal", "Running", f"training started on RayJob {rname}"))
@@ -130,17 +132,53 @@ def _cluster_health(b: Builder, rayjob: Mapping[str, Any], cluster: Mapping[str,
     return None
 
 
-def _heartbeat_stale(b: Builder, job: RLJob, rayjob: Mapping[str, Any], rname: str) -> str | None:
-    """The trainer must report within heartbeatTimeoutSeconds of its last report, or of the
-    moment this attempt's Ray job started (so a heartbeat from an earlier attempt, or none yet,
-    never counts against a fresh one)."""
-    timeout = timedelta(seconds=job.spec.heartbeat_timeout_seconds)
+def _running_since(b: Builder, rayjob: Mapping[str, Any], rname: str) -> datetime:
+    """When this attempt's Ray job started (else when Training turned True on it, else now)."""
     running_since = parse_time(dig(rayjob, "status", "rayJobInfo", "startTime"))
     if running_since is None:
         old = b.old_condition("Training")
         if old is not None and old.get("status") == "True" and b.old.get("rayJobName") == rname:
             running_since = parse_time(old.get("lastTransitionTime"))
-    running_since = running_since or b.now
+    return running_since or b.now
+
+
+def _this_attempts_phase(b: Builder, rayjob: Mapping[str, Any]) -> str | None:
+    """progress.trainerPhase when this attempt's trainer reported it (a heartbeat since its
+    Ray job started), else None: an earlier attempt's phase says nothing about this one."""
+    rname = str(dig(rayjob, "metadata", "name"))
+    beat = parse_time(dig(b.old, "progress", "lastHeartbeatTime"))
+    phase = dig(b.old, "progress", "trainerPhase")
+    if beat is None or not isinstance(phase, str) or beat < _running_since(b, rayjob, rname):
+        return None
+    return phase
+
+
+def _starting_phase(b: Builder, rayjob: Mapping[str, Any]) -> str | None:
+    """The start-up phase this attempt's trainer last reported, in words, or None."""
+    phase = _this_attempts_phase(b, rayjob)
+    return STARTUP_WORDS.get(phase) if phase is not None else None
+
+
+# progress.trainerPhase's start-up phases (kuberl_api.status.STARTUP_PHASES), as the Training
+# condition's message says them.
+STARTUP_WORDS = {
+    "Starting": "starting Ray and the engines (Starting)",
+    "Placing": "placing the training ranks (Placing)",
+    "EnginesStarting": "waiting for the engines to start (EnginesStarting)",
+    "Loading": "loading the models (Loading)",
+    "FirstStep": "first weights and first step (FirstStep)",
+}
+
+
+def _heartbeat_stale(b: Builder, job: RLJob, rayjob: Mapping[str, Any], rname: str) -> str | None:
+    """The trainer must report within heartbeatTimeoutSeconds of its last report, or of the
+    moment this attempt's Ray job started (so a heartbeat from an earlier attempt, or none yet,
+    never counts against a fresh one). During start-up the trainer reports every 30 s with
+    the phase it is in (progress.trainerPhase), so a slow start is not a stall; each phase
+    beats only within its own limit (kuberl_trainer/report/heartbeat.py), so a start-up that
+    hangs goes silent and is caught here like a hung step."""
+    timeout = timedelta(seconds=job.spec.heartbeat_timeout_seconds)
+    running_since = _running_since(b, rayjob, rname)
     beat = parse_time(dig(b.old, "progress", "lastHeartbeatTime"))
     reference = max(beat, running_since) if beat is not None else running_since
     expiry = reference + timeout
@@ -149,6 +187,8 @@ def _heartbeat_stale(b: Builder, job: RLJob, rayjob: Mapping[str, Any], rname: s
         return None
     age = int((b.now - reference).total_seconds())
     fresh_beat = beat is not None and beat >= running_since
-    what = "since the last heartbeat" if fresh_beat else "no heartbeat since the job started"
+    phase = _this_attempts_phase(b, rayjob) if fresh_beat else None
+    what = ("since the last heartbeat" + (f", in trainer phase {phase}" if phase else "")
+            if fresh_beat else "no heartbeat since the job started")
     return (f"trainer silent for {age}s ({what}; heartbeatTimeoutSeconds "
             f"{job.spec.heartbeat_timeout_seconds}) on RayJob {rname}")

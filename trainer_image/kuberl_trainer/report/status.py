@@ -1,8 +1,9 @@
 """Reports progress to the job's RLJob status when running in a cluster.
 
 The head pod's ServiceAccount may patch only its own RLJob's `status` (the operator renders that
-Role). The reporter merge-patches `status.progress` — step, reward, heartbeat time, last
-checkpoint, engines replaced — which the operator reads (and never writes) to derive
+Role). The reporter merge-patches `status.progress` — step, reward, heartbeat time, the phase
+the trainer is in (during start-up: `beat`, report/heartbeat.py), last checkpoint, engines
+replaced — which the operator reads (and never writes) to derive
 Training/Stalled. What happens to the run on the way (an engine replaced) it posts as Events on
 the RLJob (`kubectl describe rljob`): the Role lets it create Events, nothing more.
 Locally (`kuberl run` without --in-cluster) the reporter is off.
@@ -69,14 +70,24 @@ class StatusReporter:
     def report(self, *, step: int, total_steps: int, reward_mean: float | None,
                checkpoint: tuple[int, str] | None = None, engine_restarts: int = 0) -> None:
         progress: dict[str, Any] = {
-            "step": step, "totalSteps": total_steps,
-            "lastHeartbeatTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "engineRestarts": engine_restarts,
+            "step": step, "totalSteps": total_steps, "lastHeartbeatTime": _now(),
+            "engineRestarts": engine_restarts, "trainerPhase": "Training",
         }
         if reward_mean is not None:
             progress["rewardMean"] = round(float(reward_mean), 6)
         if checkpoint is not None:
             progress["lastCheckpoint"] = {"step": checkpoint[0], "path": checkpoint[1]}
+        self._patch(progress)
+
+    def beat(self, phase: str, total_steps: int | None = None) -> None:
+        """A start-up heartbeat (report/heartbeat.py): the time and the phase the trainer is
+        in, nothing else (the step and reward of an earlier attempt stay as they were)."""
+        progress: dict[str, Any] = {"lastHeartbeatTime": _now(), "trainerPhase": phase}
+        if total_steps is not None:
+            progress["totalSteps"] = total_steps
+        self._patch(progress)
+
+    def _patch(self, progress: dict[str, Any]) -> None:
         # A merge patch of status only: the Role allows nothing else, and a merge patch leaves
         # the operator's conditions and phase alone.
         self._guard("status", lambda: self.custom.patch_namespaced_custom_object_status(
@@ -113,3 +124,7 @@ class StatusReporter:
                               str(exc.reason)) from exc
         except urllib3.exceptions.HTTPError as exc:
             raise ConnectionError(f"{self.namespace}/{self.name} {what}: {exc}") from exc
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,93 @@
+"""The trainer's start-up heartbeat (kuberl_trainer/report/heartbeat.py): it beats from the
+start, with the phase the start-up is in, while a phase blocks; it goes silent once a phase
+outlives its own limit (so a hung start-up is still caught as Stalled) and once stopped."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any
+
+from kuberl_api.status import STARTUP_PHASES, Progress
+from kuberl_trainer.report.heartbeat import PHASE_LIMITS_S, StartupHeartbeat
+from kuberl_trainer.report.status import StatusReporter
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_every_start_up_phase_has_a_limit() -> None:
+    assert set(PHASE_LIMITS_S) == set(STARTUP_PHASES)
+
+
+def test_beats_while_a_phase_is_within_its_limit_then_goes_silent() -> None:
+    sent: list[str] = []
+    clock = FakeClock()
+    beat = StartupHeartbeat(sent.append, interval_s=3600, limits={"Loading": 100.0},
+                            clock=clock)
+    try:
+        beat.enter("Loading")
+        assert sent == ["Loading"]          # at once, on entering the phase
+        clock.now += 99
+        assert beat.beat() and sent == ["Loading"] * 2
+        clock.now += 2                      # past the phase's limit: a hang goes silent
+        assert not beat.beat() and len(sent) == 2
+        beat.enter("FirstStep")             # a new phase has its own limit (unknown: one beat)
+        assert sent[-1] == "FirstStep"
+    finally:
+        beat.stop()
+    assert not beat.beat()                  # stopped: the steps report from now on
+
+
+def test_the_thread_beats_while_the_caller_blocks_and_survives_errors() -> None:
+    sent: list[str] = []
+    calls = 0
+
+    def send(phase: str) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise OSError("the API server is away")
+        sent.append(phase)
+
+    beat = StartupHeartbeat(send, interval_s=0.05, limits={"EnginesStarting": 60.0})
+    beat.enter("EnginesStarting")
+    time.sleep(0.5)                         # a phase that blocks: the thread beats on
+    beat.stop()
+    assert len(sent) >= 4 and set(sent) == {"EnginesStarting"}
+    n = len(sent)
+    time.sleep(0.2)
+    assert len(sent) == n                   # nothing after stop
+
+
+def test_reporter_beat_patches_only_the_time_and_the_phase() -> None:
+    seen: list[dict[str, Any]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_PATCH(self) -> None:
+            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.handle_request, daemon=True).start()
+    reporter = StatusReporter(f"http://127.0.0.1:{server.server_port}", "tok", "team-a", "job")
+    reporter.beat("Placing", total_steps=100)
+    server.server_close()
+    (body,) = seen
+    progress = body["status"]["progress"]
+    # the step (and reward) an earlier attempt reported stay as they were
+    assert set(progress) == {"lastHeartbeatTime", "trainerPhase", "totalSteps"}
+    parsed = Progress.model_validate(progress)
+    assert parsed.trainer_phase == "Placing" and parsed.total_steps == 100
