@@ -141,6 +141,35 @@ async def test_stale_heartbeat_restarts_from_checkpoint(k8s: Emulator,
     assert status(k8s, "j4")["restarts"] == 1
 
 
+async def test_a_slow_start_up_that_beats_is_not_stalled(k8s: Emulator,
+                                                          operator: Operator) -> None:
+    """Issue 36: the Ray job has run for 100 s, past heartbeatTimeoutSeconds (30 s), with no
+    step finished: the trainer's start-up heartbeat (the real thread and reporter, against
+    the emulator) keeps it Running, with the phase in the Training condition's message.
+    Without it this is test_stale_heartbeat_restarts_from_checkpoint: restarted as Stalled."""
+    from kuberl_trainer.report.heartbeat import StartupHeartbeat
+    from kuberl_trainer.report.status import StatusReporter
+
+    await create(k8s, RLJOBS, manifest("j12", heartbeatTimeoutSeconds=30))
+    await wait_phase(k8s, "j12", "Provisioning")
+    reporter = StatusReporter(str(k8s.url).rstrip("/"), "tok", NS, "j12")
+    beat = StartupHeartbeat(lambda phase: reporter.beat(phase, 100), interval_s=0.5)
+    try:
+        await asyncio.to_thread(beat.enter, "Loading")  # (the emulator answers on this loop)
+        await kuberay(k8s, "j12-r0", "RUNNING", "Running", started=-100)
+        first = (await wait_phase(k8s, "j12", "Running"))["progress"]["lastHeartbeatTime"]
+        await asyncio.sleep(8 * RESYNC)  # passes go by; the phase blocks, the thread beats
+        st = status(k8s, "j12")
+        assert st["progress"]["lastHeartbeatTime"] > first, "the thread beats on its own"
+        assert st["phase"] == "Running" and st["restarts"] == 0, st
+        assert st["progress"]["trainerPhase"] == "Loading"
+        assert "loading the models" in condition(k8s, "j12", "Training")["message"]
+        assert condition(k8s, "j12", "Stalled")["status"] == "False"
+        assert rayjobs(k8s) == ["j12-r0"]
+    finally:
+        await asyncio.to_thread(beat.stop)
+
+
 async def test_lost_head_restarts(k8s: Emulator, operator: Operator) -> None:
     await create(k8s, RLJOBS, manifest("j5"))
     await wait_phase(k8s, "j5", "Provisioning")
