@@ -59,9 +59,11 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
     pid_file = PidFile(runtime.DRIVER_PID_FILE) if opts.in_cluster else contextlib.nullcontext()
     head: HeadStart | None = None
     session: Session | None = None
-    beat = _startup_heartbeat(job) if opts.in_cluster else None
+    beat: StartupHeartbeat | None = None
     try:
         with pid_file:
+            if opts.in_cluster:  # the RLJob status heartbeat, from now to the first step
+                beat = _startup_heartbeat(job)
             # Ray and the engines start while a thread imports the loop (torch, transformers)
             head = HeadStart.begin(job.spec, opts, preload="kuberl_trainer.session")
             if opts.log_dir is not None:
