@@ -34,6 +34,7 @@ CHILDREN: list[tuple[str, Callable[[str], str]]] = [
     ("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles", names.role),
     ("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings", names.role_binding),
     ("/api/v1/namespaces/{ns}/configmaps", names.configmap),
+    ("/api/v1/namespaces/{ns}/secrets", lambda job: names.engine_key_secret(job, 0)),
     (RAYJOBS, lambda job: names.rayjob(job, 0)),
 ]
 RESYNC_SECONDS = 1.0

@@ -38,11 +38,13 @@ OPERATOR_NEEDS = [
     ("create", "roles.rbac.authorization.k8s.io"),
     ("create", "rolebindings.rbac.authorization.k8s.io"), ("create", "events"),
     ("create", "deployments.apps"), ("patch", "deployments.apps"), ("create", "services"),
+    ("create", "secrets"),
 ]
 # What it must never be able to do there.
 OPERATOR_MUST_NOT = [
     ("update", "rljobs.kuberl.dev"), ("patch", "rljobs.kuberl.dev"),  # the user's spec
-    ("create", "pods"), ("delete", "pods"), ("get", "secrets"), ("create", "statefulsets.apps"),
+    ("create", "pods"), ("delete", "pods"), ("get", "secrets"), ("list", "secrets"),
+    ("update", "secrets"), ("delete", "secrets"), ("create", "statefulsets.apps"),
     ("create", "daemonsets.apps"),
 ]
 

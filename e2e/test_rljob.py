@@ -12,6 +12,7 @@ One cluster per session (conftest.py: the project's CRD installed before the con
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import copy
 import importlib
@@ -416,6 +417,12 @@ def test_operator_runs_the_gpu_example(k8s_cluster: Cluster, operator: Operator,
         # The head's config is the validated spec, defaults filled in (what the trainer loads).
         cm = api.get(f"/api/v1/namespaces/{ns}/configmaps/{names.configmap(job)}")
         assert loads(cm["data"][names.CONFIG_KEY]).spec == parse(owner).spec
+        # The attempt's engine API key: a random one in its own immutable Secret, which every
+        # Ray pod reads by secretKeyRef (_check_pods); the ConfigMap does not hold it.
+        secret = api.get(f"/api/v1/namespaces/{ns}/secrets/{names.engine_key_secret(job, 0)}")
+        key = base64.b64decode(secret["data"][names.ENGINE_API_KEY_SECRET_KEY]).decode()
+        assert len(key) >= 32 and secret["immutable"] is True
+        assert key not in json.dumps(cm)
 
         # KubeRay: the RayJob's RayCluster, controlled by it; its pods on the pools.
         rc_url = w.raycluster_url(0)
@@ -503,6 +510,11 @@ def _check_pods(api: Api, groups: dict[str, list[dict[str, Any]]], spec: Any, jo
     for group in (names.GROUP_TRAIN, names.GROUP_ROLLOUT):
         hosts = [p["spec"]["nodeName"] for p in groups[group]]
         assert len(set(hosts)) == len(hosts), f"one {group} pod per node: {hosts}"
+    key_ref = {"secretKeyRef": {"name": names.engine_key_secret(job, 0),
+                                "key": names.ENGINE_API_KEY_SECRET_KEY}}
+    for pod in (p for ps in groups.values() for p in ps):
+        env = {e["name"]: e for e in container(pod)["env"]}
+        assert env[names.ENV_ENGINE_API_KEY].get("valueFrom") == key_ref, pod["metadata"]["name"]
     for pod in groups[names.GROUP_HEAD]:
         assert "nvidia.com/gpu" not in container(pod)["resources"].get("limits", {})
         assert pod["spec"]["serviceAccountName"] == names.service_account(job)

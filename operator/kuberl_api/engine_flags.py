@@ -43,6 +43,8 @@ KUBERL_ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
     "rollout.gpusPerEngine and gpusPerNode (an engine spans gpusPerEngine / gpusPerNode "
     "nodes) and the Ray nodes its parts run on": (
         "dist-init-addr", "nccl-init-addr", "nnodes", "node-rank"),
+    "the job's engine API key (the operator's per-job Secret, given to SGLang in a --config "
+    "file)": ("api-key", "config"),
 }
 KUBERL_ENGINE_FLAG_SOURCE = {flag: source for source, flags in KUBERL_ENGINE_FLAGS.items()
                              for flag in flags}
@@ -56,8 +58,6 @@ ENGINE_FLAGS_REFUSED: dict[str, tuple[str, ...]] = {
     "the engine's GPUs are the ones its Ray actor holds, from the first": (
         "base-gpu-id", "gpu-id-step"),
     "rewards read the text the engines detokenize": ("skip-tokenizer-init",),
-    "kuberl's engine client sends no API key (keep the engines on the job's network)": (
-        "api-key",),
 }
 ENGINE_FLAG_REFUSAL = {flag: reason for reason, flags in ENGINE_FLAGS_REFUSED.items()
                        for flag in flags}

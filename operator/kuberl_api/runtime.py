@@ -25,6 +25,12 @@ ENV_JOB_NAME: Final = "KUBERL_RLJOB_NAME"
 ENV_JOB_NAMESPACE: Final = "KUBERL_RLJOB_NAMESPACE"
 ENV_ATTEMPT: Final = "KUBERL_ATTEMPT"
 
+# The engines' API key (kuberl_wire.protocol.ENGINE_API_KEY_ENV, the same name): every Ray
+# pod reads it from the attempt's Secret (a secretKeyRef, so neither the pod spec, the
+# ConfigMap nor a command line holds it), under this key of the Secret's data.
+ENV_ENGINE_API_KEY: Final = "KUBERL_ENGINE_API_KEY"
+ENGINE_API_KEY_SECRET_KEY: Final = "api-key"
+
 # environment.image: the environment service's URL, which the operator sets on the head (its
 # headless Service, whose name resolves to every ready replica) and `kuberl run` reads
 # (--environment-url sets it too).

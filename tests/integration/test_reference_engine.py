@@ -3,7 +3,9 @@ sender: generation semantics, weight sync over gloo (this test process is traine
 two engines are ranks 1 and 2), the colocated tensor path, memory release, and a dead engine.
 
 Three engines start once per module, in parallel (~5 s on two busy cores); the third is the
-one the last test kills.
+one the last test kills. They check an API key, as a job's engines do (SGLang's --api-key):
+this process holds it in $KUBERL_ENGINE_API_KEY like a job's processes, so every client here
+sends it, and test_the_api_key_is_checked_on_what_sglang_protects shows the others refused.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from kuberl_trainer.engines.client import EngineClient, EngineError, SamplingPar
 from kuberl_trainer.ray_actors import free_port  # (the ports other runs here are given, too)
 from kuberl_trainer.weight_sync.sender import DistributedWeightSender, bucketize, send_tensors
 from kuberl_wire.codec import tensor_sha256
+from kuberl_wire.protocol import ENGINE_API_KEY_ENV
 from tests.integration.tiny_model import EOS_ID, build_tiny_model, build_tokenizer
 
 pytestmark = pytest.mark.integration
 
 PROMPTS = [[4, 5, 40, 6, 44], [7], [8, 9, 10, 11, 12, 13, 14, 15]]
+API_KEY = "module-engines-key-7f3a"
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12}
 
 
@@ -75,8 +79,18 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def api_key() -> Iterator[str]:
+    """The module's engines and clients share a key through the environment, as a job's
+    processes do (the engines inherit it; EngineClient reads it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ENGINE_API_KEY_ENV, API_KEY)
+        yield API_KEY
+
+
 @pytest.fixture(scope="module")
-def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Engine]]:
+def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+            api_key: str) -> Iterator[list[Engine]]:
     logs = tmp_path_factory.mktemp("engine-logs")
     started = [Engine(model_dir, logs / f"engine{i}.log") for i in range(3)]
     try:
@@ -244,6 +258,45 @@ async def test_stops_and_length(pair: list[str]) -> None:
         ignore = await client.generate_one(PROMPTS[2], {**GREEDY, "stop_token_ids": [EOS_ID],
                                                          "max_new_tokens": 0})
         assert ignore.output_ids == [] and ignore.finish_reason == "length"
+
+
+async def test_the_api_key_is_checked_on_what_sglang_protects(pair: list[str]) -> None:
+    """Real HTTP to a real engine: without the key or with a wrong one, generation and every
+    admin call the trainer makes are refused 401 with SGLang's body (and nothing changes);
+    /health and /health_generate answer anyone (SGLang 0.5.6 exempts them); with the key
+    (every other test of this module) everything works."""
+    url = pair[0]
+    calls = [("POST", "/generate", {"input_ids": [1, 2], "sampling_params": GREEDY}),
+             ("POST", "/pause_generation", {"mode": "abort"}),
+             ("POST", "/continue_generation", {}),
+             ("POST", "/release_memory_occupation", {}),
+             ("POST", "/resume_memory_occupation", {}),
+             ("POST", "/flush_cache", None),
+             ("POST", "/init_weights_update_group", {
+                 "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                 "world_size": 2, "group_name": "x", "backend": "gloo"}),
+             ("POST", "/update_weights_from_distributed", {"names": [], "dtypes": [],
+                                                           "shapes": []}),
+             ("POST", "/update_weights_from_tensor", {"serialized_named_tensors": []}),
+             ("POST", "/destroy_weights_update_group", {"group_name": "x"}),
+             ("POST", "/abort_request", {"abort_all": True}),
+             ("GET", "/get_model_info", None), ("GET", "/get_server_info", None),
+             ("GET", "/get_weight_version", None), ("GET", "/get_weights_checksum", None)]
+    async with EngineClient([url], request_timeout_s=30) as client:  # the key, from the env
+        before = await client.request(url, "GET", "/get_event_log")
+    for key in ("", "wrong-key"):
+        async with EngineClient([url], request_timeout_s=30, api_key=key) as outsider:
+            for method, path, body in calls:
+                with pytest.raises(EngineError) as err:
+                    await outsider.request(url, method, path, body)
+                assert err.value.status == 401, (key, path, err.value)
+                assert "Unauthorized" in err.value.message
+            await outsider.wait_healthy(timeout_s=10)  # /health: no key needed
+            await outsider.request(url, "GET", "/health_generate")
+    async with EngineClient([url], request_timeout_s=30) as client:  # the key, from the env
+        assert await client.request(url, "GET", "/get_event_log") == before  # none was run
+        out = await client.generate_one([1, 2], GREEDY)
+        assert out.output_ids and (await client.get_model_info(url))["model_path"]
 
 
 async def test_bad_requests_are_400_with_a_message(pair: list[str]) -> None:

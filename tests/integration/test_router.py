@@ -14,6 +14,7 @@ import pytest_asyncio
 
 from kuberl_trainer.engines.client import EngineClient
 from kuberl_trainer.engines.router import Router
+from kuberl_wire.protocol import ENGINE_API_KEY_ENV
 from tests.integration.test_reference_engine import Engine
 from tests.integration.tiny_model import build_tiny_model
 
@@ -23,8 +24,16 @@ GROUP = 4
 PARAMS = {"temperature": 1.0, "max_new_tokens": 6}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def api_key() -> Iterator[str]:
+    """The engines and the client share a key through the environment, as a job's do."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ENGINE_API_KEY_ENV, "router-module-key")
+        yield "router-module-key"
+
+
 @pytest.fixture(scope="module")
-def urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+def urls(tmp_path_factory: pytest.TempPathFactory, api_key: str) -> Iterator[list[str]]:
     model = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
     logs = tmp_path_factory.mktemp("engine-logs")
     engines = [Engine(model, logs / f"engine{i}.log", "--enable-metrics") for i in range(2)]

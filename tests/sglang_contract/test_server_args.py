@@ -66,14 +66,14 @@ def test_kuberl_refuses_every_spelling_of_the_flags_it_sets() -> None:
     nodes) under any of SGLang's names for it."""
     dests = {"model_path", "tokenizer_path", "host", "port", "nccl_port", "tp_size",
              "random_seed", "device", "dist_init_addr", "nnodes", "node_rank",
-             "tensor_parallel_size"}
+             "tensor_parallel_size", "api_key", "config"}
     spellings = {s[2:] for a in sglang_parser()._actions if a.dest in dests
                  for s in a.option_strings if s.startswith("--")}
     assert spellings, "SGLang's parser has none of the flags kuberl sets?"
     assert spellings <= set(KUBERL_ENGINE_FLAG_SOURCE), spellings - set(KUBERL_ENGINE_FLAG_SOURCE)
     # ... nor those that would change the GPU layout or what the trainer reads
     refused = {"data_parallel_size", "pipeline_parallel_size", "base_gpu_id", "gpu_id_step",
-               "skip_tokenizer_init", "api_key"}
+               "skip_tokenizer_init"}
     spellings = {s[2:] for a in sglang_parser()._actions if a.dest in refused
                  for s in a.option_strings if s.startswith("--")}
     assert len(spellings) >= len(refused)

@@ -154,7 +154,7 @@ def test_max_attempts_covers_backoff_limit() -> None:
 
 def test_names_are_distinct(longest: RLJob) -> None:
     seen = {(o["kind"], o["metadata"]["name"]) for o in render_children(longest)}
-    assert len(seen) == 5
+    assert len(seen) == 6
 
 
 def test_merged_labels_owned_win_and_order_is_stable() -> None:

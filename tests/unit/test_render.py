@@ -3,6 +3,7 @@ these say which parts are promises)."""
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -87,11 +88,45 @@ def gpus(pod: Obj) -> tuple[str | None, str | None]:
 def test_children_in_apply_order_namespaced_and_unowned(make_rljob: MakeJob) -> None:
     objs = render_children(make_rljob())
     assert [o["kind"] for o in objs] == [
-        "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "RayJob"]
+        "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Secret", "RayJob"]
     for o in objs:
         assert o["metadata"]["namespace"] == "team-a"
         assert "ownerReferences" not in o["metadata"]
         assert o["metadata"]["labels"][names.LABEL_JOB] == "demo"
+
+
+def test_the_engine_key_is_a_secret_of_the_attempt_every_ray_pod_reads(
+        make_rljob: MakeJob) -> None:
+    """The engines' API key lives in an immutable Secret per attempt (a new key per attempt)
+    that every Ray container reads by secretKeyRef: it is in no env value, ConfigMap,
+    entrypoint or command line of the rendered objects."""
+    key = "k3y-0f-attempt-2"
+    objs = render_children(make_rljob(spec=DISAGG), 2, engine_api_key=key)
+    secret = by_kind(objs)["Secret"]
+    assert secret["metadata"]["name"] == names.engine_key_secret("demo", 2) == "demo-r2-engine-key"
+    assert secret["metadata"]["labels"][names.LABEL_ATTEMPT] == "2"
+    assert secret["immutable"] is True and secret["type"] == "Opaque"
+    assert base64.b64decode(secret["data"][names.ENGINE_API_KEY_SECRET_KEY]).decode() == key
+    others = [o for o in objs if o["kind"] != "Secret"]
+    assert key not in yaml.safe_dump_all(others)
+    cluster = by_kind(objs)["RayJob"]["spec"]["rayClusterSpec"]
+    pods = [cluster["headGroupSpec"]["template"],
+            *(g["template"] for g in cluster["workerGroupSpecs"])]
+    assert len(pods) == 3  # head, train, rollout
+    for pod in pods:
+        for container in pod["spec"]["containers"]:
+            env = {e["name"]: e for e in container["env"]}
+            assert env[names.ENV_ENGINE_API_KEY] == {
+                "name": "KUBERL_ENGINE_API_KEY", "valueFrom": {"secretKeyRef": {
+                    "name": "demo-r2-engine-key", "key": "api-key"}}}
+    with pytest.raises(ValueError, match="must not be empty"):
+        render_children(make_rljob(), engine_api_key="")
+
+
+def test_the_engine_key_variable_is_the_one_trainer_and_engines_read() -> None:
+    from kuberl_wire.protocol import ENGINE_API_KEY_ENV
+
+    assert names.ENV_ENGINE_API_KEY == ENGINE_API_KEY_ENV
 
 
 def test_namespace_defaults_to_default(make_rljob: MakeJob) -> None:

@@ -17,6 +17,7 @@ import contextlib
 import importlib
 import logging
 import os
+import secrets
 import threading
 import time
 import warnings
@@ -28,6 +29,7 @@ import ray
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.engines.actors import EngineGroup
 from kuberl_trainer.placement import layout, local_resources
+from kuberl_wire.protocol import ENGINE_API_KEY_ENV
 
 if TYPE_CHECKING:
     from kuberl_trainer.options import Options
@@ -143,6 +145,12 @@ def _start_ray(spec: RLJobSpec, opts: Options) -> None:
     if opts.address:
         ray.init(address=opts.address, log_to_driver=True, logging_level=logging.WARNING)
         return
+    # The engines' API key: a new random one per run, in this process's environment only
+    # (never on disk, never on a command line), which the local Ray's processes inherit, so
+    # the engines check it and every client sends it (engines/client.py). One the caller set
+    # is kept; a run joining a Ray (--address) uses its environment's, as the cluster's
+    # processes must have the same (the operator's Secret, in a cluster).
+    os.environ.setdefault(ENGINE_API_KEY_ENV, secrets.token_urlsafe(32))
     # A local Ray sized to this job's actors (see placement.local_resources). The actors'
     # environment. A local Ray's processes inherit the driver's, so it is set
     # around ray.init rather than given as the job's runtime_env: with one, Ray starts a new

@@ -98,3 +98,24 @@ def rank_offsets(tp_sizes: Sequence[int]) -> tuple[int, list[int]]:
 # reference engine their shared key in (they authenticate each other's connections with it;
 # see kuberl_rollout.reference.tp). An environment variable, so no command line shows it.
 ENGINE_SECRET_ENV = "KUBERL_ENGINE_SECRET"
+
+# Not SGLang's: the environment variable every process of a job reads the engines' API key
+# from (the operator's per-job Secret in a cluster, through a secretKeyRef; a random key that
+# `kuberl run` makes for a local Ray). The engines check it (SGLang's --api-key, given to
+# SGLang in a --config file; the reference engine reads this variable) and the trainer sends
+# it as `Authorization: Bearer <key>`. Empty or unset: the engines check nothing.
+ENGINE_API_KEY_ENV = "KUBERL_ENGINE_API_KEY"
+
+
+def api_key_exempt(method: str, path: str) -> bool:
+    """Whether SGLang 0.5.6's --api-key check lets a request through without the key
+    (`sglang.srt.utils.common.add_api_key_middleware`): CORS preflights (OPTIONS) and every
+    path starting with /health or /metrics (so /health, /health_generate and /metrics, and
+    any other path with those prefixes). Everything else needs `Authorization: Bearer <key>`
+    exactly, or is answered 401 {"error": "Unauthorized"}."""
+    return method == "OPTIONS" or path.startswith(("/health", "/metrics"))
+
+
+def bearer(api_key: str) -> dict[str, str]:
+    """The header that carries the engines' API key (none for an empty key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -61,6 +61,11 @@ The operator's permissions, shared by the cluster-wide ClusterRole and the per-n
 - apiGroups: [""]
   resources: ["configmaps", "serviceaccounts"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+# Each attempt's engine API key (a Secret it owns, deleted with the RLJob by GC): created,
+# never read, listed or changed by the operator.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
 # environment.image: the environment service (a Deployment and its headless Service).
 - apiGroups: [""]
   resources: ["services"]

@@ -24,6 +24,7 @@ passes) converges on one object per name, never a duplicate.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Mapping
 from typing import Any
@@ -82,6 +83,15 @@ async def apply(kube: Kube, obj: Mapping[str, Any]) -> dict[str, Any]:
     if obj.get("kind") == "RayJob":
         (body.get("spec") or {}).pop("suspend", None)  # Kueue's from now on
     return await kube.apply(_url(obj), body)
+
+
+async def create_once(kube: Kube, obj: Mapping[str, Any]) -> None:
+    """Create `obj` (an attempt's engine-key Secret); one that exists already is left as it
+    is: an earlier pass of the same attempt made it, and its pods may hold its key. The
+    operator may create Secrets but never read one (the chart's RBAC), so it does not look."""
+    kind, meta = kind_of(obj), obj["metadata"]
+    with contextlib.suppress(Conflict):
+        await kube.create(kind.collection(meta["namespace"]), applied(obj))
 
 
 async def _existing_ours(kube: Kube, obj: Mapping[str, Any]) -> dict[str, Any] | None:

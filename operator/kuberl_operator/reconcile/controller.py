@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import socket
 import time
 from collections.abc import Mapping
@@ -26,7 +27,7 @@ from typing import Any
 
 from kuberl_api import RLJob
 from kuberl_operator.metrics import Metrics
-from kuberl_operator.reconcile.children import adopt, apply
+from kuberl_operator.reconcile.children import adopt, apply, create_once
 from kuberl_operator.reconcile.kube import CONCURRENCY, EVENT, KINDS, RAYJOB, RLJOB, Kube
 from kuberl_operator.reconcile.observe import observe
 from kuberl_operator.render import names, render_children
@@ -277,9 +278,12 @@ class Controller:
         """Render every child, adopt it, apply it (server-side); the RayJob comes last and is
         returned as stored."""
         rayjob = None
-        for child in render_children(job, action.attempt):
+        key = secrets.token_urlsafe(32)  # the attempt's engine API key (render/secret.py)
+        for child in render_children(job, action.attempt, engine_api_key=key):
             obj = adopt(child, body)
-            if obj.get("kind") == "RayJob":
+            if obj.get("kind") == "Secret":
+                await create_once(self.kube, obj)
+            elif obj.get("kind") == "RayJob":
                 expected = names.rayjob(job.name, action.attempt)
                 if obj["metadata"].get("name") != expected:
                     raise RuntimeError(f"renderer named the RayJob {obj['metadata'].get('name')}"

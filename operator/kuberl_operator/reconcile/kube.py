@@ -97,6 +97,7 @@ EVENT = Kind("v1", "events")
 KINDS: dict[tuple[str, str], Kind] = {
     ("v1", "ServiceAccount"): Kind("v1", "serviceaccounts"),
     ("v1", "ConfigMap"): Kind("v1", "configmaps"),
+    ("v1", "Secret"): Kind("v1", "secrets"),
     ("v1", "Service"): Kind("v1", "services"),
     ("apps/v1", "Deployment"): Kind("apps/v1", "deployments"),
     ("rbac.authorization.k8s.io/v1", "Role"): Kind("rbac.authorization.k8s.io/v1", "roles"),

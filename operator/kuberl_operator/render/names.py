@@ -18,7 +18,9 @@ from kuberl_api.runtime import (
     CONFIG_DIR as CONFIG_DIR,
     CONFIG_KEY as CONFIG_KEY,
     CONFIG_PATH as CONFIG_PATH,
+    ENGINE_API_KEY_SECRET_KEY as ENGINE_API_KEY_SECRET_KEY,
     ENV_ATTEMPT as ENV_ATTEMPT,
+    ENV_ENGINE_API_KEY as ENV_ENGINE_API_KEY,
     ENV_JOB_NAME as ENV_JOB_NAME,
     ENV_JOB_NAMESPACE as ENV_JOB_NAMESPACE,
     RESOURCE_CRITIC as RESOURCE_CRITIC,
@@ -51,6 +53,7 @@ COMPONENT_RAYJOB: Final = "rayjob"
 COMPONENT_HEAD: Final = "ray-head"
 COMPONENT_WORKER: Final = "ray-worker"
 COMPONENT_ENVIRONMENT: Final = "environment"
+COMPONENT_ENGINE_KEY: Final = "engine-key"
 
 
 GROUP_HEAD: Final = "head"
@@ -79,6 +82,11 @@ def job_of_rayjob(rayjob_name: str) -> str | None:
 
 def configmap(job: str) -> str:
     return f"{job}-config"
+
+
+def engine_key_secret(job: str, attempt: int) -> str:
+    """The Secret holding the engines' API key of one attempt (a new key per attempt)."""
+    return f"{rayjob(job, attempt)}-engine-key"
 
 
 def service_account(job: str) -> str:

@@ -51,6 +51,14 @@ def identity_env(job: RLJob, attempt: int) -> list[dict[str, Any]]:
     ]
 
 
+def engine_key_env(job: RLJob, attempt: int) -> dict[str, Any]:
+    """The engines' API key, from the attempt's Secret: every Ray pod may run engines (colocated
+    on train pods) or call them (the head's loop, the train ranks' weight sync)."""
+    return {"name": names.ENV_ENGINE_API_KEY, "valueFrom": {"secretKeyRef": {
+        "name": names.engine_key_secret(job.name, attempt),
+        "key": names.ENGINE_API_KEY_SECRET_KEY}}}
+
+
 def quantities(cpu: str | None, memory: str | None, extra: dict[str, str]) -> dict[str, Any]:
     """requests == limits: Guaranteed QoS, and Ray sizes itself from the limits KubeRay reads."""
     values: dict[str, str] = {}
@@ -146,7 +154,7 @@ def head_template(job: RLJob, attempt: int) -> dict[str, Any]:
     vols.storage(VOLUME_DATA, job.spec.data.storage)
     vols.checkpoints(job)
     vols.code(job)
-    env = identity_env(job, attempt)
+    env = [*identity_env(job, attempt), engine_key_env(job, attempt)]
     if job.spec.environment.image is not None:  # the loop's environment service
         env.append({"name": runtime.ENV_ENVIRONMENT_URL,
                     "value": names.environment_url(job.name)})
@@ -228,7 +236,7 @@ def worker_container(job: RLJob, group: WorkerGroup, attempt: int,
                      mounts: list[dict[str, Any]]) -> dict[str, Any]:
     network = job.spec.network
     gpu = group.gpus_per_pod > 0
-    env = identity_env(job, attempt)
+    env = [*identity_env(job, attempt), engine_key_env(job, attempt)]
     if gpu:
         owned = {e["name"] for e in env}
         env += [e for e in nccl.nccl_env(network) if e["name"] not in owned]

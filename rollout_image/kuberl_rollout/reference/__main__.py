@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-from kuberl_wire.protocol import ENGINE_SECRET_ENV
+from kuberl_wire.protocol import ENGINE_API_KEY_ENV, ENGINE_SECRET_ENV
 
 if TYPE_CHECKING:
     from kuberl_rollout.reference.tp import Nodes, RankArgs
@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "only a weight update after the resume restores the model")
     p.add_argument("--enable-metrics", action="store_true",
                    help="serve GET /metrics (Prometheus) with SGLang's names, as SGLang's flag")
+    p.add_argument("--api-key", default=None,
+                   help=f"SGLang's flag: every request but /health*, /metrics* and OPTIONS "
+                        f"needs `Authorization: Bearer <key>` (else 401). Default: "
+                        f"${ENGINE_API_KEY_ENV}, which kuberl's launcher sets, so no command "
+                        f"line shows the key")
     p.add_argument("--max-batch-size", type=int, default=256)
     p.add_argument("--batch-wait-ms", type=float, default=5.0,
                    help="how long the first request of a batch waits for others to join")
@@ -122,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
                                  "dist_init_addr": args.dist_init_addr,
                                  "mem_fraction_static": args.mem_fraction_static,
                                  "enable_metrics": args.enable_metrics},
-                    enable_metrics=args.enable_metrics)
+                    enable_metrics=args.enable_metrics,
+                    api_key=args.api_key or os.environ.get(ENGINE_API_KEY_ENV, ""))
     peers.wait_ready()
     logging.getLogger("kuberl.reference").info(
         "serving %s on http://%s:%d (%s, %s)", args.model_path, args.host, args.port,

@@ -36,6 +36,7 @@ from kuberl_rollout.reference.engine import EngineBusy, GenRequest, ReferenceEng
 from kuberl_rollout.reference.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, EngineMetrics
 from kuberl_rollout.reference.sampling import parse_sampling
 from kuberl_rollout.reference.tp import Peers
+from kuberl_wire.protocol import api_key_exempt
 
 LOG = logging.getLogger("kuberl.reference")
 T = TypeVar("T")
@@ -95,6 +96,22 @@ async def errors_as_json(request: web.Request, handler: Any) -> web.StreamRespon
         return _error(500, f"{type(exc).__name__}: {exc}")
 
 
+def api_key_check(api_key: str) -> Any:
+    """SGLang 0.5.6's --api-key middleware (`add_api_key_middleware`), the same paths and
+    answer: OPTIONS, /health* and /metrics* pass; any other request without exactly
+    `Authorization: Bearer <api_key>` is answered 401 {"error": "Unauthorized"}."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if (not api_key_exempt(request.method, request.path)
+                and request.headers.get("Authorization") != f"Bearer {api_key}"):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    return check
+
+
 async def _body(request: web.Request) -> dict[str, Any]:
     if not request.can_read_body:
         return {}
@@ -124,8 +141,9 @@ class Server:
                  batch_wait_s: float = 0.005, weight_sync_timeout_s: float = 300.0,
                  peers: Peers | None = None,
                  server_args: Mapping[str, Any] | None = None,
-                 enable_metrics: bool = False) -> None:
+                 enable_metrics: bool = False, api_key: str = "") -> None:
         self.engine = engine
+        self.api_key = api_key  # "" (SGLang's None): every request is served
         self.max_batch_size = max_batch_size
         # What /server_info reports as the launch arguments (the CLI's, when given).
         self.server_args = dict(server_args or {})
@@ -156,7 +174,8 @@ class Server:
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[errors_as_json], client_max_size=1 << 31)
+        checks = [api_key_check(self.api_key)] if self.api_key else []
+        app = web.Application(middlewares=[*checks, errors_as_json], client_max_size=1 << 31)
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_put("/generate", self.generate)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import subprocess
+import tempfile
 import threading
 from collections import deque
 from pathlib import Path
@@ -19,7 +21,8 @@ from typing import IO, Any
 import ray
 
 from kuberl_api.spec import RLJobSpec
-from kuberl_trainer.engines.command import engine_command
+from kuberl_trainer.engines.client import engine_api_key
+from kuberl_trainer.engines.command import api_key_config, engine_command
 from kuberl_trainer.placement import Layout, colocated_engine_devices, cpu_sharing
 from kuberl_trainer.ray_actors import (
     distinct_free_ports,
@@ -31,6 +34,21 @@ from kuberl_trainer.ray_actors import (
 from kuberl_wire.protocol import ENGINE_SECRET_ENV
 
 ENGINE_LOG_TAIL_LINES = 200  # kept by an engine actor (EngineServer.log_tail)
+REDACTED = b"<engine API key>"  # what the server's output shows in place of the key
+# Where SGLang's --config file with the key is written: memory (tmpfs), not disk, when the
+# machine has it (Linux pods and hosts do)
+SECRETS_DIR = "/dev/shm"
+
+
+def write_api_key_config(api_key: str) -> Path:
+    """SGLang's --config file holding the engines' API key: mode 0600 in a fresh 0700
+    directory (mkdtemp), on SECRETS_DIR when there is one. The caller removes its directory."""
+    where = SECRETS_DIR if os.access(SECRETS_DIR, os.W_OK) else None
+    path = Path(tempfile.mkdtemp(prefix="kuberl-engine-", dir=where)) / "api-key.yaml"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(api_key_config(api_key))
+    return path
 
 
 class EngineServer:
@@ -48,6 +66,11 @@ class EngineServer:
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.tail: deque[str] = deque(maxlen=ENGINE_LOG_TAIL_LINES)
+        # The engines' API key, from this actor's environment as every part of the job reads
+        # it (engines/client.py); SGLang logs its ServerArgs, key included, at start, so the
+        # server's output is forwarded with the key replaced (_forward).
+        self.api_key = engine_api_key()
+        self._config: Path | None = None  # SGLang's --config file with the key
 
     def start(self, model_path: str, dist_init_addr: str = "",
               secret: str = "") -> tuple[str, str]:
@@ -58,8 +81,11 @@ class EngineServer:
         port, nccl_port, dist_port = distinct_free_ports(3)
         if self.spec.engine_nodes > 1 and self.node_rank == 0:
             dist_init_addr = f"{node_ip()}:{dist_port}"
+        self._drop_config()
+        if self.api_key and self.spec.rollout.engine == "sglang":
+            self._config = write_api_key_config(self.api_key)
         cmd = self._command(model_path, port, nccl_port, dist_init_addr)
-        env = dict(os.environ)
+        env = dict(os.environ)  # the reference engine reads the key from it
         if secret:
             env[ENGINE_SECRET_ENV] = secret
         if self.spec.placement == "colocate" and self.spec.rollout_gpus:
@@ -84,12 +110,21 @@ class EngineServer:
                  dist_init_addr: str = "") -> list[str]:
         return engine_command(self.spec, model_path=model_path, port=port, nccl_port=nccl_port,
                               seed=self.seed, torch_threads=torch_threads(self.sharing),
-                              node_rank=self.node_rank, dist_init_addr=dist_init_addr)
+                              node_rank=self.node_rank, dist_init_addr=dist_init_addr,
+                              config_file=str(self._config or ""))
+
+    def _drop_config(self) -> None:
+        if self._config is not None:
+            shutil.rmtree(self._config.parent, ignore_errors=True)
+            self._config = None
 
     def _forward(self, pipe: IO[bytes] | None) -> None:
         if pipe is None:
             return
+        key = self.api_key.encode()
         for line in iter(pipe.readline, b""):
+            if key and key in line:
+                line = line.replace(key, REDACTED)
             view = memoryview(line)
             while view:
                 view = view[os.write(1, view):]
@@ -116,6 +151,7 @@ class EngineServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+        self._drop_config()
 
 
 

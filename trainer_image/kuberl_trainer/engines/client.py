@@ -21,6 +21,9 @@ request bodies use SGLang's field names (tests/unit/test_engine_contract.py chec
 - Through SGLang's router (`router_url`, set by router.Router): `generate_spread` sends every
   sample as its own request to the router, with one routing key per group, and the router
   picks the engine (router.py says why). Which engine made a sample is then unknown.
+- The engines' API key: every request carries `Authorization: Bearer <key>`, the key from
+  $KUBERL_ENGINE_API_KEY (kuberl_wire.protocol.ENGINE_API_KEY_ENV) unless given; the engines
+  answer 401 without it except on /health* and /metrics* (SGLang 0.5.6's rule).
 """
 
 from __future__ import annotations
@@ -29,12 +32,15 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
+
+from kuberl_wire.protocol import ENGINE_API_KEY_ENV, bearer
 
 T = TypeVar("T")
 
@@ -199,17 +205,24 @@ async def every_answer(aws: Iterable[Awaitable[T]]) -> list[T]:
     return await _await_all(aws, keep_waiting=_answered)
 
 
+def engine_api_key() -> str:
+    """The engines' API key as this process was given it ("" when none)."""
+    return os.environ.get(ENGINE_API_KEY_ENV, "")
+
+
 class EngineClient:
     """Async client for a fixed set of engine URLs (e.g. "http://10.0.0.5:30000")."""
 
     def __init__(self, urls: Sequence[str], *, request_timeout_s: float = 600.0,
-                 connect_timeout_s: float = 10.0, max_connections: int = 1024) -> None:
+                 connect_timeout_s: float = 10.0, max_connections: int = 1024,
+                 api_key: str | None = None) -> None:
         if not urls:
             raise ValueError("EngineClient needs at least one engine URL")
         self.urls = [u.rstrip("/") for u in urls]
         self.request_timeout_s = request_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._max_connections = max_connections
+        self._headers = bearer(engine_api_key() if api_key is None else api_key)
         self.outstanding = dict.fromkeys(self.urls, 0)
         self._rotation = itertools.cycle(range(len(self.urls)))
         self._session: aiohttp.ClientSession | None = None
@@ -240,7 +253,8 @@ class EngineClient:
         # Created lazily: a ClientSession belongs to the event loop it was created in.
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections))
+                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                headers=self._headers)
         return self._session
 
     def live(self) -> list[str]:

@@ -25,8 +25,17 @@ What kuberl passes to SGLang (`python -m sglang.launch_server`) and why:
                                    resume its memory, handing it to training between phases)
   then rollout.engineArgs and      see engine_arg_flags
   engineListArgs
+  --config F                       with an API key (the job's $KUBERL_ENGINE_API_KEY): a YAML
+                                   file {api-key: KEY} (api_key_config) that SGLang 0.5.6's
+                                   prepare_server_args merges under the command line's flags;
+                                   SGLang reads the key from no environment variable, and a
+                                   --api-key flag would show it in `ps` and /proc/PID/cmdline.
+                                   The file is the engine actor's (EngineServer), mode 0600 in
+                                   a private directory on /dev/shm (memory, not disk), removed
+                                   with the server
 The reference engine (`python -m kuberl_rollout.reference`) gets the same model, host, port,
---tp-size, multi-node and metrics flags, plus --seed, --device and (on CPU) --torch-threads.
+--tp-size, multi-node and metrics flags, plus --seed, --device and (on CPU) --torch-threads;
+it reads the API key from $KUBERL_ENGINE_API_KEY itself (its environment, inherited).
 
 `engine_dtype`: the dtype an engine so launched serves in (weight sync sends in it); it also
 reads the model's config.json, as SGLang's "auto" does.
@@ -108,14 +117,21 @@ def engine_dtype(spec: RLJobSpec) -> str:
     return "bfloat16" if str(config.get("model_type", "")).startswith("gemma") else "float16"
 
 
+def api_key_config(api_key: str) -> str:
+    """The YAML of SGLang's --config file that holds the engines' API key (JSON is YAML; a
+    JSON string quotes any character the key may hold)."""
+    return json.dumps({"api-key": api_key}) + "\n"
+
+
 def engine_command(spec: RLJobSpec, *, model_path: str, port: int, nccl_port: int, seed: int,
                    torch_threads: int = 0, node_rank: int = 0, dist_init_addr: str = "",
-                   python: str = sys.executable) -> list[str]:
+                   python: str = sys.executable, config_file: str = "") -> list[str]:
     """The argv of one engine server process: the whole engine, or node `node_rank` of one
     spanning `spec.engine_nodes` nodes (`dist_init_addr`: node rank 0's "host:port" for the
     TP group's rendezvous). `port`, `nccl_port`: free ports on this node (the reference
     engine has no NCCL port of its own: its TP processes take their work from rank 0 over
-    pipes and sockets); `torch_threads`: its CPU threads when it runs on CPU."""
+    pipes and sockets); `torch_threads`: its CPU threads when it runs on CPU; `config_file`:
+    SGLang's --config file with the API key (api_key_config; SGLang only)."""
     r = spec.rollout
     nodes = spec.engine_nodes
     if nodes > 1 and not dist_init_addr:
@@ -142,5 +158,8 @@ def engine_command(spec: RLJobSpec, *, model_path: str, port: int, nccl_port: in
         cmd += ["--tokenizer-path", spec.model.tokenizer]
     if spec.engine_memory_fraction is not None:
         cmd += ["--mem-fraction-static", str(spec.engine_memory_fraction)]
-    return cmd + engine_arg_flags(
+    cmd += engine_arg_flags(
         default_engine_args(spec) | dict(r.engine_args) | dict(r.engine_list_args))
+    if config_file and r.engine == "sglang":
+        cmd += ["--config", config_file]
+    return cmd
