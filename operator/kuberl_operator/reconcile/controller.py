@@ -277,7 +277,7 @@ class Controller:
         """Render every child, adopt it, apply it (server-side); the RayJob comes last and is
         returned as stored."""
         rayjob = None
-        for child in render_children(job, action.attempt):
+        for child in render_children(job, action.attempt, self.config.ingress):
             obj = adopt(child, body)
             if obj.get("kind") == "RayJob":
                 expected = names.rayjob(job.name, action.attempt)
