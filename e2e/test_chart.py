@@ -38,6 +38,8 @@ OPERATOR_NEEDS = [
     ("create", "roles.rbac.authorization.k8s.io"),
     ("create", "rolebindings.rbac.authorization.k8s.io"), ("create", "events"),
     ("create", "deployments.apps"), ("patch", "deployments.apps"), ("create", "services"),
+    ("create", "networkpolicies.networking.k8s.io"), ("get", "networkpolicies.networking.k8s.io"),
+    ("patch", "networkpolicies.networking.k8s.io"),
 ]
 # What it must never be able to do there.
 OPERATOR_MUST_NOT = [
