@@ -33,7 +33,7 @@ def query(selector: Mapping[str, Any]) -> str:
     """A LabelSelector as a list query (this policy's selectors use matchLabels only)."""
     assert set(selector) <= {"matchLabels"}, selector
     labels: dict[str, str] = selector.get("matchLabels") or {}
-    return selector_query(labels)
+    return str(selector_query(labels))
 
 
 def pods(c: Cluster, ns: str, selector: Mapping[str, Any]) -> list[dict[str, Any]]:
