@@ -22,7 +22,8 @@ from rljobs import JobWatch, Operator, cpu_job, kubectl_apply, provisioned, sele
 from kuberl_api.rljob import API_VERSION, KIND
 from kuberl_operator.render import names
 
-pytestmark = pytest.mark.e2e
+# kuberay: KubeRay makes the head and the submitter pods whose labels are checked (both versions).
+pytestmark = [pytest.mark.e2e, pytest.mark.kuberay]
 
 
 def policy_url(ns: str, job: str) -> str:
