@@ -34,6 +34,7 @@ CHILDREN: list[tuple[str, Callable[[str], str]]] = [
     ("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles", names.role),
     ("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings", names.role_binding),
     ("/api/v1/namespaces/{ns}/configmaps", names.configmap),
+    ("/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies", names.network_policy),
     ("/api/v1/namespaces/{ns}/secrets", lambda job: names.engine_key_secret(job, 0)),
     (RAYJOBS, lambda job: names.rayjob(job, 0)),
 ]
@@ -154,9 +155,20 @@ class Operator:
                          f"system:serviceaccount:{self.ns}:{self.RELEASE}", token=token)
         return path
 
+    def chart_env(self) -> dict[str, str]:
+        """The chart Deployment's KUBERL_NETWORK_POLICY* variables (the peers it renders from
+        its values), so the jobs' NetworkPolicies are the ones the chart's operator makes."""
+        dep = self.cluster.api().get(
+            f"/apis/apps/v1/namespaces/{self.ns}/deployments/{self.RELEASE}")
+        assert dep is not None, f"the chart's Deployment {self.ns}/{self.RELEASE}"
+        (box,) = dep["spec"]["template"]["spec"]["containers"]
+        return {e["name"]: e["value"] for e in box.get("env", [])
+                if e["name"].startswith("KUBERL_NETWORK_POLICY")}
+
     def start(self) -> None:
-        env = {**self.cluster.env, "PYTHONUNBUFFERED": "1",
-               "KUBECONFIG": str(self.chart_identity())}
+        kubeconfig = str(self.chart_identity())
+        env = {**self.cluster.env, "PYTHONUNBUFFERED": "1", "KUBECONFIG": kubeconfig,
+               **self.chart_env()}
         env.pop("KUBERNETES_SERVICE_HOST", None)  # never the in-cluster login
         # --no-scanning: as the chart sets it in namespaced mode (no cluster-wide reads).
         args = [sys.executable, "-m", "kuberl_operator", "-n", self.ns, "-v", "--no-scanning",
@@ -275,7 +287,7 @@ class JobWatch:
             labels = pod["metadata"]["labels"]
             group = labels.get(names.LABEL_GROUP)
             if group and (attempt is None or labels.get(names.LABEL_ATTEMPT) == str(attempt)):
-                out.setdefault(group, []).append(pod)  # (not KubeRay's submitter pod)
+                out.setdefault(group, []).append(pod)  # (not KubeRay's submitter pod: no group)
         return out
 
     def pod_detail(self) -> str:

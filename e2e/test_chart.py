@@ -23,6 +23,8 @@ from cluster import Cluster
 from polling import wait_for
 from prometheus import promtool
 
+from kuberl_operator.settings import parse_args
+
 pytestmark = pytest.mark.e2e
 
 CHART = Path(__file__).resolve().parent.parent / "helm" / "kuberl"
@@ -39,6 +41,8 @@ OPERATOR_NEEDS = [
     ("create", "rolebindings.rbac.authorization.k8s.io"), ("create", "events"),
     ("create", "deployments.apps"), ("patch", "deployments.apps"), ("create", "services"),
     ("create", "secrets"),
+    ("create", "networkpolicies.networking.k8s.io"), ("get", "networkpolicies.networking.k8s.io"),
+    ("patch", "networkpolicies.networking.k8s.io"),
 ]
 # What it must never be able to do there.
 OPERATOR_MUST_NOT = [
@@ -110,6 +114,35 @@ def test_namespaced_mode_grants_nothing_cluster_wide(k8s_cluster: Cluster) -> No
     env = {e["name"]: e.get("value") for e in
            deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["KUBERL_NAMESPACES"] == "ml,team-a" and env["KUBERL_SCANNING"] == "false"
+
+
+def operator_env(docs: list[dict[str, Any]]) -> dict[str, str]:
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    return {e["name"]: e.get("value") for e in
+            deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def test_network_policy_values_reach_the_operator(k8s_cluster: Cluster) -> None:
+    """networkPolicy.*: on by default; the peers (this operator's pods in its namespace,
+    KubeRay's, the scrapers, the extra ones, in that order) as the operator parses them."""
+    env = operator_env(rendered(k8s_cluster, "--set-json", 'networkPolicy.extraPeers='
+                                '[{"ipBlock": {"cidr": "10.1.0.0/16"}}]'))
+    assert env["KUBERL_NETWORK_POLICY"] == "true"
+    config = parse_args([], env)
+    operator, kuberay, prometheus, extra = config.network_policy_peers
+    assert operator == {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberl-system"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberl",
+                                        "app.kubernetes.io/instance": "kuberl",
+                                        "app.kubernetes.io/component": "operator"}}}
+    assert kuberay["podSelector"] == {
+        "matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}
+    assert prometheus["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}
+    assert extra == {"ipBlock": {"cidr": "10.1.0.0/16"}}
+    off = operator_env(rendered(k8s_cluster, "--set", "networkPolicy.enabled=false",
+                                "--set", "networkPolicy.kuberayOperator=null"))
+    assert not parse_args([], off).ingress.enabled
+    assert len(parse_args([], off).network_policy_peers) == 2  # no KubeRay peer
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

@@ -7,14 +7,18 @@ to make timers short). Nothing here reads the cluster.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import kopf
 
+from kuberl_operator.render import IngressPolicy
+from kuberl_operator.render.network_policy import check_peers
 from kuberl_operator.status import Tunables
 
 
@@ -28,11 +32,19 @@ class Config:
     head_lost_grace_seconds: float = 120.0
     error_backoff_seconds: float = 5.0  # retry a failed reconcile after this long
     scanning: bool = True  # kopf's CRD/namespace scanning (off for the API emulator)
+    # Every job's NetworkPolicy (render/network_policy.py): on, and who outside a job may
+    # reach its pods (NetworkPolicyPeers; the chart names the operator, KubeRay, scrapers).
+    network_policy: bool = True
+    network_policy_peers: tuple[Mapping[str, Any], ...] = ()
     verbose: bool = False
 
     @property
     def tunables(self) -> Tunables:
         return Tunables(head_lost_grace=timedelta(seconds=self.head_lost_grace_seconds))
+
+    @property
+    def ingress(self) -> IngressPolicy:
+        return IngressPolicy(enabled=self.network_policy, allowed_from=self.network_policy_peers)
 
     @property
     def liveness_endpoint(self) -> str | None:
@@ -74,6 +86,14 @@ def parse_args(argv: Sequence[str] | None = None,
     p.add_argument("--no-scanning", action="store_true",
                    default=not _env_bool(env.get("KUBERL_SCANNING", "true")),
                    help="disable kopf's CRD/namespace scanning (env KUBERL_SCANNING=false)")
+    p.add_argument("--no-network-policy", action="store_true",
+                   default=not _env_bool(env.get("KUBERL_NETWORK_POLICY", "true")),
+                   help="render no NetworkPolicy per job (env KUBERL_NETWORK_POLICY=false; for "
+                   "clusters whose CNI does not enforce them)")
+    p.add_argument("--network-policy-peers",
+                   default=env.get("KUBERL_NETWORK_POLICY_PEERS", "[]"),
+                   help="JSON list of NetworkPolicyPeers allowed into every job's pods besides "
+                   "the job's own (env KUBERL_NETWORK_POLICY_PEERS)")
     p.add_argument("-v", "--verbose", action="store_true",
                    default=_env_bool(env.get("KUBERL_VERBOSE", "false")))
     a = p.parse_args(argv)
@@ -83,12 +103,27 @@ def parse_args(argv: Sequence[str] | None = None,
                         (a.error_backoff_seconds, "--error-backoff-seconds")):
         if value <= 0:
             p.error(f"{name} must be > 0")
+    try:
+        peers = check_peers(_json_list(a.network_policy_peers))
+    except ValueError as exc:
+        p.error(f"--network-policy-peers: {exc}")
     return Config(namespaces=tuple(n.strip() for n in namespaces), metrics_host=a.metrics_host,
                   metrics_port=a.metrics_port, health_port=a.health_port,
                   resync_seconds=a.resync_seconds,
                   head_lost_grace_seconds=a.head_lost_grace_seconds,
                   error_backoff_seconds=a.error_backoff_seconds, scanning=not a.no_scanning,
+                  network_policy=not a.no_network_policy, network_policy_peers=peers,
                   verbose=a.verbose)
+
+
+def _json_list(text: str) -> list[Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from exc
+    if not isinstance(value, list):
+        raise ValueError(f"not a JSON list: {text!r}")
+    return value
 
 
 def kopf_settings(config: Config) -> kopf.OperatorSettings:

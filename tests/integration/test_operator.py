@@ -51,7 +51,7 @@ async def passes_are(op: Operator, n: int) -> bool:
 CHILDREN = [("v1/serviceaccounts", "{}-head"), ("rbac.authorization.k8s.io/v1/roles", "{}-status"),
             ("rbac.authorization.k8s.io/v1/rolebindings", "{}-status"),
             ("v1/configmaps", "{}-config"), ("v1/secrets", "{}-r0-engine-key"),
-            (RAYJOBS, "{}-r0")]
+            ("networking.k8s.io/v1/networkpolicies", "{}-netpol"), (RAYJOBS, "{}-r0")]
 
 
 async def test_create_makes_owned_children_and_status(k8s: Emulator, operator: Operator) -> None:

@@ -88,7 +88,8 @@ def gpus(pod: Obj) -> tuple[str | None, str | None]:
 def test_children_in_apply_order_namespaced_and_unowned(make_rljob: MakeJob) -> None:
     objs = render_children(make_rljob())
     assert [o["kind"] for o in objs] == [
-        "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Secret", "RayJob"]
+        "NetworkPolicy", "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Secret",
+        "RayJob"]
     for o in objs:
         assert o["metadata"]["namespace"] == "team-a"
         assert "ownerReferences" not in o["metadata"]

@@ -52,8 +52,8 @@ def test_the_environment_service_is_a_deployment_behind_a_headless_service(
         make_rljob: MakeJob) -> None:
     objs = render_children(make_rljob(spec=SERVICE))
     # started with the job's other children, before the RayJob whose head calls it
-    assert kinds(objs) == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Secret",
-                           "Service", "Deployment", "RayJob"]
+    assert kinds(objs) == ["NetworkPolicy", "ServiceAccount", "Role", "RoleBinding",
+                           "ConfigMap", "Secret", "Service", "Deployment", "RayJob"]
     svc, dep = of_kind(objs, "Service"), of_kind(objs, "Deployment")
     assert svc["metadata"]["name"] == dep["metadata"]["name"] == "demo-env"
     assert svc["spec"]["clusterIP"] == "None"  # headless: the head sees every replica

@@ -37,12 +37,28 @@ app.kubernetes.io/part-of: kuberl
 {{- end }}
 
 {{/*
+Who outside an RLJob may reach its pods (KUBERL_NETWORK_POLICY_PEERS, a JSON list of
+NetworkPolicyPeers): this release's operator pods, KubeRay's operator, the metrics scrapers,
+the extra peers.
+*/}}
+{{- define "kuberl.networkPolicyPeers" -}}
+{{- $np := .Values.networkPolicy -}}
+{{- $operator := dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace)) "podSelector" (dict "matchLabels" (include "kuberl.selectorLabels" . | fromYaml)) -}}
+{{- $peers := list $operator -}}
+{{- with $np.kuberayOperator }}{{ $peers = append $peers . }}{{ end -}}
+{{- range $np.metricsScrapers }}{{ $peers = append $peers . }}{{ end -}}
+{{- range $np.extraPeers }}{{ $peers = append $peers . }}{{ end -}}
+{{- toJson $peers -}}
+{{- end }}
+
+{{/*
 The operator's permissions, shared by the cluster-wide ClusterRole and the per-namespace Roles.
 - rljobs: watch them, write their status (conditions, phase), never their spec.
 - RayJobs: create, replace (restart attempts) and delete; RayClusters: read (readiness).
 - ConfigMaps, ServiceAccounts, Roles, RoleBindings: the children it renders per RLJob. The
   Role it creates grants get on rljobs and get/patch on rljobs/status, which the operator must
   hold itself (RBAC refuses to grant what the granter lacks), hence those verbs below.
+- NetworkPolicies: one per RLJob (networkPolicy.enabled), with its other children.
 - Events: explain decisions (Accepted=False, restarts) on the RLJob.
 */}}
 {{- define "kuberl.rules" -}}
@@ -72,6 +88,11 @@ The operator's permissions, shared by the cluster-wide ClusterRole and the per-n
   verbs: ["get", "create", "update", "patch", "delete"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
+  verbs: ["get", "create", "update", "patch", "delete"]
+# networkPolicy.enabled: the job's NetworkPolicy (the verbs stay when it is off, so turning it
+# off and on needs no RBAC change, and the operator can still delete what it made).
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
   verbs: ["get", "create", "update", "patch", "delete"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]

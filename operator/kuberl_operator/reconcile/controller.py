@@ -279,7 +279,8 @@ class Controller:
         returned as stored."""
         rayjob = None
         key = secrets.token_urlsafe(32)  # the attempt's engine API key (render/secret.py)
-        for child in render_children(job, action.attempt, engine_api_key=key):
+        for child in render_children(job, action.attempt, self.config.ingress,
+                                     engine_api_key=key):
             obj = adopt(child, body)
             if obj.get("kind") == "Secret":
                 await create_once(self.kube, obj)

@@ -100,6 +100,7 @@ KINDS: dict[tuple[str, str], Kind] = {
     ("v1", "Secret"): Kind("v1", "secrets"),
     ("v1", "Service"): Kind("v1", "services"),
     ("apps/v1", "Deployment"): Kind("apps/v1", "deployments"),
+    ("networking.k8s.io/v1", "NetworkPolicy"): Kind("networking.k8s.io/v1", "networkpolicies"),
     ("rbac.authorization.k8s.io/v1", "Role"): Kind("rbac.authorization.k8s.io/v1", "roles"),
     ("rbac.authorization.k8s.io/v1", "RoleBinding"):
         Kind("rbac.authorization.k8s.io/v1", "rolebindings"),

@@ -54,6 +54,8 @@ COMPONENT_HEAD: Final = "ray-head"
 COMPONENT_WORKER: Final = "ray-worker"
 COMPONENT_ENVIRONMENT: Final = "environment"
 COMPONENT_ENGINE_KEY: Final = "engine-key"
+COMPONENT_SUBMITTER: Final = "ray-submitter"
+COMPONENT_NETWORK: Final = "network"
 
 
 GROUP_HEAD: Final = "head"
@@ -106,6 +108,11 @@ def environment(job: str) -> str:
     return f"{job}-env"
 
 
+def network_policy(job: str) -> str:
+    """The job's NetworkPolicy (one per RLJob, every attempt's pods)."""
+    return f"{job}-netpol"
+
+
 def environment_url(job: str) -> str:
     """What the head calls the environment service: the headless Service's name, which
     resolves to every ready replica (in the head's own namespace)."""
@@ -147,7 +154,17 @@ def pod_labels(job: str, group: str, attempt: int) -> dict[str, str]:
     return {**labels(job, component, attempt), LABEL_GROUP: group}
 
 
+def submitter_labels(job: str) -> dict[str, str]:
+    """Labels on the pod KubeRay's submitter Job runs (`ray job submit` to the head's
+    dashboard): the job's label, so the NetworkPolicy lets it in. No attempt label: the
+    observer reads an attempt's pods for why its *Ray* pods do not come up."""
+    return labels(job, COMPONENT_SUBMITTER)
+
+
 def selector(job: str) -> dict[str, str]:
+    """Every child of one RLJob, and every pod it runs: the Ray pods (KubeRay keeps a template's
+    labels), the environment's and the submitter's. The operator's keys can't be set from the
+    RLJob's own labels (merged_labels), so no other job's pod carries this one's value."""
     return {LABEL_JOB: job}
 
 

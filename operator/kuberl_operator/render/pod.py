@@ -280,3 +280,26 @@ def worker_template(job: RLJob, group: WorkerGroup, attempt: int) -> dict[str, A
         "metadata": {"labels": names.pod_labels(job.name, group.name, attempt)},
         "spec": spec,
     }
+
+
+# KubeRay's default submitter container (common/job.go, GetDefaultSubmitterContainer): its name,
+# requests and limits. Stated because a template replaces the default whole.
+SUBMITTER_CONTAINER = "ray-job-submitter"
+SUBMITTER_RESOURCES = {"limits": {"cpu": "1", "memory": "1Gi"},
+                       "requests": {"cpu": "500m", "memory": "200Mi"}}
+
+
+def submitter_template(job: RLJob) -> dict[str, Any]:
+    """The pod of KubeRay's submitter Job (`ray job submit` to the head's dashboard): KubeRay's
+    default (the head's image; KubeRay fills in the command and its env), plus the job's labels,
+    which the default lacks, so that the job's NetworkPolicy admits it to the head."""
+    return {
+        "metadata": {"labels": names.submitter_labels(job.name)},
+        "spec": {
+            # `ray job submit` speaks to the dashboard, never to the Kubernetes API.
+            "automountServiceAccountToken": False,
+            "restartPolicy": "Never",
+            "containers": [{"name": SUBMITTER_CONTAINER, "image": job.spec.training.image,
+                            "resources": SUBMITTER_RESOURCES}],
+        },
+    }

@@ -19,7 +19,7 @@ from kuberl_api.spec import KUEUE_QUEUE_LABEL
 from kuberl_operator.render import names
 from kuberl_operator.render.layout import WorkerGroup, worker_groups
 from kuberl_operator.render.meta import object_meta
-from kuberl_operator.render.pod import head_template, worker_template
+from kuberl_operator.render.pod import head_template, submitter_template, worker_template
 
 RAYJOB_API_VERSION = "ray.io/v1"
 # The Ray version in the trainer and rollout images (Dockerfile.trainer / Dockerfile.rollout
@@ -92,12 +92,15 @@ def rayjob(job: RLJob, attempt: int = 0) -> dict[str, Any]:
     - deletionStrategy, clusterSelector, managedBy: not used. The rules-style deletionStrategy
       can't be combined with shutdownAfterJobFinishes anyway.
     - submissionMode K8sJobMode (the default, stated so it is visible): a submitter Job runs
-      `ray job submit` and tails the log; the entrypoint itself runs on the head.
+      `ray job submit` and tails the log; the entrypoint itself runs on the head. Its pod
+      template is KubeRay's default with the job's labels (pod.submitter_template), so the
+      job's NetworkPolicy lets it reach the head.
     """
     meta = object_meta(job, names.rayjob(job.name, attempt), names.COMPONENT_RAYJOB, attempt)
     spec: dict[str, Any] = {
         "entrypoint": ENTRYPOINT,
         "submissionMode": "K8sJobMode",
+        "submitterPodTemplate": submitter_template(job),
         "shutdownAfterJobFinishes": True,
         "ttlSecondsAfterFinished": 0,
         "backoffLimit": 0,
