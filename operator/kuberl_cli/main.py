@@ -78,6 +78,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if notice:
         print(notice, file=sys.stderr)
     try:
+        from kuberl_trainer import ray_auth
+    except ImportError as exc:
+        print(f"kuberl run: the training loop is not installed in this environment ({exc}); "
+              "install kuberl[trainer]", file=sys.stderr)
+        return 2
+    if not args.address:
+        # The Ray this run starts checks a token (new per run), set before Ray is imported:
+        # Ray reads it once, then. A run that joins (--address) brings that Ray's own.
+        ray_auth.enable_for_local_ray()
+    try:
         from kuberl_trainer.run import run
     except ImportError as exc:
         print(f"kuberl run: the training loop is not installed in this environment ({exc}); "

@@ -14,8 +14,15 @@ from typing import Any
 import kmock
 import pytest
 
+from kuberl_trainer import ray_auth
 from tests.integration.emulator import Emulator, declare_resources
 from tests.integration.helpers import Operator
+
+# Ray's token authentication, as kuberl's own Rays have it (kuberl_trainer.ray_auth): one token
+# for the test session, in this process's environment before anything imports Ray (Ray reads
+# it once, then), so the shared Ray's host, the Sessions tests drive here and every `kuberl run`
+# (local_run.run_env copies this environment) carry it.
+ray_auth.enable_for_local_ray()
 
 
 @pytest.fixture
@@ -113,7 +120,8 @@ def shared_ray() -> Iterator[str]:
     Sessions tests drive themselves) instead of each starting and stopping its own: 2.3 s of
     every run on 2 cores. A Ray whose nodes are all this machine makes `kuberl run` behave as
     a local run (log files, cores shared, free ports: options.Options.one_machine). The runs that
-    test what only a run's own Ray does (its process tree, `make demo`) start theirs."""
+    test what only a run's own Ray does (its process tree, `make demo`) start theirs. It checks
+    the session's Ray token (set above), which the runs that join it pass on."""
     from tests.integration.local_run import ENV, SHARED_RAY
 
     env = {**ENV, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}

@@ -164,6 +164,19 @@ def test_rayjob_leaves_retries_and_deadlines_to_the_operator(make_rljob: MakeJob
     assert spec["rayClusterSpec"]["enableInTreeAutoscaling"] is False
 
 
+@pytest.mark.parametrize("spec", [{}, DISAGG], ids=["colocated", "disaggregated"])
+def test_every_rayjob_turns_on_ray_token_auth(make_rljob: MakeJob, spec: dict[str, Any]) -> None:
+    """Ray's token authentication on every job (issue 36): KubeRay then makes the token Secret
+    and gives RAY_AUTH_MODE / RAY_AUTH_TOKEN to every Ray container and the submitter. Nothing
+    kuberl renders sets them itself (KubeRay owns the Secret; a second token would conflict),
+    and Ray 2.52 is the first Ray that has token auth (KubeRay refuses less)."""
+    cluster = rayjob_of(make_rljob(spec=spec))["spec"]["rayClusterSpec"]
+    assert cluster["authOptions"] == {"mode": "token"}
+    assert tuple(int(p) for p in cluster["rayVersion"].split(".")) >= (2, 52)
+    text = yaml.safe_dump_all(render_children(make_rljob(spec=spec)))
+    assert "RAY_AUTH_MODE" not in text and "RAY_AUTH_TOKEN" not in text
+
+
 def test_entrypoint_runs_the_mounted_config(make_rljob: MakeJob) -> None:
     spec = rayjob_of(make_rljob())["spec"]
     assert spec["entrypoint"] == ENTRYPOINT

@@ -44,8 +44,8 @@ def test_other_layouts_render_schema_valid(make_rljob: MakeJob, name: str) -> No
 
 
 def test_versions_env_pins_kuberay() -> None:
-    assert schemas.kuberay_version() == "v1.5.0"
-    assert schemas.kuberay_versions() == ["v1.5.0", "v1.6.2"]
+    assert schemas.kuberay_version() == "v1.5.1"
+    assert schemas.kuberay_versions() == ["v1.5.1", "v1.6.2"]
 
 
 @pytest.mark.parametrize("version", schemas.kuberay_versions())
@@ -142,4 +142,4 @@ def test_missing_go_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without Go the RayJob check must fail (with a message saying why), never skip."""
     monkeypatch.setattr(schemas.shutil, "which", lambda _: None)
     with pytest.raises(RuntimeError, match="`go` toolchain is required"):
-        schemas.kuberay_module_dir.__wrapped__("v1.5.0")
+        schemas.kuberay_module_dir.__wrapped__("v1.5.1")

@@ -25,8 +25,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import ray
+from ray._raylet import AuthenticationMode, get_authentication_mode
+from ray.exceptions import AuthenticationError
 
 from kuberl_api.spec import RLJobSpec
+from kuberl_trainer import ray_auth
 from kuberl_trainer.engines.actors import EngineGroup
 from kuberl_trainer.placement import layout, local_resources
 from kuberl_wire.protocol import ENGINE_API_KEY_ENV
@@ -143,8 +146,20 @@ def _start_ray(spec: RLJobSpec, opts: Options) -> None:
     # Ray's own INFO lines ("Started a local Ray instance", "Connecting to existing Ray
     # cluster") are not for the terminal; its warnings are.
     if opts.address:
-        ray.init(address=opts.address, log_to_driver=True, logging_level=logging.WARNING)
+        # A Ray started elsewhere: its token (if it has one) comes with this process's
+        # environment (ray_auth); without it Ray retries for ~20 s, then says little.
+        try:
+            ray.init(address=opts.address, log_to_driver=True, logging_level=logging.WARNING)
+        except (ConnectionError, AuthenticationError) as exc:
+            raise ray_auth.JoinRefused(opts.address, exc) from exc
         return
+    # Ray's token authentication on the local Ray: set by `kuberl run` before Ray was
+    # imported (ray_auth.enable_for_local_ray; Ray reads it once, at import). A Ray imported
+    # without it would start open, so refuse that rather than run without.
+    if get_authentication_mode() != AuthenticationMode.TOKEN:
+        raise RuntimeError(
+            "a local Ray must start with token authentication: call "
+            "kuberl_trainer.ray_auth.enable_for_local_ray() before Ray is imported")
     # The engines' API key: a new random one per run, in this process's environment only
     # (never on disk, never on a command line), which the local Ray's processes inherit, so
     # the engines check it and every client sends it (engines/client.py). One the caller set

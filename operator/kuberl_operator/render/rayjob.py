@@ -1,12 +1,13 @@
 """The KubeRay RayJob (ray.io/v1) that runs one attempt of an RLJob.
 
-Supported KubeRay: v1.5.0 (the oldest: `resources` on worker groups is new in it) through the
-newest in e2e/versions.env; the unit tier validates every render against both CRDs and the
-e2e tier runs on both. Between them KubeRay only added fields kuberl does not set (v1.6:
-`preRunningDeadlineSeconds`, `authOptions`, `upgradeStrategy`, deletion rules by deployment
-status; v1.7, checked once against its CRD: network policies, TLS, history server, worker
-group `priority`), so nothing here differs by version. Anything that comes to differ goes here,
-keyed by the version the operator is told it runs against.
+Supported KubeRay: v1.5.1 (the oldest: the first release with `authOptions`, which every job
+sets; `resources` on worker groups is new in v1.5.0) through the newest in e2e/versions.env;
+the unit tier validates every render against both CRDs and the e2e tier runs on both. Between
+them KubeRay only added fields kuberl does not set (v1.6: `preRunningDeadlineSeconds`,
+`authOptions.secretName` and `enableK8sTokenAuth`, `upgradeStrategy`, deletion rules by
+deployment status; v1.7, checked once against its CRD: network policies, TLS, history server,
+worker group `priority`), so nothing here differs by version. Anything that comes to differ
+goes here, keyed by the version the operator is told it runs against.
 """
 
 from __future__ import annotations
@@ -61,9 +62,21 @@ def worker_group_spec(job: RLJob, group: WorkerGroup, attempt: int) -> dict[str,
     }
 
 
+# Ray's token authentication (Ray >= 2.52), on for every job: without it anyone who reaches the
+# head's dashboard / Jobs API (8265) or GCS (6379) can submit a job, i.e. run code with the job's
+# GPUs, volumes and service account. KubeRay (>= v1.5.1) then creates a Secret named after the
+# RayCluster (key `auth_token`, 32 random bytes, owned by the RayCluster) and sets RAY_AUTH_MODE
+# =token and RAY_AUTH_TOKEN (from that Secret) on the head and worker containers, the
+# wait-gcs-ready init containers and the submitter; its own dashboard client sends it too.
+# The trainer runs as the Ray job's driver inside the head container, so it inherits both.
+# No spec field turns it off: nothing in kuberl needs an open Ray.
+AUTH_OPTIONS = {"mode": "token"}
+
+
 def ray_cluster_spec(job: RLJob, attempt: int) -> dict[str, Any]:
     return {
         "rayVersion": RAY_VERSION,
+        "authOptions": dict(AUTH_OPTIONS),
         # Fixed-size groups: an RL job can't use half its ranks, and the autoscaler would add a
         # sidecar and RBAC to the head for nothing.
         "enableInTreeAutoscaling": False,
