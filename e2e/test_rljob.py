@@ -431,6 +431,19 @@ def test_operator_runs_the_gpu_example(k8s_cluster: Cluster, operator: Operator,
         rc_url = w.raycluster_url(0)
         rc = wait_for(f"RayCluster {rc_url}", partial(api.get, rc_url), timeout=30)
         assert [o["kind"] for o in rc["metadata"]["ownerReferences"]] == ["RayJob"]
+        # Ray's token authentication: authOptions survives the apply (the CRD keeps it, no
+        # pruning), KubeRay copies it to the RayCluster and makes the token's Secret, named
+        # after the RayCluster and owned by it; every Ray container reads it (_check_pods).
+        rayjob = w.rayjob(0)
+        assert rayjob is not None
+        assert rayjob["spec"]["rayClusterSpec"]["authOptions"] == {"mode": "token"}, rayjob
+        assert rc["spec"].get("authOptions") == {"mode": "token"}, rc["spec"]
+        rc_name = rc["metadata"]["name"]
+        token_secret = wait_for(f"KubeRay's Ray token Secret {rc_name}", partial(
+            api.get, f"/api/v1/namespaces/{ns}/secrets/{rc_name}"), timeout=30)
+        assert len(base64.b64decode(token_secret["data"][RAY_TOKEN_KEY])) >= 32
+        assert [o["kind"] for o in token_secret["metadata"]["ownerReferences"]] == [
+            "RayCluster"]
         rollout_per_pod = min(spec.rollout_gpus, spec.rollout.gpus_per_node)
         expected = {names.GROUP_HEAD: 1, names.GROUP_TRAIN: spec.training.nodes,
                     names.GROUP_ROLLOUT: -(-spec.rollout_gpus // rollout_per_pod)}
@@ -444,7 +457,7 @@ def test_operator_runs_the_gpu_example(k8s_cluster: Cluster, operator: Operator,
         wait_for(f"pods {expected} scheduled and Running", all_running, timeout=90,
                  detail=w.pod_detail)
         timings["pods running"] = time.monotonic() - t0
-        _check_pods(api, w.pods_by_group(), spec, job)
+        _check_pods(api, w.pods_by_group(), spec, job, rc_name)
 
         w.wait_raycluster_ready(0)
         ready = w.wait_condition("ClusterReady", "True", timeout=30)
@@ -452,6 +465,11 @@ def test_operator_runs_the_gpu_example(k8s_cluster: Cluster, operator: Operator,
         assert ready["message"].startswith("head ready"), ready
         w.wait_submitted(0)
         timings["submitted"] = time.monotonic() - t0
+        # KubeRay's submitter (`ray job submit` to the head's dashboard) sends the token too.
+        submitter = api.get(f"/apis/batch/v1/namespaces/{ns}/jobs/{names.rayjob(job, 0)}")
+        assert submitter is not None
+        _check_ray_token_env(submitter["spec"]["template"]["spec"]["containers"][0], rc_name,
+                             "the submitter")
 
         # What users look at: the printer columns, Events, metrics.
         table = c.kubectl("get", "rljobs", "-n", ns, "-o", "wide").stdout.splitlines()
@@ -504,7 +522,19 @@ def _a_lost_rollout_pod_is_replaced_by_kuberay_alone(
     assert rayjob is not None and not rayjob["metadata"].get("deletionTimestamp"), rayjob
 
 
-def _check_pods(api: Api, groups: dict[str, list[dict[str, Any]]], spec: Any, job: str) -> None:
+# KubeRay's Ray token Secret: its key, and the variables Ray reads (utils/constant.go).
+RAY_TOKEN_KEY = "auth_token"
+
+
+def _check_ray_token_env(c: dict[str, Any], secret: str, where: str) -> None:
+    env = {e["name"]: e for e in c.get("env", [])}
+    assert env.get("RAY_AUTH_MODE", {}).get("value") == "token", (where, env)
+    assert env.get("RAY_AUTH_TOKEN", {}).get("valueFrom") == {
+        "secretKeyRef": {"name": secret, "key": RAY_TOKEN_KEY}}, (where, env)
+
+
+def _check_pods(api: Api, groups: dict[str, list[dict[str, Any]]], spec: Any, job: str,
+                ray_cluster: str) -> None:
     """Placement and wiring of the Ray pods, against the spec."""
     nodes = {n["metadata"]["name"]: n["metadata"]["labels"].get("pool")
              for n in api.get("/api/v1/nodes")["items"]}
@@ -518,6 +548,7 @@ def _check_pods(api: Api, groups: dict[str, list[dict[str, Any]]], spec: Any, jo
     for pod in (p for ps in groups.values() for p in ps):
         env = {e["name"]: e for e in container(pod)["env"]}
         assert env[names.ENV_ENGINE_API_KEY].get("valueFrom") == key_ref, pod["metadata"]["name"]
+        _check_ray_token_env(container(pod), ray_cluster, pod["metadata"]["name"])
     for pod in groups[names.GROUP_HEAD]:
         assert "nvidia.com/gpu" not in container(pod)["resources"].get("limits", {})
         assert pod["spec"]["serviceAccountName"] == names.service_account(job)

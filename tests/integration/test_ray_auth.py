@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kuberl_trainer import ray_auth
-from tests.integration.local_run import KUBERL, SHARED_RAY, failed, run_env
+from tests.integration.local_run import KUBERL, SHARED_RAY, failed, manifest, run_env
 
 pytestmark = pytest.mark.integration
 
@@ -46,9 +46,10 @@ def test_the_shared_ray_refuses_a_run_without_its_token(tiny: Path, tmp_path: Pa
     home.mkdir()
     env = {**without_token(), "HOME": str(home)}
 
-    refused = subprocess.run([*KUBERL, "run", str(tiny), "--output-dir", str(tmp_path / "out"),
+    job = manifest(tiny, tmp_path, "no-token")
+    refused = subprocess.run([*KUBERL, "run", str(job), "--output-dir", str(tmp_path / "out"),
                               "--address", address],
-                             capture_output=True, text=True, timeout=300, cwd=tiny.parent,
+                             capture_output=True, text=True, timeout=300, cwd=job.parent,
                              env=env)
     assert refused.returncode == 1, failed(refused)
     assert f"could not join the Ray at {address}" in refused.stderr, failed(refused)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from pathlib import Path
@@ -10,6 +11,14 @@ from typing import Any
 import pytest
 
 from kuberl_cli.main import main
+from kuberl_trainer import ray_auth
+
+
+@pytest.fixture(autouse=True)
+def _ray_auth_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kuberl run` sets Ray's auth variables in its environment: restored after each test."""
+    for key in (ray_auth.MODE_ENV, ray_auth.TOKEN_ENV, ray_auth.TOKEN_PATH_ENV):
+        monkeypatch.delenv(key, raising=False)
 
 GOOD = """\
 apiVersion: kuberl.dev/v1alpha1
@@ -91,3 +100,67 @@ def test_run_says_that_code_is_mounted_only_in_a_cluster(
     err = capsys.readouterr().err
     assert ("spec.code (ConfigMap my-agent) is mounted only in a cluster" in err) == noticed
     assert ("current directory and PYTHONPATH" in err) == noticed
+
+
+def fake_run(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, str | None]]:
+    """kuberl_trainer.run replaced: each call records Ray's auth variables as the run sees them."""
+    seen: list[dict[str, str | None]] = []
+    fake = types.ModuleType("kuberl_trainer.run")
+    keys = (ray_auth.MODE_ENV, ray_auth.TOKEN_ENV)
+    fake.run = lambda job, args: seen.append(  # type: ignore[attr-defined]
+        {k: os.environ.get(k) for k in keys}) or 0
+    monkeypatch.setitem(sys.modules, "kuberl_trainer.run", fake)
+    return seen
+
+
+def test_run_starts_its_ray_with_a_new_random_token(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local run's Ray checks a token: set before Ray is imported, new for every run, never
+    on the command line (the run's argv is the caller's)."""
+    seen = fake_run(monkeypatch)
+    f = tmp_path / "job.yaml"
+    f.write_text(GOOD)
+    assert main(["run", str(f)]) == 0
+    first = seen[-1]
+    assert first[ray_auth.MODE_ENV] == "token"
+    token = first[ray_auth.TOKEN_ENV]
+    assert token and len(token) >= 32
+    monkeypatch.delenv(ray_auth.TOKEN_ENV)
+    assert main(["run", str(f)]) == 0
+    assert seen[-1][ray_auth.TOKEN_ENV] not in (None, token)
+
+
+def test_run_keeps_the_callers_token_and_a_join_brings_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = fake_run(monkeypatch)
+    f = tmp_path / "job.yaml"
+    f.write_text(GOOD)
+    monkeypatch.setenv(ray_auth.TOKEN_ENV, "the-callers-token")
+    assert main(["run", str(f)]) == 0
+    assert seen[-1] == {ray_auth.MODE_ENV: "token", ray_auth.TOKEN_ENV: "the-callers-token"}
+    monkeypatch.delenv(ray_auth.MODE_ENV)
+    monkeypatch.delenv(ray_auth.TOKEN_ENV)
+    assert main(["run", str(f), "--address", "10.0.0.1:6379"]) == 0
+    assert seen[-1] == {ray_auth.MODE_ENV: None, ray_auth.TOKEN_ENV: None}
+
+
+def test_a_local_ray_without_token_auth_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray reads RAY_AUTH_MODE once, at import: a process that imported Ray without it would
+    start an open Ray; HeadStart refuses to rather than run so."""
+    from kuberl_trainer import startup
+
+    monkeypatch.setattr(startup, "get_authentication_mode", lambda: None)
+    opts = types.SimpleNamespace(address=None)
+    with pytest.raises(RuntimeError, match="token authentication"):
+        startup._start_ray(None, opts)  # type: ignore[arg-type]
+
+
+def test_a_refused_join_says_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", "/nonexistent")
+    msg = str(ray_auth.JoinRefused("10.0.0.1:6379", ConnectionError()))
+    assert "could not join the Ray at 10.0.0.1:6379 (ConnectionError)" in msg
+    assert "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=" in msg
+    monkeypatch.setenv(ray_auth.MODE_ENV, "token")
+    monkeypatch.setenv(ray_auth.TOKEN_ENV, "t")
+    assert "check that it is that Ray's token" in str(
+        ray_auth.JoinRefused("x:1", ConnectionError("boom")))
