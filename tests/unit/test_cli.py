@@ -149,7 +149,7 @@ def test_a_local_ray_without_token_auth_is_refused(monkeypatch: pytest.MonkeyPat
     start an open Ray; HeadStart refuses to rather than run so."""
     from kuberl_trainer import startup
 
-    monkeypatch.setattr(startup, "get_authentication_mode", lambda: None)
+    monkeypatch.setattr(startup, "is_token_auth_enabled", lambda: False)
     opts = types.SimpleNamespace(address=None)
     with pytest.raises(RuntimeError, match="token authentication"):
         startup._start_ray(None, opts)  # type: ignore[arg-type]

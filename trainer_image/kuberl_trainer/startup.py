@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import ray
-from ray._raylet import AuthenticationMode, get_authentication_mode
+from ray._private.authentication.authentication_utils import is_token_auth_enabled
 from ray.exceptions import AuthenticationError
 
 from kuberl_api.spec import RLJobSpec
@@ -156,7 +156,7 @@ def _start_ray(spec: RLJobSpec, opts: Options) -> None:
     # Ray's token authentication on the local Ray: set by `kuberl run` before Ray was
     # imported (ray_auth.enable_for_local_ray; Ray reads it once, at import). A Ray imported
     # without it would start open, so refuse that rather than run without.
-    if get_authentication_mode() != AuthenticationMode.TOKEN:
+    if not is_token_auth_enabled():
         raise RuntimeError(
             "a local Ray must start with token authentication: call "
             "kuberl_trainer.ray_auth.enable_for_local_ray() before Ray is imported")
