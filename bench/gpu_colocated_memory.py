@@ -98,6 +98,9 @@ class DeviceMemory:
 
 def run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     from kuberl_api import parse
+    from kuberl_trainer import ray_auth
+
+    ray_auth.enable_for_local_ray()  # the local Ray checks a token, as kuberl run's does
     from kuberl_trainer import session as session_mod
     from kuberl_trainer.memory_handoff import MemoryHandoff
     from kuberl_trainer.options import Options

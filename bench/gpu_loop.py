@@ -121,6 +121,9 @@ def main() -> int:
         args.out = args.out.with_name(args.out.name + "-cpu")
 
     from kuberl_api import parse
+    from kuberl_trainer import ray_auth
+
+    ray_auth.enable_for_local_ray()  # the local Ray checks a token, as kuberl run's does
     from kuberl_trainer.options import Options
     from kuberl_trainer.preflight import check
     from kuberl_trainer.report.progress import Progress
