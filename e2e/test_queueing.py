@@ -154,8 +154,11 @@ def test_a_job_waits_in_the_queue_until_the_quota_frees(
         assert_kueue_owns_suspend(c, ns, names.rayjob(first, 0))
 
         kubectl_apply(c, queued_job(second, ns, queue), check=True)
+        # Kueue's first Pending words are "waiting in LocalQueue"; its verdict on the quota
+        # ("insufficient ...") follows once it has tried to admit the Workload
         waiting = wait_for("the second job waiting for quota, in Kueue's words", lambda: (
-            q := condition(w2.get(), "Queued")).get("reason") == "Pending" and q,
+            q := condition(w2.get(), "Queued")).get("reason") == "Pending"
+            and "insufficient" in q.get("message", "") and q,
             timeout=60, detail=w2.detail)
         assert waiting["status"] == "True" and "insufficient" in waiting["message"], waiting
         assert w2.status()["phase"] == "Pending" and phase_column(c, ns, second) == "Pending"
