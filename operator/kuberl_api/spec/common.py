@@ -4,7 +4,9 @@ sections default to, and the helpers that write a rule's CEL (and its Python twi
 
 from __future__ import annotations
 
-from kuberl_api.base import ApiModel
+import re
+
+from kuberl_api.base import ApiModel, Rule, key_rule
 
 # Kubernetes' own quantity grammar (resource.Quantity), so "500m", "64Gi" and "1e3" pass here
 # exactly when the API server would accept them.
@@ -120,3 +122,12 @@ def _is_default(section: ApiModel, name: str) -> bool:
 DEFAULT_TRAINER_IMAGE = "ghcr.io/kuberl/trainer:0.1.0"
 DEFAULT_ROLLOUT_IMAGE = "ghcr.io/kuberl/rollout:0.1.0"
 DEFAULT_GPUS_PER_NODE = 8
+
+
+def env_name_rules(field: str, example: str = "") -> tuple[Rule, ...]:
+    """The rule for an env map's keys (`field`: its path in messages): Kubernetes refuses a pod
+    whose env names are not C identifiers, so the pods would never be created."""
+    return (key_rule(f"self.all(k, k.matches('{ENV_NAME_PATTERN}'))",
+                     lambda name: re.fullmatch(ENV_NAME_PATTERN, name) is not None,
+                     f"{field} names must be C identifiers: letters, digits and '_', not "
+                     f"starting with a digit{example}"),)

@@ -4,14 +4,13 @@ that the operator runs beside the job (docs/agents.md)."""
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from pydantic import Field
 from pydantic.alias_generators import to_camel
 
-from kuberl_api.base import ApiModel, Rule, key_rule, rules_schema
-from kuberl_api.spec.common import ENV_NAME_PATTERN, IMPORT_PATH_PATTERN, MAX_STR
+from kuberl_api.base import ApiModel, Rule, rules_schema
+from kuberl_api.spec.common import IMPORT_PATH_PATTERN, MAX_STR, env_name_rules
 from kuberl_api.spec.pods import NodePool, Resources
 from kuberl_api.spec.rollout import UserArgs
 
@@ -34,14 +33,7 @@ def _image_only(name: str, unset: str) -> Rule:
                 f"{field} applies only with image (the environment's own pods)", field)
 
 
-# Kubernetes refuses a pod whose env names are not C identifiers (the Deployment would never
-# get a pod).
-ENV_RULES = (
-    key_rule(f"self.all(k, k.matches('{ENV_NAME_PATTERN}'))",
-             lambda name: re.fullmatch(ENV_NAME_PATTERN, name) is not None,
-             "environment.env names must be C identifiers: letters, digits and '_', not "
-             "starting with a digit"),
-)
+ENV_RULES = env_name_rules("environment.env")
 
 
 class EnvironmentSpec(ApiModel):

@@ -3,12 +3,10 @@ the weight-sync port of the job's GPU pods."""
 
 from __future__ import annotations
 
-import re
-
 from pydantic import Field
 
-from kuberl_api.base import ApiModel, key_rule, rules_schema
-from kuberl_api.spec.common import ENV_NAME_PATTERN, LABEL_KEY_PATTERN
+from kuberl_api.base import ApiModel, rules_schema
+from kuberl_api.spec.common import LABEL_KEY_PATTERN, env_name_rules
 
 
 class RdmaSpec(ApiModel):
@@ -17,14 +15,7 @@ class RdmaSpec(ApiModel):
     count: int = Field(1, ge=1, le=64)
 
 
-# Kubernetes refuses a pod whose env names are not C identifiers; without this rule the job
-# would sit in Provisioning while KubeRay fails to create its GPU pods.
-ENV_RULES = (
-    key_rule(f"self.all(k, k.matches('{ENV_NAME_PATTERN}'))",
-             lambda name: re.fullmatch(ENV_NAME_PATTERN, name) is not None,
-             "network.env names must be C identifiers: letters, digits and '_', not starting "
-             "with a digit (e.g. NCCL_DEBUG)"),
-)
+ENV_RULES = env_name_rules("network.env", " (e.g. NCCL_DEBUG)")
 
 
 class NetworkSpec(ApiModel):
