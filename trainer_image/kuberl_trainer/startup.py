@@ -174,7 +174,9 @@ def _start_ray(spec: RLJobSpec, opts: Options) -> None:
     # actors' log files.
     with environment({"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                        **spec.network.variables()}):
-        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
+        # address "local": a Ray of the run's own even where `ray start` left one (or its
+        # stale address file in /tmp/ray), which ray.init() would otherwise join, or fail on.
+        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
                  resources=local_resources(spec), log_to_driver=True,
                  logging_level=logging.WARNING)
 
