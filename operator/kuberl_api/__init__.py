@@ -3,7 +3,15 @@ CRD schema, the operator's renderers and the trainer's config. Imports only pyda
 
 from kuberl_api.base import RuleFailure
 from kuberl_api.errors import InvalidRLJob, format_errors
-from kuberl_api.load import WAIVED_ANNOTATION, load, load_rendered, loads, parse, parse_waiving
+from kuberl_api.load import (
+    WAIVED_ANNOTATION,
+    load,
+    load_rendered,
+    loads,
+    parse,
+    parse_waiving,
+    spec_from_driver,
+)
 from kuberl_api.rljob import (
     API_VERSION,
     GROUP,
@@ -18,5 +26,5 @@ from kuberl_api.status import Condition, RLJobStatus
 __all__ = [
     "API_VERSION", "GROUP", "KIND", "PLURAL", "VERSION", "WAIVED_ANNOTATION", "Condition",
     "InvalidRLJob", "RLJob", "RLJobSpec", "RLJobStatus", "RuleFailure", "format_errors", "load",
-    "load_rendered", "loads", "parse", "parse_waiving",
+    "load_rendered", "loads", "parse", "parse_waiving", "spec_from_driver",
 ]

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from kuberl_api.base import WAIVER_CONTEXT, RuleFailure, Waiver
 from kuberl_api.errors import InvalidRLJob, format_errors
 from kuberl_api.rljob import API_VERSION, KIND, RLJob
+from kuberl_api.spec import RLJobSpec
 
 # On the job config the operator renders (its ConfigMap, which `kuberl run --in-cluster`
 # reads): a JSON list of the fields whose rules the operator waived for this job, because an
@@ -37,6 +38,14 @@ def parse_waiving(obj: Any, waivable: Callable[[RuleFailure], bool],
     if refused:
         raise InvalidRLJob(refused, source)
     return job, failures
+
+
+def spec_from_driver(text: str) -> RLJobSpec:
+    """The spec a run's driver validated (`kuberl run`), sent to a Ray actor as JSON: its shape
+    is checked again, its rules are not. The driver checked them, waiving only what the
+    operator waived for the job (load_rendered); an actor checking them again would refuse a
+    job the operator keeps running because an earlier release accepted it."""
+    return RLJobSpec.model_validate_json(text, context={WAIVER_CONTEXT: Waiver()})
 
 
 def _validate(obj: Any, source: str, context: dict[str, Any] | None) -> RLJob:
