@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from cluster import Cluster
 from polling import wait_for
 from rljobs import (
@@ -40,6 +41,7 @@ from rljobs import (
 )
 from stand_in import KUBERAY, dashboard_says
 
+from kuberl_api import WAIVED_ANNOTATION
 from kuberl_operator.render import names
 
 pytestmark = pytest.mark.e2e
@@ -86,9 +88,10 @@ def manifest(ns: str) -> dict[str, Any]:
 def test_job_of_an_earlier_release_runs_on_after_the_upgrade(
         k8s_cluster: Cluster, upgrade_ns: str, earlier_release: Path, tmp_path: Path) -> None:
     """Applied and started under the earlier release; after the upgrade, this operator tracks
-    its RayJob (Running, then Succeeded), with SpecWarning=True naming the field and the rule
-    and one Warning Event; an edit of an editable field is admitted (the CRD ratchets the
-    unchanged section) and one of the offending field is refused, by this release's rule."""
+    its RayJob (Running), with SpecWarning=True naming the field and the rule and one Warning
+    Event; an edit of an editable field is admitted (the CRD ratchets the unchanged section)
+    and one of the offending field is refused, by this release's rule; a failed attempt is
+    restarted from the spec as accepted, which then runs to Succeeded."""
     c, ns = k8s_cluster, upgrade_ns
     job = manifest(ns)
     refused = kubectl_apply(c, job)  # today's CRD, as the session installed it
@@ -136,9 +139,22 @@ def test_job_of_an_earlier_release_runs_on_after_the_upgrade(
             changed = kubectl_apply(c, edited)
             assert changed.returncode != 0 and TOKENIZER_RULE in changed.stderr, changed.stderr
 
-            dashboard_says(c, ns, r0, "SUCCEEDED")
+            # Its Ray job fails: restarted as attempt 1, rendered by this operator from the
+            # spec as accepted; the config names the waived field for this release's trainer.
+            dashboard_says(c, ns, r0, "FAILED")
+            r1 = names.rayjob(JOB, 1)
+            wait_for(f"the restart as {r1}", lambda: w.status().get("rayJobName") == r1
+                     and w.rayjob(1), timeout=30, detail=w.detail)
+            config = c.api().get(f"/api/v1/namespaces/{ns}/configmaps/{names.configmap(JOB)}")
+            rendered = yaml.safe_load(config["data"][names.CONFIG_KEY])
+            assert rendered["spec"]["model"]["tokenizer"] == "/mnt/tokenizers/tiny", rendered
+            assert rendered["metadata"]["annotations"] == {
+                WAIVED_ANNOTATION: '["spec.model.tokenizer"]'}, rendered["metadata"]
+            dashboard_says(c, ns, r1, "RUNNING")
+            wait_phase(w, "Running")
+            dashboard_says(c, ns, r1, "SUCCEEDED")
             done = wait_phase(w, "Succeeded")
-            assert done["restarts"] == 0 and done["completionTime"], done
+            assert done["restarts"] == 1 and done["completionTime"], done
         warnings = [e for e in events_for(c.api(), ns, JOB)
                     if e["reason"] == "AcceptedByEarlierRelease"]
         assert len(warnings) == 1 and warnings[0]["type"] == "Warning", warnings
