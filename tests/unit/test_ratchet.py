@@ -39,12 +39,15 @@ from kuberl_operator.status import (
 )
 from tests.unit.test_status import (
     NOW,
+    PENDING_WL,
+    QUEUED,
     RJ0,
     RUNNING_RJ0,
     TUN,
     _apply,
     ago,
     body,
+    queued_status,
     raycluster,
     rayjob,
     running_status,
@@ -271,6 +274,29 @@ def test_a_valid_change_to_another_section_is_judged_as_any_change() -> None:
     assert got["Accepted"] == ("False", "ImmutableFieldChanged"), got
     assert got["SpecWarning"] == ("True", WARNING), got
     assert d.phase == "Running"
+
+
+def test_a_queued_job_waits_and_an_edit_of_another_section_requeues_it() -> None:
+    """Queued in Kueue under the earlier release (Pending, with an attempt): it waits, warned;
+    an edit of another section (Pending specs are editable) is validated and requeues the job,
+    the accepted section still waived in the new attempt."""
+    s = old_spec(scheduling=QUEUED)
+    suspended = Observed(rayjobs=(rayjob(0, "", "Suspended", suspend=True),),
+                         workload=PENDING_WL)
+    b = body(queued_status(specDigests=accepted_digests(s)), spec=s)
+    d = decide(b, suspended, NOW, TUN)
+    assert d.phase == "Pending" and d.actions == (), conditions(d)
+    assert conditions(d)["Queued"] == ("True", "Pending")
+    assert conditions(d)["SpecWarning"] == ("True", WARNING)
+
+    edited = copy.deepcopy(b)
+    edited["spec"]["training"] = {"nodes": 2}
+    requeued = decide(edited, suspended, NOW, TUN)
+    assert list(requeued.actions) == [CreateAttempt(1, 0), DeleteRayJob(RJ0)]
+    assert [f.field for f in requeued.waived] == ["spec.model.tokenizer"]
+    edited["spec"]["training"] = {"nodes": 0}  # the edit itself is checked
+    assert conditions(decide(edited, suspended, NOW, TUN))["Accepted"] == ("False",
+                                                                          "InvalidSpec")
 
 
 def test_a_valid_job_has_no_warning() -> None:
