@@ -24,6 +24,7 @@ from kuberl_api import (
     parse_waiving,
     spec_from_driver,
 )
+from kuberl_api.base import Rule
 from kuberl_api.rljob import IMMUTABLE_SECTIONS
 from kuberl_api.spec import RLJobSpec
 from kuberl_api.spec.job_rules import JOB_RULES
@@ -314,3 +315,14 @@ def test_job_rules_read_only_sections_with_digests() -> None:
         aliases = {RLJobSpec.model_fields[s].alias or s for s in IMMUTABLE_SECTIONS}
         named = (rule.field or "").split(".")[0]
         assert named and read - aliases <= {named}, (rule.message, read - aliases)
+
+
+def test_a_rule_that_cannot_be_evaluated_does_not_hold_under_a_waiver() -> None:
+    """Under a Waiver a model's rules run on values a nested rule turned down; one that raises
+    there is a failure like any other (strict parsing never gets there: it raises)."""
+    rule = Rule("self.a / self.b > 0", lambda node: 1 / 0 > 0, "a / b must be positive", "a")
+    with pytest.raises(ZeroDivisionError):
+        rule.failure(object())
+    error = rule.failure(object(), at="x", lenient=True)
+    assert error is not None and error.field == "x.a"
+    assert str(error) == "x.a: a / b must be positive (got values the rule could not evaluate)"
