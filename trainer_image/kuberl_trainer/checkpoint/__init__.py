@@ -1,21 +1,38 @@
-"""Checkpoint directories: layout, atomic completion, discovery and pruning.
+"""Checkpoint directories: layout, atomic completion, discovery, pruning and leftovers.
 
 Layout under the job's checkpoint path (``spec.checkpoint.path``, or ``--output-dir``)::
 
     <root>/step_<N>/            one complete checkpoint, N = finished training steps
         COMPLETE                marker, written last (JSON: step, time)
         trainer_state.json      TrainerState: step, data source position, weight version
+        WRITER                  the process that wrote it (writer.py)
         ...                     the backend's files (model/, optimizer.pt, rng_rank<r>.pt)
     <root>/.step_<N>.<random>/  a save in progress (or one a crash interrupted)
+    <root>/.step_<N>.replaced/  step_<N> as it was, while a save of step N replaces it
+    <root>/.deleting.<random>/  a checkpoint being pruned
 
-A save writes everything into a hidden staging directory, then renames it to ``step_<N>``.
-The rename is atomic on one filesystem, so ``step_<N>`` is either absent or whole; the marker
-guards the cases a rename cannot (a directory copied by other means, a filesystem without
-atomic rename): ``latest`` trusts only ``step_<N>`` directories that hold it.
+A save writes everything into a hidden staging directory (``stage``), marker last, then renames
+it to ``step_<N>`` (``Staged.commit``). The rename is atomic on one filesystem, so
+``step_<N>`` is either absent or whole; the marker guards the cases a rename cannot (a
+directory copied by other means, a filesystem without atomic rename): ``latest`` trusts only
+``step_<N>`` directories that hold it, and never a hidden one, marked or not. The loops stage
+a checkpoint right after training (colocated, while the trainers hold their GPUs) and commit
+it once the step's row is in metrics.jsonl: a checkpoint is never ahead of the metrics, so a
+run killed at any moment resumes from a step whose rows are all written (and drops the rows
+after it, which it trains again: report/metrics_log.py).
+
+A save killed at any moment leaves at most a hidden directory, which the next save and a
+resumed run (``clear_leftovers``) delete once no process will finish it (writer.py: its
+writer gone, never a live save's of another process sharing the volume), or put back (a
+``.replaced`` one whose replacement never landed). Pruning renames a checkpoint away before
+deleting it, so a kill mid-deletion never leaves a half-deleted ``step_<N>``.
 
 All training ranks write into the same staging directory, so it must be on storage they all
 see (the checkpoint PVC in a cluster). This module never talks to other ranks: the caller's
 ``write`` function returns once every rank's files are written.
+
+``KUBERL_TEST_SAVE_DELAY_S`` (tests only): seconds a save waits after the ranks' files are
+written, before its state and marker, so that a test can kill a run inside a save.
 
 ``Checkpointer`` is a run's use of them: when one is due, what goes in it, what a resumed run
 reads back.
@@ -23,6 +40,7 @@ reads back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -34,11 +52,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from kuberl_trainer.checkpoint.writer import Lease, Writer, abandoned, storage_now
+
 STEP_PREFIX = "step_"
 STAGING_PREFIX = ".step_"
+REPLACED_SUFFIX = ".replaced"
+DELETING_PREFIX = ".deleting."
 COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.json"
+SAVE_DELAY_ENV = "KUBERL_TEST_SAVE_DELAY_S"
 _STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+_STAGING_DIR = re.compile(rf"^{re.escape(STAGING_PREFIX)}(\d+)\.(.+)$")
 
 
 @dataclass
@@ -100,14 +124,20 @@ class Checkpointer:
         self.step = step
         return self.every is not None and step % self.every == 0
 
-    def save(self, step: int, weight_version: int, position: Position | None = None) -> str:
-        """Checkpoint `step`: the models' files and the state beside them. `position`: the
-        sources' position when the caller knows it better than `self.position`."""
+    def stage(self, step: int, weight_version: int, position: Position | None = None
+              ) -> Staged:
+        """Write checkpoint `step` (the models' files and the state beside them), to be
+        committed by the caller. `position`: the sources' position when the caller knows it
+        better than `self.position`."""
         self.weight_version = weight_version
         drawn = position or self.position(step)
         state = TrainerState(step=step, weight_version=weight_version, data=drawn.data,
                              sft_data=drawn.sft_data)
-        return str(save(self.root, step, state, self._write_models, keep=self.keep))
+        return stage(self.root, step, state, self._write_models, keep=self.keep)
+
+    def save(self, step: int, weight_version: int, position: Position | None = None) -> str:
+        """Checkpoint `step`, committed."""
+        return str(self.stage(step, weight_version, position).commit())
 
     def _write_models(self, dir: str) -> None:
         for models in self.models:
@@ -121,6 +151,7 @@ class Checkpointer:
     def resume(self) -> tuple[TrainerState, Path] | None:
         """Load the newest complete checkpoint into the models; its state and directory (None:
         there is none, a new run)."""
+        clear_leftovers(self.root)  # (a killed run's save: never loaded, deleted here)
         found = latest(self.root)
         if found is None:
             return None
@@ -156,28 +187,68 @@ def latest(root: str | Path) -> tuple[int, Path] | None:
     return found[-1] if found else None
 
 
-def save(root: str | Path, step: int, state: TrainerState, write: Callable[[str], None],
-         *, keep: int) -> Path:
-    """Write checkpoint ``step`` atomically, then prune to the newest ``keep``.
+class Staged:
+    """A checkpoint written but not yet the newest: ``commit`` makes it ``step_<N>`` (and
+    prunes), ``discard`` deletes it. Its lease is renewed until then."""
+
+    def __init__(self, root: Path, step: int, dir: Path, lease: Lease, keep: int) -> None:
+        self.root, self.step, self.dir, self.keep = root, step, dir, keep
+        self._lease: Lease | None = lease
+
+    def commit(self) -> Path:
+        """Rename it to ``step_<N>``, then prune to the newest ``keep``; the final directory."""
+        self._release()
+        final = _commit(self.dir, step_dir(self.root, self.step))
+        prune(self.root, self.keep)
+        return final
+
+    def discard(self) -> None:
+        self._release()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _release(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+
+def stage(root: str | Path, step: int, state: TrainerState, write: Callable[[str], None],
+          *, keep: int) -> Staged:
+    """Write checkpoint ``step`` into a staging directory, marker last (see the module's
+    docstring); ``Staged.commit`` makes it the newest.
 
     ``write(dir)`` writes the backend's files into ``dir`` (all ranks, e.g.
-    ``TrainGroup.save``) and returns when they are all on disk. Saving a step that already
-    exists replaces it. Returns the final ``step_<N>`` directory.
+    ``TrainGroup.save``) and returns when they are all on disk. Committing a step that
+    already exists replaces it. ``keep``: how many checkpoints the commit leaves.
     """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
     base = Path(root)
     base.mkdir(parents=True, exist_ok=True)
-    _remove_staging(base)  # leftovers of saves a crash interrupted
+    clear_leftovers(base)  # saves a crash interrupted
     staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{step}.", dir=base))
+    lease = None
     try:
+        lease = Lease(staging)
         write(str(staging))
+        delay = float(os.environ.get(SAVE_DELAY_ENV) or 0)
+        if delay > 0:  # (tests: time to kill a run inside a save)
+            time.sleep(delay)
         state.write(staging)
         _write_json(staging / COMPLETE, {"step": step, "time": time.time()})
-        final = _commit(staging, step_dir(base, step))
     except BaseException:
+        if lease is not None:
+            lease.release()
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    prune(base, keep)
-    return final
+    return Staged(base, step, staging, lease, keep)
+
+
+def save(root: str | Path, step: int, state: TrainerState, write: Callable[[str], None],
+         *, keep: int) -> Path:
+    """Write checkpoint ``step`` atomically, then prune to the newest ``keep`` (``stage``,
+    then commit). Returns the final ``step_<N>`` directory."""
+    return stage(root, step, state, write, keep=keep).commit()
 
 
 def prune(root: str | Path, keep: int) -> list[Path]:
@@ -190,32 +261,82 @@ def prune(root: str | Path, keep: int) -> list[Path]:
         raise ValueError(f"keep must be >= 1, got {keep}")
     doomed = [path for _, path in complete(root)[:-keep]]
     for path in doomed:
-        # Un-mark first: a deletion cut short must not leave a half-deleted "complete" dir.
-        (path / COMPLETE).unlink(missing_ok=True)
-        shutil.rmtree(path)
+        _delete(path)
     return doomed
+
+
+def clear_leftovers(root: str | Path) -> None:
+    """Tidy what saves and prunings cut short left under ``root`` (never a save another
+    process still makes: writer.abandoned): a ``.replaced`` checkpoint whose replacement
+    never landed goes back to ``step_<N>``; abandoned staging directories, other
+    ``.replaced`` ones and half-pruned checkpoints are deleted."""
+    base = Path(root)
+    if not base.is_dir():
+        return
+    me, now = Writer.this_process(), None
+    entries = sorted(base.iterdir())
+    for entry in entries:
+        if not entry.is_dir():
+            continue
+        if entry.name.startswith(DELETING_PREFIX):
+            shutil.rmtree(entry, ignore_errors=True)
+            continue
+        match = _STAGING_DIR.match(entry.name)
+        if match is None:
+            continue
+        if match.group(2) == REPLACED_SUFFIX[1:]:
+            final = step_dir(base, int(match.group(1)))
+            if not final.exists() and (entry / COMPLETE).is_file():
+                _put_back(entry, final)
+            elif final.exists():
+                _delete(entry)
+            continue
+        now = storage_now(base) if now is None else now
+        if abandoned(entry, me=me, now=now):
+            _delete(entry)
+
+
+def _put_back(replaced: Path, final: Path) -> None:
+    """A commit cut short between its two renames: the old ``step_<N>`` back, unless a save
+    of that step is still in progress (it will land)."""
+    step = final.name.removeprefix(STEP_PREFIX)
+    for entry in final.parent.iterdir():
+        match = _STAGING_DIR.match(entry.name)
+        if (match and match.group(1) == step and entry != replaced
+                and not abandoned(entry)):
+            return
+    with contextlib.suppress(OSError):  # (another process put it back first)
+        os.rename(replaced, final)
+
+
+def _delete(path: Path) -> None:
+    """Rename ``path`` out of the way first (atomic: a checkpoint is never half there), then
+    delete it; a deletion cut short leaves a ``.deleting.`` directory, removed later."""
+    try:
+        doomed = Path(tempfile.mkdtemp(prefix=DELETING_PREFIX, dir=path.parent))
+        os.rename(path, doomed / path.name)
+    except OSError:  # (gone already: another process's clean-up)
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _commit(staging: Path, final: Path) -> Path:
     """Rename ``staging`` to ``final``; an existing ``final`` is moved aside first (a
-    directory rename cannot replace a non-empty directory) and deleted after."""
+    directory rename cannot replace a non-empty directory) and deleted after (put back by
+    ``clear_leftovers`` if the process dies in between)."""
     _fsync_dir(staging)
     old = None
     if final.exists():
-        old = final.with_name(f"{STAGING_PREFIX}{final.name}.replaced")
-        shutil.rmtree(old, ignore_errors=True)
+        old = final.with_name(f"{STAGING_PREFIX}{final.name.removeprefix(STEP_PREFIX)}"
+                              f"{REPLACED_SUFFIX}")
+        if old.exists():
+            _delete(old)
         os.rename(final, old)
     os.rename(staging, final)
     _fsync_dir(final.parent)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        _delete(old)
     return final
-
-
-def _remove_staging(base: Path) -> None:
-    for entry in base.iterdir():
-        if entry.name.startswith(STAGING_PREFIX) and entry.is_dir():
-            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _write_json(path: Path, payload: dict[str, Any]) -> None:
