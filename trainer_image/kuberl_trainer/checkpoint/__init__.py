@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from kuberl_trainer.checkpoint.writer import Lease, Writer, abandoned, storage_now
+from kuberl_trainer.checkpoint.writer import CLOCK_PREFIX, Lease, Writer, abandoned, storage_now
 
 STEP_PREFIX = "step_"
 STAGING_PREFIX = ".step_"
@@ -269,13 +269,16 @@ def clear_leftovers(root: str | Path) -> None:
     """Tidy what saves and prunings cut short left under ``root`` (never a save another
     process still makes: writer.abandoned): a ``.replaced`` checkpoint whose replacement
     never landed goes back to ``step_<N>``; abandoned staging directories, other
-    ``.replaced`` ones and half-pruned checkpoints are deleted."""
+    ``.replaced`` ones, half-pruned checkpoints and storage_now's files are deleted."""
     base = Path(root)
     if not base.is_dir():
         return
     me, now = Writer.this_process(), None
     entries = sorted(base.iterdir())
     for entry in entries:
+        if entry.name.startswith(CLOCK_PREFIX) and entry.is_file():
+            entry.unlink(missing_ok=True)
+            continue
         if not entry.is_dir():
             continue
         if entry.name.startswith(DELETING_PREFIX):

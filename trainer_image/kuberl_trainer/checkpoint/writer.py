@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 WRITER = "WRITER"
+CLOCK_PREFIX = ".clock."  # storage_now's file, there for an instant
 RENEW_S = 30.0  # how often an open save renews its lease
 STALE_AFTER_S = 600.0  # a lease this old (twenty renewals missed) is a dead writer's
 
@@ -105,12 +106,12 @@ def abandoned(staging: Path, *, me: Writer | None = None, now: float | None = No
 def storage_now(dir: Path) -> float:
     """The time on the clock of the filesystem holding `dir` (an NFS server's, say): the
     modification time of a file written there now."""
-    fd, name = tempfile.mkstemp(prefix=".clock.", dir=dir)
+    fd, name = tempfile.mkstemp(prefix=CLOCK_PREFIX, dir=dir)
     try:
         return os.fstat(fd).st_mtime
     finally:
         os.close(fd)
-        os.unlink(name)
+        Path(name).unlink(missing_ok=True)  # (a kill before this: clear_leftovers's)
 
 
 def _read_writer(path: Path) -> Writer | None:

@@ -125,12 +125,14 @@ class MetricsLog:
 def drop_rows_from(path: Path, first_step: int) -> int:
     """Move the rows of steps >= `first_step` from `path` to metrics.dropped.jsonl beside it,
     with any line that is not a row (one a kill cut short); how many lines moved. `path` is
-    replaced atomically: a kill meanwhile leaves it as it was."""
+    replaced atomically: a kill meanwhile leaves it as it was (and the next run moves those
+    rows again: metrics.dropped.jsonl may then hold one twice)."""
     try:
         lines = [line.rstrip("\n") + "\n" for line in path.read_text().splitlines()]
     except FileNotFoundError:
         return 0
-    kept, moved = [], []
+    kept: list[str] = []
+    moved: list[str] = []
     for line in lines:
         (kept if _step_of(line) < first_step else moved).append(line)
     if not moved:
