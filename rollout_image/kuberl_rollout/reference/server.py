@@ -15,6 +15,9 @@ pause condition there). "abort" ends every request in flight (finish_reason abor
 once none is left; "retract" and "in_place" stop the running batch after its current step and
 hold its requests, with the tokens they have, until /continue_generation, when they resume by
 recomputing prompt and tokens (SGLang's retract does the same; its in_place keeps the KV cache).
+
+A test's fault switch (fault.py, never used by kuberl): armed, the engine dies as the next
+weight-update bucket arrives, its peers in the group left to find out nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any, TypeVar, cast
 
 from aiohttp import web
 
-from kuberl_rollout.reference import weights
+from kuberl_rollout.reference import fault, weights
 from kuberl_rollout.reference.batcher import Batcher
 from kuberl_rollout.reference.engine import EngineBusy, GenRequest, ReferenceEngine
 from kuberl_rollout.reference.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, EngineMetrics
@@ -159,6 +162,7 @@ class Server:
         self.pause_mode: str | None = None  # None: not paused
         self.unpaused = asyncio.Event()
         self.unpaused.set()
+        self.die_at_next_bucket = False  # armed by fault.SIGNAL (__main__)
         # What the engine was asked to do, in order (GET /get_event_log, a kuberl extension):
         # tests check a run's sequence of generation, memory and weight operations against it.
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENT_LOG_SIZE)
@@ -493,6 +497,8 @@ class Server:
         return body
 
     async def update_distributed(self, request: web.Request) -> web.Response:
+        if self.die_at_next_bucket:  # the fault switch: no answer, no clean-up
+            fault.vanish(int(self.server_args.get("port", 0)), self.receiver.timeout_s)
         return await self._weight_op("update_from_distributed",
                                      self.receiver.update_from_distributed,
                                      await self._update_body(request))
