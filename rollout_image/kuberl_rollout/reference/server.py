@@ -200,6 +200,7 @@ class Server:
         r.add_post("/update_weights_from_distributed", self.update_distributed)
         r.add_post("/update_weights_from_tensor", self.update_tensor)
         r.add_post("/destroy_weights_update_group", self.destroy_group)
+        r.add_post("/abort_weights_update_group", self.abort_group)  # kuberl's own
         r.add_get("/get_weights_checksum", self.checksums)
         r.add_get("/get_event_log", self.event_log)
         if self.metrics is not None:  # (SGLang serves /metrics only with --enable-metrics)
@@ -510,3 +511,15 @@ class Server:
     async def destroy_group(self, request: web.Request) -> web.Response:
         return await self._weight_op("destroy_group", self.receiver.destroy_group,
                                      await _body(request))
+
+    async def abort_group(self, request: web.Request) -> web.Response:
+        """kuberl's own endpoint (SGLang 0.5.6 has none: docs/engine-contract.md): every rank
+        leaves the group at once. Not on the worker thread, which may be the one blocked in
+        the group's receive; the TP ranks are told over their connections, past the
+        operation they may be in. Answers {success, message} as the weight endpoints do."""
+        body = await _body(request)
+        message = await asyncio.to_thread(self.receiver.abort_group, body)
+        if self.peers is not None:
+            await asyncio.to_thread(self.peers.abort, body)
+        self.record("abort_group", group_name=body.get("group_name"))
+        return web.json_response({"success": True, "message": message})

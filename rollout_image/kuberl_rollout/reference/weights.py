@@ -16,6 +16,10 @@ of every update, as each of SGLang's TP workers does.
   rank, as SGLang's TP worker indexes it: CUDA IPC handles or shared memory as SGLang's
   MultiprocessingSerializer writes them, torch.save bytes, or with `load_format:
   "flattened_bucket"` slime's flattened buckets; see kuberl_wire.codec) and copy.
+- /abort_weights_update_group (kuberl's own; SGLang 0.5.6 has none): leave the group at once,
+  whatever its other members do (`abort_group`, from any thread): a receive of it in flight on
+  the worker thread ends with an error, and the model keeps what earlier buckets gave it (the
+  engine stays paused until a whole update has arrived: the trainer's rule).
 `weight_version`, when given, becomes the engine's version once the update has succeeded.
 """
 
@@ -92,6 +96,21 @@ class Receiver:
         self.groups[name] = group
         return f"joined {name!r} as rank {group.rank}/{group.world_size} ({backend})"
 
+    def abort_group(self, body: Mapping[str, Any]) -> str:
+        """Leave group `group_name` now, whatever its other members do (WeightSyncGroup.abort);
+        safe from any thread while the worker thread receives, and for a group that is gone."""
+        name = str(body.get("group_name") or DEFAULT_GROUP)
+        group = self.groups.pop(name, None)
+        if group is None:
+            return f"no weight-update group {name!r} (nothing to abort)"
+        group.abort()
+        return f"aborted {name!r}"
+
+    def abort_all(self) -> None:
+        """Leave every group (this rank's server is gone)."""
+        for name in list(self.groups):
+            self.abort_group({"group_name": name})
+
     def destroy_group(self, body: Mapping[str, Any]) -> str:
         name = str(body.get("group_name") or DEFAULT_GROUP)
         group = self.groups.pop(name, None)
@@ -132,6 +151,7 @@ class Receiver:
             # for the GPU: their copies are queued on the stream generation runs on, and the
             # caching allocator keeps the receive buffer until they have run.
             self.engine.synchronize()
+        group.check()  # (NCCL: an abort ends the receive whether or not the bytes came)
         return self._done(body, count, sum(b.numel() * b.element_size() for b in buffers),
                           started)
 
