@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import queue
 import sys
 import threading
@@ -270,6 +271,15 @@ def _peer_main(conn: Connection, args: RankArgs, tp_rank: int) -> None:
     }
     conn.send(("ready", None))
     LOG.info("tensor parallel rank %d ready on %s", tp_rank, device)
+    _serve(conn, ops, receiver)
+    # An aborted group may still hold an operation in gloo's thread: no interpreter shutdown
+    # (it would wait for, or trip over, it), as rank 0's server ends too.
+    logging.shutdown()
+    os._exit(0)
+
+
+def _serve(conn: Connection, ops: Mapping[str, Callable[[Any], Any]], receiver: Any) -> None:
+    """Rank 0's operations, one at a time and each answered, until "stop" or rank 0 is gone."""
     inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
     threading.Thread(target=_read, args=(conn, inbox, receiver), daemon=True,
                      name="tp-read").start()
