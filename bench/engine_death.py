@@ -9,13 +9,14 @@ engine's fault switch (kuberl_rollout/reference/fault.py, SIGUSR1: its server pr
 when that sync's first bucket is announced, the trainer's broadcast then in flight, and its
 weight-sync connections stay open and silent, as a vanished node's). Per run: the seconds from
 its death (its process seen gone) to the end of that sync, where the next step starts; the
-engines replaced; whether the run finished; the other syncs' median seconds (undisturbed, same
-run). The group's timeout is left at its default (300 s). `--baseline REF` runs the same with
-commit REF's code side by side (a git worktree first on PYTHONPATH, as bench/startup.py does);
-REF must have the fault switch (kuberl_rollout/reference/fault.py).
+engines replaced; whether the run finished (if not, the seconds from the death to its failure);
+the other syncs' median seconds (undisturbed, same run). The group's timeout is left at its
+default (300 s). `--baseline REF` runs the same with commit REF's code side by side (a git
+worktree first on PYTHONPATH, as bench/startup.py does); REF must have the fault switch
+(kuberl_rollout/reference/fault.py): 6a99d47 is the code before the abort, with it.
 
     .venv/bin/python bench/engine_death.py --runs 1
-    .venv/bin/python bench/engine_death.py --runs 2 --baseline <commit>
+    .venv/bin/python bench/engine_death.py --runs 2 --baseline 6a99d47
 
 Each run starts its own local Ray and engines. Timings on a shared machine are noisy: compare
 only numbers taken side by side.
@@ -50,6 +51,7 @@ class Result:
     finished: bool
     undisturbed_sync_s: float | None
     error: str = ""
+    death_to_failure_s: float | None = None  # a run that failed: when, after the death
 
 
 def engine_pids(url: str) -> list[int]:
@@ -116,6 +118,7 @@ def child(args: argparse.Namespace) -> int:
     synced_at: dict[str, float] = {}
     error = ""
     finished = False
+    failed_at: float | None = None
     first: list[str] = []
     try:
         session.start()
@@ -140,7 +143,10 @@ def child(args: argparse.Namespace) -> int:
         finished = True
     except Exception as exc:  # (reported: a run that failed is a result too)
         error = f"{type(exc).__name__}: {exc}"[:500]
+        failed_at = time.monotonic()
     finally:
+        fleet = getattr(session, "fleet", None)  # (set once the session started)
+        restarts = fleet.restarts if fleet is not None else 0
         session.close()
         if watched:  # the fault switch's child, still holding the connections
             for pid in engine_pids(first[0]):
@@ -150,8 +156,9 @@ def child(args: argparse.Namespace) -> int:
     died = watched[0].get("at") if watched else None
     done = synced_at.get("at")
     result = {"death_to_next_step_s": None if died is None or done is None else done - died,
-              "restarts": rows[-1]["engine_restarts_total"] if rows else 0,
-              "finished": finished, "error": error,
+              "death_to_failure_s": None if died is None or failed_at is None
+              else failed_at - died,
+              "restarts": restarts, "finished": finished, "error": error,
               "undisturbed_sync_s": statistics.median(others) if others else None}
     print(RESULT + json.dumps(result), flush=True)
     return 0
@@ -173,7 +180,7 @@ def run_once(who: str, args: argparse.Namespace, pythonpath: str | None, out: Pa
         return Result(who, None, 0, False, None, f"no result (exit {proc.returncode}): {tail}")
     r = json.loads(lines[-1][len(RESULT):])
     return Result(who, r["death_to_next_step_s"], r["restarts"], r["finished"],
-                  r["undisturbed_sync_s"], r["error"])
+                  r["undisturbed_sync_s"], r["error"], r["death_to_failure_s"])
 
 
 def worktree(ref: str, tmp: Path) -> str:
@@ -188,8 +195,8 @@ def ours() -> str:
     return os.pathsep.join(str(ROOT / s) for s in SOURCES)
 
 
-def fmt(x: float | None, unit: str = " s") -> str:
-    return "-" if x is None else f"{x:.1f}{unit}"
+def fmt(x: float | None, unit: str = " s", digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}{unit}"
 
 
 def main() -> int:
@@ -216,10 +223,12 @@ def main() -> int:
             for name, path in (who if i % 2 == 0 else who[::-1]):  # alternate who goes first
                 r = run_once(name, args, path, tmp / "run")
                 results.append(r)
+                failed = (f"  failed {fmt(r.death_to_failure_s)} after the death: {r.error}"
+                          if r.error else "")
                 print(f"run {i + 1} {r.who:<20} death -> next step "
                       f"{fmt(r.death_to_next_step_s):>8}  replaced {r.restarts}  "
-                      f"finished {r.finished}  undisturbed sync {fmt(r.undisturbed_sync_s)}"
-                      f"{'  ' + r.error if r.error else ''}", flush=True)
+                      f"finished {r.finished}  undisturbed sync "
+                      f"{fmt(r.undisturbed_sync_s, ' s', 2)}{failed}", flush=True)
     finally:
         if args.baseline:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
@@ -227,19 +236,21 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"\n{args.engines} engines of TP {args.tp}, engine 0 killed in the sync of version "
           f"{args.at}, group timeout 300 s")
-    print(f"{'':<22}{'death -> next step':>20}{'engines replaced':>18}{'finished':>10}"
-          f"{'undisturbed sync':>18}")
+    print(f"{'':<22}{'death -> next step':>20}{'death -> failure':>18}"
+          f"{'engines replaced':>18}{'finished':>10}{'undisturbed sync':>18}")
     medians: dict[str, float] = {}
     for who in dict.fromkeys(r.who for r in results):
         mine = [r for r in results if r.who == who]
         times = [r.death_to_next_step_s for r in mine if r.death_to_next_step_s is not None]
+        fails = [r.death_to_failure_s for r in mine if r.death_to_failure_s is not None]
         syncs = [r.undisturbed_sync_s for r in mine if r.undisturbed_sync_s is not None]
         t = statistics.median(times) if times else None
         if t is not None:
             medians[who] = t
-        print(f"{who:<22}{fmt(t):>20}{statistics.median(r.restarts for r in mine):>18.0f}"
+        print(f"{who:<22}{fmt(t):>20}{fmt(statistics.median(fails) if fails else None):>18}"
+              f"{statistics.median(r.restarts for r in mine):>18.0f}"
               f"{sum(r.finished for r in mine):>7}/{len(mine)}"
-              f"{fmt(statistics.median(syncs) if syncs else None):>18}")
+              f"{fmt(statistics.median(syncs) if syncs else None, ' s', 2):>18}")
     if len(medians) == 2:
         a, b = medians.values()
         print(f"{'ours / baseline':<22}{a / b:>19.2f}x")
