@@ -100,3 +100,44 @@ def test_the_next_group_forms_on_the_same_port_while_an_aborted_one_waits_out_it
         for d in done:
             d.result(timeout=30)
     assert all(torch.equal(g, want) for g in got)
+
+
+def test_a_join_left_in_the_rendezvous_gives_up_when_its_group_is_aborted() -> None:
+    """The reference engine's side (Receiver.init_group): a member of the group being formed
+    is gone, so the rendezvous cannot finish; /abort_weights_update_group (abort_group, from
+    another thread) ends the join at once, and the engine can join the next group."""
+    from kuberl_rollout.reference.weights import Receiver
+
+    class Engine:  # (what a join uses of a ReferenceEngine)
+        device = torch.device("cpu")
+
+    port = free_port()
+    store = host_store("127.0.0.1", port, TIMEOUT_S)
+    receiver = Receiver(Engine(), timeout_s=TIMEOUT_S)  # type: ignore[arg-type]
+    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+            "world_size": 3, "group_name": "g1", "backend": "gloo"}
+    # (rank 0's own join, which no abort reaches either, is left to fail at its timeout)
+    in_thread(lambda: new_group("gloo", "127.0.0.1", port, 0, 3, "g1", TIMEOUT_S, store))
+    with ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(receiver.init_group, body)  # (rank 2 never comes)
+        time.sleep(1.0)
+        assert not joining.done()
+        started = time.monotonic()
+        assert receiver.abort_group({"group_name": "g1"}) == "left 'g1' as it was being formed"
+        with pytest.raises(GroupAborted, match="as it was being formed"):
+            joining.result(timeout=RELEASED_WITHIN_S)
+        assert time.monotonic() - started < RELEASED_WITHIN_S
+        assert "g1" not in receiver.groups
+    new = form_with(receiver, port, store)
+    assert "g2" in receiver.groups and new.world_size == 2
+
+
+def form_with(receiver: Any, port: int, store: Any) -> WeightSyncGroup:
+    """Group g2 of rank 0 (here) and the receiver as rank 1, at once: not after the g1 join
+    still waiting on the same server (each group talks to it on a connection of its own)."""
+    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+            "world_size": 2, "group_name": "g2", "backend": "gloo"}
+    with ThreadPoolExecutor(2) as pool:
+        host = pool.submit(new_group, "gloo", "127.0.0.1", port, 0, 2, "g2", TIMEOUT_S, store)
+        pool.submit(receiver.init_group, body).result(timeout=TIMEOUT_S / 3)
+        return host.result(timeout=TIMEOUT_S / 3)

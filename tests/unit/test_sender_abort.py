@@ -117,3 +117,41 @@ def test_over_nccl_an_answer_does_not_show_an_engine_out_of_the_update(
     exc, _, _ = broken("nccl", abortable=False, answers_after_s=0.05,
                        monkeypatch=monkeypatch)
     assert (exc.url, exc.stuck) == (DEAD, (SURVIVOR,))
+
+
+class JoiningEngines:
+    """The engine client while a group forms: engine 0 is gone (its join fails at once), the
+    survivor's join sits in the rendezvous until it is told to abort."""
+
+    urls = [DEAD, SURVIVOR]
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    async def post_all(self, path: str, body: Any, **_: Any) -> list[Any]:
+        assert path == "/init_weights_update_group"
+        raise EngineError(DEAD, f"{path}: cannot connect (refused)")
+
+    async def post(self, url: str, path: str, body: Any, **_: Any) -> Any:
+        self.calls.append((url, path))
+        return {"success": True}
+
+
+def test_a_group_that_cannot_form_is_aborted_on_the_engines_that_joined(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """connect(): one member is gone, so the others would wait in the rendezvous until its
+    timeout, and the next group's join would queue behind theirs (the engines' worker is
+    busy); the sender tells the engines that can to give their joins up."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    engines = JoiningEngines()
+    sender = DistributedWeightSender(engines, master_address="127.0.0.1",  # type: ignore[arg-type]
+                                     master_port=port, backend="gloo", timeout_s=5,
+                                     abortable=True)
+    with pytest.raises(EngineError, match="refused"):
+        asyncio.run(sender.connect())
+    assert sender.group is None
+    assert (SURVIVOR, "/abort_weights_update_group") in engines.calls

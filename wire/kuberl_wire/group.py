@@ -63,8 +63,10 @@ class WeightSyncGroup:
     world_size: int
     group_name: str
     pg: Any
-    # The store must outlive the group: on rank 0 it is the rendezvous server.
+    # The store must outlive the group: on rank 0 it is the rendezvous server, or a
+    # connection to `server` (host_store's, kept across groups).
     store: Store = field(repr=False)
+    server: Store | None = field(default=None, repr=False)
     destroyed: bool = False
     _aborted: threading.Event = field(default_factory=threading.Event, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -215,7 +217,8 @@ def new_group(backend: str, master_address: str, master_port: int, rank: int, wo
     """Join (rank > 0) or host (rank 0) the group. Blocks until all `world_size` ranks have
     connected or `timeout` passes, so rank 0 must call this concurrently with asking the engines
     to join (a thread, or asyncio.to_thread). `store`: rank 0's rendezvous server from
-    host_store (at master_address:master_port), kept across groups; None: one of its own."""
+    host_store (at master_address:master_port), kept across groups, to which the group opens
+    a connection of its own; None: a server of its own."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not 0 <= rank < world_size:
@@ -225,8 +228,10 @@ def new_group(backend: str, master_address: str, master_port: int, rank: int, wo
     if store is not None and rank != 0:
         raise ValueError("only rank 0 hosts the rendezvous (store)")
     span = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
-    tcp = store if store is not None else TCPStore(
-        master_address, master_port, world_size, rank == 0, span, wait_for_workers=True)
+    # With a kept server, a connection of this group's own to it: a TCPStore object runs one
+    # request at a time, and a join left waiting in the rendezvous would hold up the next's.
+    tcp = TCPStore(master_address, master_port, world_size, rank == 0 and store is None, span,
+                   wait_for_workers=store is None)
     device = "cuda" if backend == "nccl" else "cpu"
     prefixed = PrefixStore(f"{device}/", PrefixStore(f"{group_name}/",
                                                       PrefixStore(group_name, tcp)))
@@ -235,4 +240,4 @@ def new_group(backend: str, master_address: str, master_port: int, rank: int, wo
     else:
         pg = _nccl(prefixed, rank, world_size, span)
     return WeightSyncGroup(backend=backend, rank=rank, world_size=world_size,
-                           group_name=group_name, pg=pg, store=tcp)
+                           group_name=group_name, pg=pg, store=tcp, server=store)

@@ -347,7 +347,16 @@ class DistributedWeightSender:
                                  self.timeout_s, self.store)
         posts = self.client.post_all("/init_weights_update_group", bodies, per_engine=True,
                                      timeout_s=min(CONTROL_TIMEOUT_S, self.timeout_s + 30))
-        results = await first_error([local, posts])
+        try:
+            results = await first_error([local, posts])
+        except BaseException:
+            # A member is missing (dead, or past its deadline): the others wait in the
+            # rendezvous until its timeout; the engines that can are told to give up (the
+            # local join is left to fail then, on its daemon thread).
+            _retrieved(local)
+            if self.abortable:
+                await self._engines_abort(self.group_name)
+            raise
         group = results[0]
         assert isinstance(group, WeightSyncGroup)
         self.group = group
