@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kuberl_rollout.reference import fault
 from tests.integration import learning
 from tests.integration.local_run import (
     ENV,
@@ -248,8 +249,20 @@ def test_every_engine_process_holds_the_trainers_weights_after_every_step(
 FAULT_STEPS = 3
 VERSIONS = list(range(1, FAULT_STEPS + 1))
 FAULTS = [("dies", 1, "sync"), ("dies", 2, "sync"), ("hangs", 1, "sync"), ("dies", 1, "async"),
-          ("dies-in-sync", 1, "sync"), ("hangs-in-sync", 1, "sync"), ("dies-alone", 1, "sync"),
+          ("dies-in-sync", 1, "sync"), ("hangs-in-sync", 1, "sync"),
+          ("dies-mid-broadcast", 2, "sync"), ("dies-alone", 1, "sync"),
           ("dies-alone", 1, "async"), ("pod-lost", 1, "sync")]
+BETWEEN_STEPS = ("dies", "hangs", "dies-alone", "pod-lost")  # faults at version 1's end
+FAULT_SIGNAL = fault.SIGNAL  # the reference engine's fault switch
+
+
+def engine_pids(url: str) -> list[int]:
+    """The reference engine processes started for `url` (after its fault switch: the child
+    holding its connections)."""
+    port = url.rsplit(":", 1)[1]
+    return [int(p) for p in subprocess.run(
+        ["pgrep", "-f", f"kuberl_rollout.reference .*--port {port}( |$)"],
+        capture_output=True, text=True).stdout.split()]
 # The same behind SGLang's router (rollout.router: sglang); the async loop reaches the router
 # through the same client and fleet calls (a routed async run passed; left out for the tier's
 # time)
@@ -272,6 +285,12 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
     dies-in-sync: killed as the weights of step 1 go out; the sync is made again, to the
     replacement and the engine that got them the first time. hangs-in-sync: stopped there
     instead; past the sync's deadline it is taken for hung and replaced the same way.
+    dies-mid-broadcast: the reference engine's fault switch (kuberl_rollout/reference/fault.py)
+    kills it as the first bucket of version 2 is announced, the broadcast in flight, its
+    weight-sync connections left open and silent as a vanished node's: engine 1's first rank,
+    which gloo has take that bucket from engine 0's, is left in the receive; the trainer aborts
+    the group and tells engine 1 to leave it, so engine 1 is kept, only engine 0 is replaced,
+    and the next step starts well within the group's 300 s timeout.
     dies-alone: the only engine,
     killed between steps: the next rollout waits while it is replaced and given the weights
     the trainers hold, then goes on on the replacement. pod-lost: the engine's Ray actor
@@ -302,6 +321,8 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
     opts = session_options(tmp_path)
     session = Session(spec, opts, check(spec.spec))
     synced: list[tuple[int, list[str]]] = []
+    mid_broadcast: dict[str, float] = {}  # dies-mid-broadcast: when armed, when whole again
+    first: list[str] = []
     try:
         session.start()
         assert session.engines is not None and session.trainers is not None
@@ -322,7 +343,15 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
         def push_and_check(engine_urls: list[str], version: int, bucket_bytes: int) -> float:
             if fault.endswith("-in-sync") and version == 2 and engine_urls == first:
                 kill(first[0], signal.SIGSTOP if fault.startswith("hangs") else signal.SIGKILL)
+            if fault == "dies-mid-broadcast" and version == 2 and engine_urls == first:
+                kill(first[0], FAULT_SIGNAL)  # (armed: it dies at this sync's first bucket)
+                mid_broadcast["armed"] = time.monotonic()
             seconds = push(engine_urls, version, bucket_bytes)
+            if fault == "dies-mid-broadcast" and version == 2:  # (made again, whole)
+                mid_broadcast["whole"] = time.monotonic()
+                events = json.loads(urllib.request.urlopen(
+                    f"{first[1]}/get_event_log", timeout=60).read())["events"]
+                assert "abort_group" in [e["op"] for e in events]  # (told to leave)
             want = trainers.checksums()
             for url in engine_urls:
                 with urllib.request.urlopen(f"{url}/get_weights_checksum?all_ranks=true",
@@ -331,7 +360,7 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
                 assert len(ranks) == tp
                 assert all({k: sums[k] for k in want} == want for sums in ranks), (url, version)
             synced.append((version, list(engine_urls)))
-            if version == 1 and engine_urls == first and not fault.endswith("-in-sync"):
+            if version == 1 and engine_urls == first and fault in BETWEEN_STEPS:
                 kill(first[0], signal.SIGSTOP if fault == "hangs" else signal.SIGKILL)
             return seconds
 
@@ -339,6 +368,14 @@ def test_a_dead_or_hung_engine_is_replaced_and_the_run_goes_on(
         session.train(Progress(FAULT_STEPS))
     finally:
         session.close()
+        if mid_broadcast:  # the fault switch's child, still holding engine 0's connections
+            for pid in engine_pids(first[0]):
+                os.kill(pid, signal.SIGKILL)
+    if fault == "dies-mid-broadcast":
+        took = mid_broadcast["whole"] - mid_broadcast["armed"]
+        print(f"dies-mid-broadcast: the weights of version 2 were whole on every engine "
+              f"{took:.1f} s after the sync that killed engine 0 began (group timeout 300 s)")
+        assert took < 60, took
     rows = metrics(tmp_path / "out")
     assert [r["engine_restarts_total"] for r in rows] == [0] + [1] * (FAULT_STEPS - 1)
     if fault == "dies-alone":

@@ -279,6 +279,7 @@ async def test_the_api_key_is_checked_on_what_sglang_protects(pair: list[str]) -
                                                            "shapes": []}),
              ("POST", "/update_weights_from_tensor", {"serialized_named_tensors": []}),
              ("POST", "/destroy_weights_update_group", {"group_name": "x"}),
+             ("POST", "/abort_weights_update_group", {"group_name": "x"}),
              ("POST", "/abort_request", {"abort_all": True}),
              ("GET", "/get_model_info", None), ("GET", "/get_server_info", None),
              ("GET", "/get_weight_version", None), ("GET", "/get_weights_checksum", None)]

@@ -28,7 +28,8 @@ SGLANG_CASES = [c for c in all_cases() if c.sglang]
 # What the trainer calls (docs/engine-contract.md's table), and the paths around the edges of
 # SGLang's rule (a prefix match: /healthz and /metrics_x pass too)
 PATHS = ["/generate", "/init_weights_update_group", "/update_weights_from_distributed",
-         "/update_weights_from_tensor", "/destroy_weights_update_group", "/pause_generation",
+         "/update_weights_from_tensor", "/destroy_weights_update_group",
+         "/abort_weights_update_group", "/pause_generation",
          "/continue_generation", "/release_memory_occupation", "/resume_memory_occupation",
          "/flush_cache", "/abort_request", "/get_model_info", "/get_server_info",
          "/server_info", "/get_weight_version", "/get_weights_checksum", "/v1/loads",

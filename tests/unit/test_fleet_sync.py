@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kuberl_trainer.engines.client import EngineClient, EngineError
+from kuberl_trainer.engines.client import EngineClient, EngineError, GroupBroken
 from kuberl_trainer.engines.fleet import Fleet
 
 
@@ -42,7 +42,7 @@ class Engines:
 async def servers() -> AsyncIterator[list[str]]:
     app = web.Application()
     app.router.add_get("/health", healthy)
-    started = [TestServer(app) for _ in range(3)]
+    started = [TestServer(app) for _ in range(4)]
     for srv in started:
         await srv.start_server()
     yield [str(srv.make_url("")).rstrip("/") for srv in started]
@@ -91,6 +91,43 @@ async def test_an_engine_past_the_syncs_deadline_is_taken_as_hung_and_replaced(
         calls.append(urls)
         if len(calls) == 1:
             raise EngineError(urls[1], "/pause_generation: TimeoutError")
+        return 0.1
+
+    await fleet.sync(push, 7, 1024)
+    assert calls == [servers[:2], [servers[0], servers[2]]] and fleet.restarts == 1
+
+
+async def test_the_engines_left_in_an_aborted_update_are_replaced_with_the_dead_one(
+        servers: list[str]) -> None:
+    """Engine 0 died in the middle of a broadcast; the trainer aborted the group and engine 1
+    was still in it past the grace (an engine that cannot abort its side: SGLang's). Both are
+    replaced before the push is made again, at once, not at the group's timeout."""
+    fleet, engines = fleet_of(servers, budget=2)
+    calls: list[list[str]] = []
+
+    def push(urls: list[str], version: int, bucket_bytes: int) -> float:
+        calls.append(urls)
+        if len(calls) == 1:
+            engines.exited[urls[0]] = -9
+            raise GroupBroken(urls[0], "Server disconnected; the group was aborted",
+                              stuck=[urls[1]])
+        return 0.1
+
+    await fleet.sync(push, 7, 1024)
+    assert calls == [servers[:2], servers[2:4]] and fleet.restarts == 2
+
+
+async def test_a_broken_update_whose_failed_engine_lives_replaces_it_as_hung(
+        servers: list[str]) -> None:
+    """No engine died: the one that failed (past its bucket's deadline) is hung, and the
+    others were shown out of the aborted update (nothing stuck): only it is replaced."""
+    fleet, _ = fleet_of(servers, budget=1)
+    calls: list[list[str]] = []
+
+    def push(urls: list[str], version: int, bucket_bytes: int) -> float:
+        calls.append(urls)
+        if len(calls) == 1:
+            raise GroupBroken(urls[1], "no answer within 30s; the group was aborted")
         return 0.1
 
     await fleet.sync(push, 7, 1024)

@@ -104,6 +104,11 @@ class EngineStandIn:
         assert path in ("/pause_generation", "/continue_generation"), path
         return [{"success": True}]
 
+    async def post(self, url: str, path: str, body: Any, *,
+                   timeout_s: float | None = None) -> Any:
+        assert url == URL
+        return (await self.post_all(path, body, timeout_s=timeout_s))[0]
+
     async def request(self, url: str, method: str, path: str, body: Any = None, *,
                       timeout_s: float | None = None) -> Any:
         assert (url, method, path) == (URL, "POST", "/flush_cache")

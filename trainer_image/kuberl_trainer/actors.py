@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +39,14 @@ from kuberl_trainer.ray_actors import (
 from kuberl_trainer.sharding import DataParallelLayout
 
 SYNC_TIMEOUT_S = 300.0
+WEIGHT_SYNC_GROUP = "kuberl_weight_sync"
+
+
+def weight_sync_group_name(formed: int) -> str:
+    """The name of rank 0's `formed`-th weight-sync group: each its own, as they share one
+    rendezvous server (kuberl_wire.group)."""
+    return WEIGHT_SYNC_GROUP if formed == 1 else f"{WEIGHT_SYNC_GROUP}_{formed}"
+
 GIB = float(1 << 30)
 WEIGHTS = ("weights",)  # the offloaded kind a sync and a checksum read (backends/offload.py)
 
@@ -64,6 +71,8 @@ class TrainWorker:
         self.device = "cpu"  # (decided in `setup`: asking CUDA initialises its driver)
         self._sender: Any = None
         self._aio: asyncio.AbstractEventLoop | None = None
+        self._rendezvous: Any = None  # rank 0's weight-sync rendezvous server (a TCPStore)
+        self._groups = 0  # weight-sync groups formed so far
         self._poster: Any = None  # a colocated sync's rank 0 HTTP side (colocated.Poster)
         self._sync_dtype: torch.dtype | None = None
         self._weights_off = self._offloaded = False
@@ -199,35 +208,42 @@ class TrainWorker:
     def _weight_sender(self, engine_urls: list[str],
                        sync_port: int) -> asyncio.AbstractEventLoop:
         """The trainer-to-engines group is built once and kept: an NCCL communicator takes
-        seconds to set up, a broadcast over it milliseconds."""
+        seconds to set up, a broadcast over it milliseconds. Formed again, under a new name
+        on the same rendezvous server, when an engine was replaced or the group broke (an
+        engine died in the middle of a broadcast: the sender aborted it)."""
         from kuberl_trainer.engines.client import EngineClient
         from kuberl_trainer.weight_sync.sender import DistributedWeightSender
+        from kuberl_wire.group import host_store
 
-        if self._sender is not None and _engines_changed(self._sender.client, engine_urls):
-            self._drop_weight_sender()  # an engine was replaced: a group without it
+        if self._sender is not None and (_engines_changed(self._sender.client, engine_urls)
+                                         or self._sender.group is None):
+            self._drop_weight_sender()  # a group without the engine that is gone
         if self._sender is None:
+            if self._rendezvous is None:  # (one per rank 0: its port, fixed in a cluster)
+                self._rendezvous = host_store(node_ip(), sync_port or free_port(),
+                                              SYNC_TIMEOUT_S)
+            self._groups += 1  # (no key of an earlier group is read by this one)
             self._aio = asyncio.new_event_loop()
             client = EngineClient(engine_urls, request_timeout_s=SYNC_TIMEOUT_S + 30)
             self._sender = DistributedWeightSender(
-                client, master_address=node_ip(), master_port=sync_port or free_port(),
-                backend="nccl" if self.device == "cuda" else "gloo",
-                group_name="kuberl_weight_sync", timeout_s=SYNC_TIMEOUT_S,
-                tp_sizes=[self.spec.rollout.gpus_per_engine] * len(engine_urls))
+                client, master_address=node_ip(), master_port=self._rendezvous.port,
+                store=self._rendezvous, backend="nccl" if self.device == "cuda" else "gloo",
+                group_name=weight_sync_group_name(self._groups), timeout_s=SYNC_TIMEOUT_S,
+                tp_sizes=[self.spec.rollout.gpus_per_engine] * len(engine_urls),
+                abortable=self.spec.rollout.engine == "reference")
             self._aio.run_until_complete(self._sender.connect())
         assert self._aio is not None
         return self._aio
 
     def _drop_weight_sender(self) -> None:
-        """Forget the group of an engine that is gone. Its members that are still there leave
-        it when they join the next one (an engine's init replaces the group of that name);
-        this end is torn down aside, since a collective teardown may wait for the dead one."""
+        """Leave the group of an engine that is gone (or of a broken update) without a
+        collective teardown, which could wait for the dead member: this end aborted, the
+        engines that can told to leave theirs (SGLang's keep theirs: it has no abort, and its
+        destroy is collective), the HTTP client closed."""
         sender, self._sender = self._sender, None
         assert sender is not None and self._aio is not None
-        group, sender.group = sender.group, None
-        if group is not None:
-            threading.Thread(target=group.destroy, daemon=True,
-                             name="old-weight-sync-group").start()
-        self._aio.run_until_complete(sender.client.close())
+        self._aio.run_until_complete(sender.abandon())
+        self._aio.close()
 
     def checksums(self) -> dict[str, str]:
         """sha256 of every weight as the engines receive it (for sync checks); collective."""

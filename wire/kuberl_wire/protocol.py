@@ -57,6 +57,12 @@ def destroy_weights_update_group(group_name: str) -> dict[str, Any]:
     return {"group_name": group_name}
 
 
+def abort_weights_update_group(group_name: str) -> dict[str, Any]:
+    """kuberl's own request (the reference engine's; SGLang 0.5.6 has no such endpoint): leave
+    the group at once, a receive of it in flight ended (docs/engine-contract.md)."""
+    return {"group_name": group_name}
+
+
 def memory_occupation(tags: Sequence[str] | None = None) -> dict[str, Any]:
     """Body of both /release_memory_occupation and /resume_memory_occupation."""
     return {"tags": list(tags) if tags is not None else None}

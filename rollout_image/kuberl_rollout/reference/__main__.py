@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from aiohttp import web
 
+    from kuberl_rollout.reference import fault
     from kuberl_rollout.reference.engine import ReferenceEngine
     from kuberl_rollout.reference.server import Server
     from kuberl_rollout.reference.tp import Nodes, Peers, RankArgs, rank_device
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
                                  "enable_metrics": args.enable_metrics},
                     enable_metrics=args.enable_metrics,
                     api_key=args.api_key or os.environ.get(ENGINE_API_KEY_ENV, ""))
+    signal.signal(fault.SIGNAL, lambda *_: setattr(server, "die_at_next_bucket", True))
     peers.wait_ready()
     logging.getLogger("kuberl.reference").info(
         "serving %s on http://%s:%d (%s, %s)", args.model_path, args.host, args.port,

@@ -15,6 +15,9 @@ pause condition there). "abort" ends every request in flight (finish_reason abor
 once none is left; "retract" and "in_place" stop the running batch after its current step and
 hold its requests, with the tokens they have, until /continue_generation, when they resume by
 recomputing prompt and tokens (SGLang's retract does the same; its in_place keeps the KV cache).
+
+A test's fault switch (fault.py, never used by kuberl): armed, the engine dies as the next
+weight-update bucket arrives, its peers in the group left to find out nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any, TypeVar, cast
 
 from aiohttp import web
 
-from kuberl_rollout.reference import weights
+from kuberl_rollout.reference import fault, weights
 from kuberl_rollout.reference.batcher import Batcher
 from kuberl_rollout.reference.engine import EngineBusy, GenRequest, ReferenceEngine
 from kuberl_rollout.reference.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, EngineMetrics
@@ -159,6 +162,7 @@ class Server:
         self.pause_mode: str | None = None  # None: not paused
         self.unpaused = asyncio.Event()
         self.unpaused.set()
+        self.die_at_next_bucket = False  # armed by fault.SIGNAL (__main__)
         # What the engine was asked to do, in order (GET /get_event_log, a kuberl extension):
         # tests check a run's sequence of generation, memory and weight operations against it.
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENT_LOG_SIZE)
@@ -196,6 +200,7 @@ class Server:
         r.add_post("/update_weights_from_distributed", self.update_distributed)
         r.add_post("/update_weights_from_tensor", self.update_tensor)
         r.add_post("/destroy_weights_update_group", self.destroy_group)
+        r.add_post("/abort_weights_update_group", self.abort_group)  # kuberl's own
         r.add_get("/get_weights_checksum", self.checksums)
         r.add_get("/get_event_log", self.event_log)
         if self.metrics is not None:  # (SGLang serves /metrics only with --enable-metrics)
@@ -493,6 +498,8 @@ class Server:
         return body
 
     async def update_distributed(self, request: web.Request) -> web.Response:
+        if self.die_at_next_bucket:  # the fault switch: no answer, no clean-up
+            fault.vanish(int(self.server_args.get("port", 0)), self.receiver.timeout_s)
         return await self._weight_op("update_from_distributed",
                                      self.receiver.update_from_distributed,
                                      await self._update_body(request))
@@ -504,3 +511,15 @@ class Server:
     async def destroy_group(self, request: web.Request) -> web.Response:
         return await self._weight_op("destroy_group", self.receiver.destroy_group,
                                      await _body(request))
+
+    async def abort_group(self, request: web.Request) -> web.Response:
+        """kuberl's own endpoint (SGLang 0.5.6 has none: docs/engine-contract.md): every rank
+        leaves the group at once. Not on the worker thread, which may be the one blocked in
+        the group's receive; the TP ranks are told over their connections, past the
+        operation they may be in. Answers {success, message} as the weight endpoints do."""
+        body = await _body(request)
+        message = await asyncio.to_thread(self.receiver.abort_group, body)
+        if self.peers is not None:
+            await asyncio.to_thread(self.peers.abort, body)
+        self.record("abort_group", group_name=body.get("group_name"))
+        return web.json_response({"success": True, "message": message})

@@ -21,6 +21,11 @@ holds ranks R*N/K .. (R+1)*N/K-1 on its local GPUs 0..N/K-1. Node 0 serves HTTP 
 key in $KUBERL_ENGINE_SECRET) and take their work over that connection exactly as node 0's
 own ranks do over pipes, so every rank still joins the weight-update group itself, from its
 own node. Those nodes serve only /health on their own port, as SGLang's do.
+
+Rank 0 sends each operation to the peers and waits for one answer per operation, in order;
+an abort of the weight-update group (`Peers.abort`) is the one message that needs no answer
+and may arrive while a peer is inside an operation (the group's receive it ends): each peer
+reads its connection on a thread of its own and runs the operations on its main thread.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import os
+import queue
 import sys
 import threading
 import time
@@ -87,6 +94,9 @@ class Nodes:
         return range(self.rank * per_node, (self.rank + 1) * per_node)
 
 
+ABORT = "abort_group"  # the message a peer takes at once, without answering (Peers.abort)
+
+
 class PeerError(ValueError):
     """A peer rank refused or failed an operation (HTTP 400, as SGLang answers)."""
 
@@ -121,6 +131,7 @@ class Peers:
                                                name="tp-accept")
             self._accepting.start()
         self.conns: list[Connection] = []
+        self._sending = threading.Lock()  # the worker's operations and the loop's aborts
 
     def _accept(self) -> None:
         """Take one connection per remote rank; each names its rank first. Ends when all are
@@ -174,8 +185,9 @@ class Peers:
         """`op` on every rank: the peers' parts start first (a group rendezvous needs all
         ranks at once), then rank 0's `local(body)`; returns each rank's result in rank order
         once all have answered. One rank's failure fails the operation, naming the rank."""
-        for conn in self.conns:
-            conn.send((op, body))
+        with self._sending:
+            for conn in self.conns:
+                conn.send((op, body))
         results: list[Any] = []
         errors: list[str] = []
         try:
@@ -202,12 +214,21 @@ class Peers:
             raise PeerError("; ".join(errors))
         return results
 
+    def abort(self, body: Any) -> None:
+        """Every peer leaves the weight-update group `body["group_name"]` at once, within an
+        operation or not (Receiver.abort_group); no answer comes back."""
+        with self._sending:
+            for conn in self.conns:
+                with contextlib.suppress(OSError, ValueError):  # a peer gone: nothing to do
+                    conn.send((ABORT, body))
+
     def stop(self) -> None:
         if self._accepting is not None and self._accepting.is_alive():
             self._listener.close()
-        for conn in self.by_rank.values():
-            with contextlib.suppress(OSError, ValueError):  # already gone
-                conn.send(("stop", None))
+        with self._sending:
+            for conn in self.by_rank.values():
+                with contextlib.suppress(OSError, ValueError):  # already gone
+                    conn.send(("stop", None))
         for proc in self.procs.values():
             proc.join(timeout=10)
             if proc.is_alive():
@@ -250,18 +271,50 @@ def _peer_main(conn: Connection, args: RankArgs, tp_rank: int) -> None:
     }
     conn.send(("ready", None))
     LOG.info("tensor parallel rank %d ready on %s", tp_rank, device)
+    _serve(conn, ops, receiver)
+    # An aborted group may still hold an operation in gloo's thread: no interpreter shutdown
+    # (it would wait for, or trip over, it), as rank 0's server ends too.
+    logging.shutdown()
+    os._exit(0)
+
+
+def _serve(conn: Connection, ops: Mapping[str, Callable[[Any], Any]], receiver: Any) -> None:
+    """Rank 0's operations, one at a time and each answered, until "stop" or rank 0 is gone."""
+    inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+    threading.Thread(target=_read, args=(conn, inbox, receiver), daemon=True,
+                     name="tp-read").start()
     while True:
-        try:
-            op, body = conn.recv()
-        except (EOFError, OSError):  # rank 0 is gone: so is this engine
-            return
+        op, body = inbox.get()
         if op == "stop":
             return
         try:
-            conn.send(("ok", ops[op](body)))
+            answer = ("ok", ops[op](body))
         except Exception as exc:
-            conn.send(("error", str(exc) if isinstance(exc, ValueError)
-                       else f"{type(exc).__name__}: {exc}"))
+            answer = ("error", str(exc) if isinstance(exc, ValueError)
+                      else f"{type(exc).__name__}: {exc}")
+        try:
+            conn.send(answer)
+        except (OSError, ValueError):  # rank 0 is gone: so is this engine
+            return
+
+
+def _read(conn: Connection, inbox: queue.Queue[tuple[str, Any]], receiver: Any) -> None:
+    """A peer's connection from rank 0: an abort is done here at once (the main thread may be
+    in the group's receive), every other operation queued for the main thread. Rank 0 gone:
+    every group left (a receive in flight would otherwise wait out its timeout) and stop."""
+    while True:
+        try:
+            op, body = conn.recv()
+        except (EOFError, OSError):
+            receiver.abort_all()
+            inbox.put(("stop", None))
+            return
+        if op == ABORT:
+            receiver.abort_group(body)
+            continue
+        inbox.put((op, body))
+        if op == "stop":
+            return
 
 
 def connect_to_node0(nodes: Nodes, tp_rank: int, timeout_s: float = READY_TIMEOUT_S

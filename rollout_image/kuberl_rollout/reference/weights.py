@@ -16,6 +16,11 @@ of every update, as each of SGLang's TP workers does.
   rank, as SGLang's TP worker indexes it: CUDA IPC handles or shared memory as SGLang's
   MultiprocessingSerializer writes them, torch.save bytes, or with `load_format:
   "flattened_bucket"` slime's flattened buckets; see kuberl_wire.codec) and copy.
+- /abort_weights_update_group (kuberl's own; SGLang 0.5.6 has none): leave the group at once,
+  whatever its other members do (`abort_group`, from any thread): a receive of it in flight on
+  the worker thread ends with an error, and the model keeps what earlier buckets gave it (the
+  engine stays paused until a whole update has arrived: the trainer's rule); a join still in
+  the group's rendezvous (a member missing) gives up too.
 `weight_version`, when given, becomes the engine's version once the update has succeeded.
 """
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -32,7 +38,7 @@ import torch
 from kuberl_rollout.reference.engine import ReferenceEngine
 from kuberl_wire import codec
 from kuberl_wire.dtypes import str_to_dtype
-from kuberl_wire.group import WeightSyncGroup, new_group
+from kuberl_wire.group import ABORT_POLL, GroupAborted, WeightSyncGroup, new_group
 from kuberl_wire.protocol import FLATTENED
 
 LOG = logging.getLogger("kuberl.reference")
@@ -60,6 +66,30 @@ def _field(body: Mapping[str, Any], key: str, kind: type) -> Any:
     return value
 
 
+def _join(given_up: threading.Event, name: str, *args: Any) -> WeightSyncGroup:
+    """new_group(*args) on a thread of its own, waited for in ABORT_POLL slices: GroupAborted
+    once `given_up` is set (the rendezvous, which no abort reaches, is left to fail at its
+    timeout, and a group it forms then is dropped)."""
+    done: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            done["group"] = new_group(*args)
+        except BaseException as exc:
+            done["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True, name=f"join-{name}")
+    thread.start()
+    while thread.is_alive():
+        thread.join(ABORT_POLL.total_seconds())
+        if given_up.is_set():
+            raise GroupAborted(f"weight-sync group {name!r} was aborted as it was being formed")
+    if "error" in done:
+        raise done["error"]
+    group: WeightSyncGroup = done["group"]
+    return group
+
+
 class Receiver:
     def __init__(self, engine: ReferenceEngine, *, tp_rank: int = 0,
                  timeout_s: float = 300.0) -> None:
@@ -67,6 +97,10 @@ class Receiver:
         self.tp_rank = tp_rank
         self.timeout_s = timeout_s
         self.groups: dict[str, WeightSyncGroup] = {}
+        # Groups being joined (their rendezvous waits for every member), each with what tells
+        # its join to give up (abort_group); the lock orders an abort against a join's end.
+        self.joining: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
         # The devices the last update_weights_from_tensor's tensors lived on: a colocated
         # sync must hand each TP rank the tensors of the trainer rank on its own GPU (SGLang
         # would copy another GPU's peer to peer, silently slower), so runs check this.
@@ -85,12 +119,41 @@ class Receiver:
         old = self.groups.pop(name, None)
         if old is not None:  # a restarted trainer re-initialises under the same name
             old.destroy()
-        group = new_group(backend, _field(body, "master_address", str),
-                          _field(body, "master_port", int),
-                          _field(body, "rank_offset", int) + self.tp_rank,
-                          _field(body, "world_size", int), name, self.timeout_s)
-        self.groups[name] = group
+        args = (backend, _field(body, "master_address", str), _field(body, "master_port", int),
+                _field(body, "rank_offset", int) + self.tp_rank, _field(body, "world_size", int),
+                name, self.timeout_s)
+        given_up = threading.Event()
+        self.joining[name] = given_up
+        try:
+            group = _join(given_up, name, *args)
+            with self._lock:
+                if given_up.is_set():  # (aborted as the join ended)
+                    group.abort()
+                    raise GroupAborted(f"weight-sync group {name!r} was aborted")
+                self.groups[name] = group
+        finally:
+            self.joining.pop(name, None)
         return f"joined {name!r} as rank {group.rank}/{group.world_size} ({backend})"
+
+    def abort_group(self, body: Mapping[str, Any]) -> str:
+        """Leave group `group_name` now, whatever its other members do (WeightSyncGroup.abort);
+        safe from any thread while the worker thread receives, and for a group that is gone."""
+        name = str(body.get("group_name") or DEFAULT_GROUP)
+        with self._lock:
+            joining = self.joining.get(name)
+            if joining is not None:
+                joining.set()  # (a join in its rendezvous gives up)
+            group = self.groups.pop(name, None)
+        if group is None:
+            return (f"left {name!r} as it was being formed" if joining is not None else
+                    f"no weight-update group {name!r} (nothing to abort)")
+        group.abort()
+        return f"aborted {name!r}"
+
+    def abort_all(self) -> None:
+        """Leave every group (this rank's server is gone)."""
+        for name in list(self.groups):
+            self.abort_group({"group_name": name})
 
     def destroy_group(self, body: Mapping[str, Any]) -> str:
         name = str(body.get("group_name") or DEFAULT_GROUP)
@@ -132,6 +195,7 @@ class Receiver:
             # for the GPU: their copies are queued on the stream generation runs on, and the
             # caching allocator keeps the receive buffer until they have run.
             self.engine.synchronize()
+        group.check()  # (NCCL: an abort ends the receive whether or not the bytes came)
         return self._done(body, count, sum(b.numel() * b.element_size() for b in buffers),
                           started)
 

@@ -73,6 +73,20 @@ class EngineError(RuntimeError):
         return self.status is not None
 
 
+class GroupBroken(EngineError):
+    """A weight update's group broke in the middle of a broadcast (an engine died or stopped
+    answering) and was aborted: `url` is the engine that failed, `stuck` the others left in
+    the aborted update (or, over NCCL without an abort of their own, not known to be out of
+    it), which must be replaced too (weight_sync.sender, engines.fleet)."""
+
+    def __init__(self, url: str, message: str, stuck: Sequence[str] = ()) -> None:
+        super().__init__(url, message)
+        self.stuck = tuple(stuck)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # (see EngineError's)
+        return (type(self), (self.url, self.message, self.stuck))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """SGLang sampling params the trainer uses. temperature 0 means greedy. SGLang spells the
@@ -476,15 +490,17 @@ class EngineClient:
         bodies = list(body) if per_engine else [body] * len(self.urls)
         if len(bodies) != len(self.urls):
             raise ValueError(f"{len(bodies)} bodies for {len(self.urls)} engines")
-
-        async def one(url: str, b: Any) -> Any:
-            answer = await self.request(url, "POST", path, b, timeout_s=timeout_s)
-            if isinstance(answer, dict) and answer.get("success") is False:
-                raise EngineError(url, f"{path}: {answer.get('message', '')}", 200)
-            return answer
-
         settle = every_answer if in_step else first_error
-        return await settle(one(u, b) for u, b in zip(self.urls, bodies, strict=True))
+        return await settle(self.post(u, path, b, timeout_s=timeout_s)
+                            for u, b in zip(self.urls, bodies, strict=True))
+
+    async def post(self, url: str, path: str, body: Any, *,
+                   timeout_s: float | None = None) -> Any:
+        """POST to one engine; `success: false` (SGLang's weight endpoints) as EngineError."""
+        answer = await self.request(url, "POST", path, body, timeout_s=timeout_s)
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise EngineError(url, f"{path}: {answer.get('message', '')}", 200)
+        return answer
 
     async def wait_healthy(self, timeout_s: float = 120.0, interval_s: float = 0.2,
                            exited: Callable[[], Mapping[str, int]] | None = None,

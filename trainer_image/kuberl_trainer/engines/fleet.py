@@ -8,7 +8,11 @@ place (its actors, or new ones in the same placement bundles) and waits until it
 the weight sync that follows builds its group again with the replacement and sends it the
 current weights, as to every engine. An engine that dies during the weight sync itself is
 replaced the same way and the sync made again, to every engine (`sync`): the others may hold
-half an update, and stay paused until a whole one has arrived. `rollout.maxEngineRestarts`
+half an update, and stay paused until a whole one has arrived. One that dies in the middle of
+a broadcast leaves the others in it until the group's timeout: the trainer aborts the group
+(weight_sync/sender.py), and the engines it names as still stuck in the aborted update
+(GroupBroken.stuck: SGLang's, which cannot be told to abort) are replaced with it at once.
+`rollout.maxEngineRestarts`
 bounds the replacements in a run: the next death fails the run with the engine's last log
 lines (Session.explain).
 
@@ -42,7 +46,7 @@ from concurrent.futures import Executor
 
 from kuberl_api.spec import HealthProbe
 from kuberl_trainer.engines.actors import EngineGroup
-from kuberl_trainer.engines.client import EngineClient, EngineError
+from kuberl_trainer.engines.client import EngineClient, EngineError, GroupBroken
 from kuberl_trainer.engines.router import Router
 
 LOG = logging.getLogger("kuberl.run")
@@ -68,6 +72,7 @@ class Fleet:
         self.announce: Callable[[str], None] = lambda message: None
         self.router: Router | None = None  # kept to the engines in rotation when set
         self._silenced: set[str] = set()  # killed for their silence (see _evict)
+        self._why: dict[str, str] = {}  # why an engine lost in a sync is replaced (heal's log)
         self._evictions: set[asyncio.Future[None]] = set()
 
     def arm(self, push: Callable[..., object], bucket_bytes: int, held: int,
@@ -125,8 +130,9 @@ class Fleet:
         dead = await loop.run_in_executor(None, self.engines.dead)
         gone = sorted(set(dead) | self.client.lost, key=self.engines.urls.index)
         for url in gone:
-            why = (f"exited with code {dead[url]}"
-                   if url in dead and url not in self._silenced else "stopped answering")
+            why = self._why.pop(url, None) or (
+                f"exited with code {dead[url]}"
+                if url in dead and url not in self._silenced else "stopped answering")
             if self.restarts >= self.budget:
                 raise EngineError(url, f"{why}; rollout.maxEngineRestarts is {self.budget}"
                                   f"{' and used up' if self.budget else ''}")
@@ -169,6 +175,14 @@ class Fleet:
                     return
                 except Exception as exc:
                     gone = await loop.run_in_executor(None, dead_after, self.engines, exc)
+                    # A broken update (GroupBroken): the engine that failed, if it did not
+                    # die (hung), and those left in the update the trainer aborted, replaced
+                    # now rather than at the group's timeout
+                    for url, why in _broken_update(exc, self.client.urls):
+                        if url not in gone:
+                            self.client.lose(url)
+                            self._why[url] = why
+                            gone[url] = 0
                     if not gone and not self.client.lost:
                         hung = _silent_engine(exc, self.client.urls)
                         if hung is None:
@@ -261,6 +275,17 @@ def _silent_engine(exc: BaseException, urls: list[str]) -> str | None:
     if isinstance(exc, EngineError) and not exc.answered and exc.url in urls:
         return exc.url
     return None
+
+
+def _broken_update(exc: BaseException, urls: list[str]) -> list[tuple[str, str]]:
+    """(engine, why it is replaced) for the engines a broken weight update names (GroupBroken:
+    the one that failed, then those still in the update the trainer aborted); [] for any
+    other error."""
+    if not isinstance(exc, GroupBroken):
+        return []
+    named = [(exc.url, "stopped answering in a weight update")]
+    named += [(url, "was left in an aborted weight update") for url in exc.stuck]
+    return [(url, why) for url, why in named if url in urls]
 
 
 def dead_after(engines: EngineGroup, exc: BaseException) -> dict[str, int]:

@@ -26,13 +26,23 @@ while requests run; so every update is wrapped as slime wraps it: /pause_generat
 
 An engine's error answer to a bucket (a wrong name, say: it has received the tensors) is raised
 once every engine has answered that bucket, so all of them took part in the same broadcasts and
-the group stays usable. A dead connection or a timeout raises EngineError at once; the local
-broadcast thread may then stay blocked until the group's timeout, after which the group is
-unusable: call close() and connect() again.
+the group stays usable. A bucket that fails without an answer (an engine's connection dropped:
+it died; or it missed its deadline; or the broadcast failed here) breaks the group: the other
+members may sit in that broadcast until the group's timeout. The sender aborts it then
+(`_abort_broken`): its own end at once (kuberl_wire.group: NCCL's ncclCommAbort; gloo's
+broadcast thread let go), and, with `abortable` engines (the reference engine), theirs through
+/abort_weights_update_group (kuberl's own endpoint; SGLang 0.5.6 has none, see
+docs/engine-contract.md). Every engine then has ABORT_GRACE_S to show it is out of the update:
+an abortable one by answering the abort; another by answering its bucket, and over NCCL not
+even that (its broadcast's answer does not wait for the bytes: its GPU stream may still be
+stuck behind the aborted kernel). The error raised, GroupBroken, names the engine that failed
+and, as `stuck`, the ones not shown out of it; the fleet replaces them all at once rather than
+after the group's timeout. The sender is then without a group: a new one (a new group name on
+the same rendezvous server, `store`) is formed for the engines that follow.
 
 Deadlines: no call waits for the group's (NCCL's) own timeout. Pause, flush, continue and the
 group's set-up answer within CONTROL_TIMEOUT_S; a bucket within `bucket_deadline_s` of its
-size. An engine past its deadline raises EngineError without an answer, which the fleet
+size. An engine past its deadline fails without an answer, which the fleet
 (fleet.Fleet.sync) takes for a hung engine: replaced, and the sync made again.
 """
 
@@ -42,14 +52,22 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 from torch._utils import _flatten_dense_tensors
 
-from kuberl_trainer.engines.client import EngineClient, EngineError, first_error
+from kuberl_trainer.engines.client import EngineClient, EngineError, GroupBroken, first_error
 from kuberl_wire import codec, protocol
 from kuberl_wire.dtypes import dtype_to_str
 from kuberl_wire.group import WeightSyncGroup, new_group
@@ -140,6 +158,11 @@ CONTROL_TIMEOUT_S = 60.0  # pause, continue, joining the group: no data moves
 # A bucket's deadline: a fixed allowance (the engine loads it into its model) plus its bytes
 # at a floor bandwidth far below any GPU fabric's (or gloo's on a busy CPU).
 BUCKET_BASE_S, BUCKET_FLOOR_BYTES_PER_S = 30.0, 50e6
+
+
+# After a broken bucket, how long each engine has to show it is out of the aborted update (an
+# abortable engine answers at once; a receive it releases ends within group.ABORT_POLL).
+ABORT_GRACE_S = 10.0
 
 
 def bucket_deadline_s(nbytes: int) -> float:
@@ -283,7 +306,7 @@ class DistributedWeightSender:
                  backend: str = "gloo", group_name: str = "kuberl_weight_sync",
                  timeout_s: float = 300.0, weight_version: int = 0,
                  flatten: bool = True, tp_sizes: Sequence[int] | None = None,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, store: Any = None, abortable: bool = False) -> None:
         self.client = client
         # Each engine's tensor parallel size: how many ranks it brings to the group.
         self.tp_sizes = list(tp_sizes) if tp_sizes is not None else [1] * len(client.urls)
@@ -298,6 +321,11 @@ class DistributedWeightSender:
         self.prefetch = prefetch
         self.master_address = master_address
         self.master_port = master_port
+        # Rank 0's rendezvous server (group.host_store on master_port), kept by the caller
+        # across senders; None: the group makes its own.
+        self.store = store
+        # The engines take /abort_weights_update_group (the reference engine; SGLang does not)
+        self.abortable = abortable
         self.backend = backend
         self.group_name = group_name
         self.timeout_s = timeout_s
@@ -316,10 +344,19 @@ class DistributedWeightSender:
             backend=self.backend) for offset in self.rank_offsets]
         local = in_daemon_thread(new_group, self.backend, self.master_address,
                                  self.master_port, 0, self.world_size, self.group_name,
-                                 self.timeout_s)
+                                 self.timeout_s, self.store)
         posts = self.client.post_all("/init_weights_update_group", bodies, per_engine=True,
                                      timeout_s=min(CONTROL_TIMEOUT_S, self.timeout_s + 30))
-        results = await first_error([local, posts])
+        try:
+            results = await first_error([local, posts])
+        except BaseException:
+            # A member is missing (dead, or past its deadline): the others wait in the
+            # rendezvous until its timeout; the engines that can are told to give up (the
+            # local join is left to fail then, on its daemon thread).
+            _retrieved(local)
+            if self.abortable:
+                await self._engines_abort(self.group_name)
+            raise
         group = results[0]
         assert isinstance(group, WeightSyncGroup)
         self.group = group
@@ -365,11 +402,91 @@ class DistributedWeightSender:
         # bucket has the set-up's allowance on top.
         deadline = bucket_deadline_s(bucket.nbytes) + (CONTROL_TIMEOUT_S if self._fresh else 0.0)
         self._fresh = False
-        await first_error([
-            self.client.post_all("/update_weights_from_distributed", body, in_step=True,
-                                 timeout_s=min(deadline, self.timeout_s + 30)),
-            in_daemon_thread(group.broadcast, bucket.wire, 0),
-        ])
+        timeout = min(deadline, self.timeout_s + 30)
+        posts = {url: asyncio.ensure_future(self.client.post(
+            url, "/update_weights_from_distributed", body, timeout_s=timeout))
+            for url in self.client.urls}
+        cast = in_daemon_thread(group.broadcast, bucket.wire, 0)
+        try:
+            in_step = await _in_step([*posts.values(), cast])
+        except BaseException:
+            for task in posts.values():  # (cancelled itself: no request left behind)
+                task.cancel()
+            raise
+        if not in_step:
+            raise await self._abort_broken(group, posts, cast)
+
+    async def _abort_broken(self, group: WeightSyncGroup,
+                            posts: Mapping[str, asyncio.Future[Any]],
+                            cast: asyncio.Future[None]) -> BaseException:
+        """The bucket's group broke (see the module's docstring): abort it here and on the
+        engines that can, give every engine ABORT_GRACE_S to show it is out of the update,
+        and return the error to raise: GroupBroken naming the first engine that failed and,
+        as `stuck`, the others not shown out; the local failure when no engine is to blame."""
+        self.group = None
+        _retrieved(cast)
+        aborting = in_daemon_thread(group.abort)  # (NCCL's abort may take a moment)
+        released = await self._engines_abort(self.group_name) if self.abortable else set()
+        await asyncio.wait([aborting], timeout=ABORT_GRACE_S)
+        _retrieved(aborting)
+        # The bucket's answers: at once from an engine released by its abort; within the
+        # grace, if at all, from one that cannot abort (not awaited from one that is gone)
+        waiting = [t for url, t in posts.items()
+                   if not t.done() and (not self.abortable or url in released)]
+        if waiting:
+            await asyncio.wait(waiting, timeout=ABORT_GRACE_S)
+        failed = [url for url, t in posts.items() if _unanswered(t)]
+
+        def out(url: str) -> bool:
+            if self.abortable:
+                return url in released
+            return posts[url].done() and url not in failed and self.backend != "nccl"
+
+        broken = [url for url in self.client.urls if not out(url)]
+        for task in posts.values():
+            if task.done():
+                _retrieved(task)
+            else:
+                task.cancel()
+        if not broken:  # (no engine to blame: the broadcast failed here)
+            local = cast.exception() if cast.done() and not cast.cancelled() else None
+            return local or RuntimeError("the weight-update group broke")
+        url = next((u for u in failed if u in broken), broken[0])
+        first = posts[url]
+        why = (first.exception().message  # type: ignore[union-attr]
+               if _unanswered(first) and isinstance(first.exception(), EngineError)
+               else f"still in the update {ABORT_GRACE_S:g}s after it was aborted")
+        return GroupBroken(url, f"{why}; the weight-update group {self.group_name!r} was "
+                           "aborted", stuck=[u for u in broken if u != url])
+
+    async def _engines_abort(self, group_name: str) -> set[str]:
+        """POST /abort_weights_update_group to every engine; the URLs that answered."""
+        body = protocol.abort_weights_update_group(group_name)
+
+        async def one(url: str) -> str | None:
+            try:
+                await self.client.post(url, "/abort_weights_update_group", body,
+                                       timeout_s=ABORT_GRACE_S)
+                return url
+            except EngineError:
+                return None
+
+        return {u for u in await asyncio.gather(*(one(u) for u in self.client.urls)) if u}
+
+    async def abandon(self) -> None:
+        """Leave the group without a collective teardown (an engine of it is gone): this end
+        aborted, the engines that can told to abort theirs (those still there), the HTTP
+        client closed."""
+        group, self.group = self.group, None
+        try:
+            if group is not None:
+                aborting = in_daemon_thread(group.abort)
+                if self.abortable:
+                    await self._engines_abort(self.group_name)
+                await asyncio.wait([aborting], timeout=ABORT_GRACE_S)
+                _retrieved(aborting)
+        finally:
+            await self.client.close()
 
     async def close(self) -> None:
         """Ask engines to leave the group, then drop ours (engine errors still raise)."""
@@ -390,6 +507,34 @@ class DistributedWeightSender:
             await leave
         finally:
             group.destroy()
+
+
+def _unanswered(task: asyncio.Future[Any]) -> bool:
+    """The request failed without the engine's answer (dead connection, timeout)."""
+    if not task.done() or task.cancelled() or task.exception() is None:
+        return False
+    exc = task.exception()
+    return not (isinstance(exc, EngineError) and exc.answered)
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    """Mark `fut`'s exception, now or when it comes, as seen (asyncio logs those never seen)."""
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+async def _in_step(tasks: Sequence[asyncio.Future[Any]]) -> bool:
+    """Wait as client.every_answer does, without cancelling: True once all are done (raising
+    the first error in order: engines' answers, after which the group is still in step);
+    False at the first failure that is no answer (see _unanswered), the others left running."""
+    pending = set(tasks)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+        if any(_unanswered(t) for t in done):
+            return False
+    errors = [e for t in tasks if not t.cancelled() and (e := t.exception()) is not None]
+    if errors:
+        raise errors[0]
+    return True
 
 
 async def post_tensor_bucket(client: EngineClient, entries: Sequence[Sequence[str]], *,
