@@ -16,11 +16,11 @@ from kuberl_api import InvalidRLJob, parse
 from kuberl_api.base import CEL_KEY, ApiModel, Rule
 from kuberl_api.engine_flags import ENGINE_FLAGS_REFUSED, KUBERL_ENGINE_FLAGS
 from kuberl_api.spec import RLJobSpec
-from kuberl_operator.crd import openapi_schema
+from kuberl_operator.crd import validated_schema
 from tests.crd_admission import admit
 from tests.unit.test_api_validation import BAD_SPECS, base, both, ppo, set_
 
-SCHEMA = openapi_schema()
+SCHEMA = validated_schema()
 SPEC_SCHEMA = SCHEMA["properties"]["spec"]
 
 # CEL rules on a single field that have no Python twin, by (model, field): none. A schema rule

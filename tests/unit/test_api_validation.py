@@ -25,11 +25,11 @@ from kuberl_api.spec import (
     MAX_ROLLOUT_GPUS,
     MAX_SAMPLES_PER_PROMPT,
 )
-from kuberl_operator.crd import openapi_schema
+from kuberl_operator.crd import validated_schema
 from tests.crd_admission import admit
 
 ROOT = Path(__file__).resolve().parents[2]
-SCHEMA = openapi_schema()
+SCHEMA = validated_schema()
 
 
 def base() -> dict[str, Any]:
