@@ -188,7 +188,7 @@ def _bad_manifest(case: str, edit: Callable[[dict[str, Any]], None],
                   ns: str) -> dict[str, Any]:
     obj = base()
     edit(obj["spec"])
-    obj["metadata"] = {"name": case[:40].rstrip("-"), "namespace": ns}
+    obj["metadata"] = {"name": case[:40].rstrip("-").lower(), "namespace": ns}  # a valid name
     return obj
 
 
@@ -832,15 +832,18 @@ def test_status_writes_never_meet_the_policy(k8s_cluster: Cluster, validation_ns
                "spec": {"policyName": name, "validationActions": ["Deny"],
                         "matchResources": {"namespaceSelector": {"matchLabels": {
                             "kubernetes.io/metadata.name": ns}}}}}
+    values = iter(range(1000))
+
+    def labelled() -> subprocess.CompletedProcess[str]:  # a new value: a write every time
+        proc: subprocess.CompletedProcess[str] = c.kubectl(
+            "label", "rljob", "status-probe", "-n", ns, f"probe={next(values)}", "--overwrite",
+            check=False)
+        return proc
+
     try:
         assert kubectl_apply(c, {"apiVersion": "v1", "kind": "List",
                                  "items": [probe, binding]}).returncode == 0
-
-        def label(value: str) -> subprocess.CompletedProcess[str]:
-            return c.kubectl("label", "rljob", "status-probe", "-n", ns, f"probe={value}",
-                             "--overwrite", check=False)
-
-        wait_for("the probe in force", lambda: "refused by the probe" in label("1").stderr,
+        wait_for("the probe in force", lambda: "refused by the probe" in labelled().stderr,
                  timeout=30, interval=0.5)
         for step in range(3):
             patched = c.kubectl("patch", "rljob", "status-probe", "-n", ns,
@@ -850,6 +853,8 @@ def test_status_writes_never_meet_the_policy(k8s_cluster: Cluster, validation_ns
     finally:
         c.kubectl("delete", "validatingadmissionpolicybinding,validatingadmissionpolicy", name,
                   "--ignore-not-found")
+        wait_for("the probe out of force", lambda: labelled().returncode == 0, timeout=30,
+                 interval=0.5)
         c.kubectl("delete", "rljob", "status-probe", "-n", ns, "--ignore-not-found")
 
 

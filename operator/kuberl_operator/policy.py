@@ -9,10 +9,10 @@ creates and updates of the RLJob itself.
 
 Each rule becomes a `Check`: its CEL with `self` (and `oldSelf`) rebound to the object's field
 (`object.spec.training`), guarded by has() where a section on the way is optional, and ratcheted
-as the API server ratchets a CRD's rules: on an update, a rule whose inputs (the fields it reads)
-are all unchanged is not evaluated, so a job stored before a rule existed still takes edits to
-the rest of its spec (transition rules, which compare with `oldSelf`, are never ratcheted).
-The policy lists every check's problem in one message, as the CRD's errors did.
+as the API server ratchets a CRD's rules: on an update, a rule whose inputs (the spec sections
+it reads) are all unchanged is not evaluated, so a job stored before a rule existed still takes
+edits to the rest of its spec (transition rules, which compare with `oldSelf`, are never
+ratcheted). The policy lists every check's problem in one message, as the CRD's errors did.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ LABELS = {"app.kubernetes.io/name": "kuberl", "app.kubernetes.io/part-of": "kube
 SEPARATOR = " | "
 ITEM = "item"  # the variable a rule on list items binds `self` to
 # Identifiers the policy's CEL defines; a rule must not use them for its own variables.
-RESERVED = ("object", "oldObject", ITEM, "variables", "request", "params", "namespaceObject")
+RESERVED = ("object", "oldObject", ITEM, "variables", "request", "params", "namespaceObject",
+            "authorizer")
 # Shown when the list of problems is too long for a message (the API server's 5 KiB limit).
 FALLBACK = ("the RLJob breaks several of kuberl's rules: `kuberl validate FILE` lists "
             "every problem")
@@ -44,11 +45,12 @@ FALLBACK = ("the RLJob breaks several of kuberl's rules: `kuberl validate FILE` 
 class Check:
     """One rule as the policy evaluates it.
 
-    `test` is CEL over `object`, `oldObject` and `request` that is true when the rule
-    holds (or does not apply: an absent optional section, unchanged inputs). A rule on the items
-    of a list has `items`, CEL for the list it checks (empty when the rule does not apply:
-    ratcheted), and its `test` reads one item as `item`. `where` is the field the problem names: for an item
-    rule, the list's path, followed by the item's index and `item_field`."""
+    `test` is CEL over `object`, `oldObject`, `request` and the policy's `variables` that is
+    true when the rule holds (or does not apply: an absent optional section, unchanged inputs).
+    A rule on the items of a list has `items`, CEL for the list it checks (empty when the rule
+    does not apply: ratcheted), and its `test` reads one item as `item`. `where` is the field
+    the problem names: for an item rule, the list's path, followed by the item's index and
+    `item_field`."""
 
     test: str
     where: str
@@ -138,30 +140,25 @@ def _steps(path: tuple[str, ...], schema: Schema) -> list[tuple[str, bool]]:
     return out
 
 
-def value(root: str, path: tuple[str, ...], schema: Schema, absent: str = "null") -> str:
-    """CEL: the value at `path` below `root` (`object` or `oldObject`), or `absent` where an
-    optional field on the way is not set (selecting an absent field is an error in CEL)."""
+def _guarded(root: str, path: tuple[str, ...], schema: Schema, then: str | None,
+             otherwise: str) -> str:
+    """CEL: `then` (by default the value at `path` below `root`) where every optional field on
+    `path` is set, else `otherwise` (selecting an absent field is an error in CEL)."""
     expr, guards = root, []
     for name, optional in _steps(path, schema):
         expr = f"{expr}.{name}"
         if optional:
             guards.append(f"has({expr})")
+    out = expr if then is None else then
     for guard in reversed(guards):
-        expr = f"({guard} ? {expr} : {absent})"
-    return expr
+        out = f"({guard} ? {out} : {otherwise})"
+    return out
 
 
-def _where_present(path: tuple[str, ...], schema: Schema, test: str) -> str:
-    """CEL: `test` where every optional field on `path` is set in `object`, else true (a rule
-    does not apply to an absent section)."""
-    expr, guards = "object", []
-    for name, optional in _steps(path, schema):
-        expr = f"{expr}.{name}"
-        if optional:
-            guards.append(f"has({expr})")
-    for guard in reversed(guards):
-        test = f"({guard} ? {test} : true)"
-    return test
+def value(root: str, path: tuple[str, ...], schema: Schema, absent: str = "null") -> str:
+    """CEL: the value at `path` below `root` (`object` or `oldObject`), or `absent` where an
+    optional field on the way is not set."""
+    return _guarded(root, path, schema, None, absent)
 
 
 # (Not `oldObject == null`: the same meaning, but tests/crd_admission.py's CEL evaluator cannot
@@ -248,7 +245,8 @@ def _check(schema: Schema, path: tuple[str, ...], item_of: tuple[str, ...] | Non
         test = f"{CREATE} || ({bind(text, node_expr, old_expr)})"
     else:
         inputs = {(*path, *p) for p in reads(text)}
-        applies = _where_present(path, schema, f"({bind(text, node_expr)})")
+        # an absent optional section: the rule does not apply
+        applies = _guarded("object", path, schema, f"({bind(text, node_expr)})", "true")
         test = f"({_unchanged(inputs, schema)}) || {applies}"
     return Check(test, where, rule["message"])
 

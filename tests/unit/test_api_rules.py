@@ -1,7 +1,8 @@
-"""Every rule of the RLJob spec is a `Rule` with both its forms: the CEL the CRD carries is exactly
-the rules' CEL (none written by hand without a Python twin), the models validate with the rules'
-Python (and nothing else, bar the listed Python-only checks), and a manifest that breaks a rule
-gets the same message, at the same field, from the model and from the CRD's CEL."""
+"""Every rule of the RLJob spec is a `Rule` with both its forms: the CEL the schema carries
+(`crd.validated_schema()`, from which the policy is made) is exactly the rules' CEL (none
+written by hand without a Python twin), the models validate with the rules' Python (and nothing
+else, bar the listed Python-only checks), and a manifest that breaks a rule gets the same
+message, at the same field, from the model and from the policy's CEL."""
 
 from __future__ import annotations
 
