@@ -324,19 +324,51 @@ def histogram_quantile(q: float, after: dict[str, Any], before: dict[str, Any]) 
     return math.nan
 
 
-def apiserver_rejections(client: Client) -> float:
-    """API Priority and Fairness rejections (429s) since the API server started."""
+def apiserver_metrics(client: Client) -> str:
     client.close()  # a kept-alive connection may have idled out during GC
     try:
         conn = client.connect()
         conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
+        return conn.getresponse().read().decode()
     except (OSError, http.client.HTTPException):
-        return math.nan
+        return ""
     finally:
         client.close()
+
+
+def apiserver_rejections(client: Client) -> float:
+    """API Priority and Fairness rejections (429s) since the API server started."""
+    text = apiserver_metrics(client)
+    if not text:
+        return math.nan
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("apiserver_flowcontrol_rejected_requests_total{"))
+
+
+_REQUESTS = re.compile(r"^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<n>\S+)$")
+
+
+def requests_served(client: Client) -> dict[str, float]:
+    """Requests the API server answered since it started, by "VERB resource[/subresource]"
+    (watches and the metrics scrape itself excluded)."""
+    out: dict[str, float] = {}
+    for line in apiserver_metrics(client).splitlines():
+        if not (m := _REQUESTS.match(line)):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"]))
+        if labels.get("verb") in ("WATCH", "CONNECT") or not labels.get("resource"):
+            continue
+        what = labels["resource"] + (f"/{labels['subresource']}" if labels.get("subresource")
+                                     else "")
+        key = f"{labels['verb']} {what}"
+        out[key] = out.get(key, 0.0) + float(m["n"])
+    return out
+
+
+def requests_per_job(before: dict[str, float], after: dict[str, float], n: int) -> dict[str, float]:
+    """The requests between two counts, per job (what every client asked during a burst)."""
+    out = {k: (after[k] - before.get(k, 0.0)) / n for k in after}
+    return {k: v for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if v >= 0.05}
 
 
 # ------------------------------------------------------------------ one size
@@ -458,6 +490,7 @@ class Baseline:
     missing_rayjob: int
     burst_s: float
     apiserver_cpu: float
+    requests: dict[str, float]
 
 
 def run_baseline(cluster: Cluster, n: int, args: argparse.Namespace,
@@ -475,13 +508,13 @@ def run_baseline(cluster: Cluster, n: int, args: argparse.Namespace,
         watch.start()
         time.sleep(2)  # the watch is open
         say(f"baseline: {n} jobs' {args.baseline} POSTed directly in {ns}")
-        cpu0 = proc_cpu(apiserver)
+        served0, cpu0 = requests_served(client), proc_cpu(apiserver)
         t0 = time.monotonic()
         names = create_burst(cluster, ns, n, args.clients, seen, posts)
         burst = time.monotonic() - t0
         wait_for("every direct RayJob on the watch", lambda: len(seen.rayjob) >= n,
                  timeout=args.timeout)
-        cpu = proc_cpu(apiserver) - cpu0
+        cpu, served = proc_cpu(apiserver) - cpu0, requests_served(client)
         watch.stopped = True
         client.close()
         say(f"  created in {burst:.1f} s")
@@ -489,11 +522,11 @@ def run_baseline(cluster: Cluster, n: int, args: argparse.Namespace,
         f"/api/v1/namespaces/{ns}") is None, timeout=300)
     with seen.lock:
         from_start = [seen.rayjob[j] - t0 for j in names if j in seen.rayjob]
-        per_job = [seen.rayjob[j] - seen.created[j] for j in names
-                   if j in seen.rayjob and j in seen.created]
+        latencies = [seen.rayjob[j] - seen.created[j] for j in names
+                     if j in seen.rayjob and j in seen.created]
     return Baseline(jobs=n, what=args.baseline, rayjob_from_start=quantiles(from_start),
-                    rayjob=quantiles(per_job), missing_rayjob=n - len(from_start),
-                    burst_s=burst, apiserver_cpu=cpu)
+                    rayjob=quantiles(latencies), missing_rayjob=n - len(from_start),
+                    burst_s=burst, apiserver_cpu=cpu, requests=requests_per_job(served0, served, n))
 
 
 @dataclass
@@ -518,6 +551,7 @@ class Result:
     rejections: float
     watch_errors: int
     log_warnings: int
+    requests: dict[str, float] = field(default_factory=dict)
     baseline: Baseline | None = None
 
     def ratio(self) -> float:
@@ -573,7 +607,7 @@ def run_size(cluster: Cluster, n: int, args: argparse.Namespace, pids: dict[str,
             watches[-1].start()
         rejected0 = apiserver_rejections(client)
         time.sleep(2)  # the watches are open; the operator's idle CPU settles
-        m0, cpu0 = scrape(op), sampler.cpu()
+        m0, cpu0, served0 = scrape(op), sampler.cpu(), requests_served(client)
         say(f"{n} RLJobs in namespace {ns}: creating with {args.clients} clients")
         profiler = profile_apiserver(cluster, args, n, say)
         t0 = time.monotonic()
@@ -584,7 +618,7 @@ def run_size(cluster: Cluster, n: int, args: argparse.Namespace, pids: dict[str,
         done = time.monotonic() - t0
         if profiler is not None:
             profiler.join()
-        m1, cpu1 = scrape(op), sampler.cpu()
+        m1, cpu1, served1 = scrape(op), sampler.cpu(), requests_served(client)
         say(f"  {'all' if complete else 'NOT all'} RayJobs and Accepted after {done:.1f} s; "
             f"settling {args.settle:.0f} s (one resync of every job)")
         time.sleep(args.settle)
@@ -635,7 +669,8 @@ def run_size(cluster: Cluster, n: int, args: argparse.Namespace, pids: dict[str,
         duplicates=duplicates, gc_s=gc_s, rljobs_gone_s=gone, orphans=orphans, gc_rate=gc_rate,
         rejections=rejected1 - rejected0, watch_errors=sum(w.errors for w in watches),
         log_warnings=sum(1 for line in text.splitlines()
-                         if "[WARNING" in line or "[ERROR" in line or "Traceback" in line))
+                         if "[WARNING" in line or "[ERROR" in line or "Traceback" in line),
+        requests=requests_per_job(served0, served1, n))
 
 
 # ------------------------------------------------------------------ report
@@ -689,6 +724,12 @@ def table(results: list[Result], args: argparse.Namespace) -> str:
     row("controller-manager CPU s, delete + GC",
         [fmt(r.cpu["gc"]["kube-controller-manager"], "") for r in results])
     row("this benchmark's CPU s, burst", [fmt(r.cpu["burst"]["bench"], "") for r in results])
+    row("API requests per job, burst (every client; >= 0.05)",
+        [", ".join(f"{k} {v:.2f}" for k, v in r.requests.items()) for r in results])
+    if any(r.baseline for r in results):
+        row("direct: API requests per job, burst",
+            [", ".join(f"{k} {v:.2f}" for k, v in r.baseline.requests.items())
+             if r.baseline else "-" for r in results])
     row("reconcile passes, burst / settle window",
         [f"{r.passes['burst']:.0f} / {r.passes['settle']:.0f}" for r in results])
     row("reconcile duration mean / p50 / p99 (bucket)",
