@@ -27,7 +27,13 @@ from celpy import celtypes
 from celpy.evaluation import CELEvalError
 
 from kuberl_operator.crd import without_rules
-from kuberl_operator.policy import UNCHANGED, Check, checks, unchanged_variable
+from kuberl_operator.policy import (
+    SPEC_WRITTEN,
+    UNCHANGED,
+    Check,
+    checks,
+    unchanged_variable,
+)
 
 Schema = dict[str, Any]
 _ENV = celpy.Environment()
@@ -109,20 +115,19 @@ def _policy(schema: Schema) -> tuple[list[Check], str]:
     return policy_checks, unchanged
 
 
-def policy_problems(schema: Schema, new: dict[str, Any], old: dict[str, Any] | None,
-                    all_checks: list[Check] | None = None) -> list[str]:
+def policy_problems(schema: Schema, new: dict[str, Any], old: dict[str, Any] | None) -> list[str]:
     """What the policy made from `schema`'s rules refuses in `new` (an update of `old`, both
     defaulted), one "path: message" line per problem."""
-    if old is not None and new.get("spec") == old.get("spec"):
-        return []  # its matchCondition: an update that leaves the spec as it was
     ctx: dict[str, Any] = {
         "object": _to_cel(new), "oldObject": _to_cel(old),
         "request": _to_cel({"operation": "CREATE" if old is None else "UPDATE"})}
+    if not _evaluate(SPEC_WRITTEN, ctx, "matchConditions"):
+        return []  # an update that leaves the spec as it was: the policy does not apply
     policy_checks, unchanged = _policy(schema)
     ctx["variables"] = celtypes.MapType(
         {celtypes.StringType(UNCHANGED): _evaluate(unchanged, ctx, UNCHANGED)})
     out = []
-    for check in policy_checks if all_checks is None else all_checks:
+    for check in policy_checks:
         if check.items is None:
             result = _evaluate(check.test, ctx, check.where)
             assert isinstance(result, celtypes.BoolType), check.test

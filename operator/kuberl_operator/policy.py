@@ -166,6 +166,10 @@ def value(root: str, path: tuple[str, ...], schema: Schema, absent: str = "null"
 CREATE = 'request.operation == "CREATE"'
 UPDATE = 'request.operation == "UPDATE"'
 
+# The policy's matchCondition: an update that leaves the spec as it was (labels, annotations,
+# finalizers) has nothing to check: every rule's inputs are unchanged, or it compares the spec.
+SPEC_WRITTEN = f"{CREATE} || object.spec != oldObject.spec"
+
 # Ratcheting compares a rule's inputs by spec section (spec.training, spec.placement): a
 # variable computes, once per update, which sections it left as they were.
 UNCHANGED = "unchanged"
@@ -320,12 +324,7 @@ def rljob_policy(group: str = rljob.GROUP, name: str = POLICY_NAME) -> dict[str,
                 # The resource, not its subresources: status writes never meet the rules.
                 "resources": [rljob.PLURAL],
             }]},
-            # An update that leaves the spec as it was (labels, annotations, finalizers) has
-            # nothing to check: every rule's inputs are unchanged, or it compares the spec.
-            "matchConditions": [{
-                "name": "spec-written",
-                "expression": f"{CREATE} || object.spec != oldObject.spec",
-            }],
+            "matchConditions": [{"name": "spec-written", "expression": SPEC_WRITTEN}],
             "variables": variables(),
             "validations": [{
                 "expression": "size(variables.problems) == 0",
