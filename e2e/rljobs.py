@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import yaml
 from cluster import Api, Cluster, terminate, write_kubeconfig
 from polling import wait_for
 
@@ -25,9 +27,10 @@ from kuberl_operator.policy import POLICY_NAME
 from kuberl_operator.render import names
 
 ROOT = Path(__file__).resolve().parents[1]
+CRDS = ROOT / "crds"  # what the session's cluster starts with (conftest.py)
 # The RLJob's rules as a ValidatingAdmissionPolicy and its binding (`kuberl crd --policy`):
 # installed with crds/ when the cluster starts, as `kubectl apply -f crds/` installs them.
-POLICY_FILE = ROOT / "crds" / "rljob-policy.yaml"
+POLICY_FILE = CRDS / "rljob-policy.yaml"
 
 RLJOBS = "/apis/kuberl.dev/v1alpha1/namespaces/{ns}/rljobs"
 RAYJOBS = "/apis/ray.io/v1/namespaces/{ns}/rayjobs"
@@ -64,6 +67,63 @@ def namespace(cluster: Cluster, prefix: str) -> Iterator[str]:
         yield ns
     finally:
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def install_crds(c: Cluster, files: list[Path] | None = None) -> None:
+    """Install a release's CRDs as an upgrade (or a downgrade) does: `kubectl apply
+    --server-side` of its crd files (default: this checkout's crds/, as the README says), taking
+    over fields another apply set. Objects this checkout's crds/ holds and `files` do not are
+    deleted: a release without them had none (before issue 36, the rules were the CRD's, and
+    there was no policy). Returns once the rules' policy is in force, or out of force where
+    `files` have none; the API server serves a new schema a moment after this returns: wait for
+    its effect."""
+    chosen = files if files is not None else sorted(CRDS.glob("*.yaml"))
+    for path in chosen:
+        c.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
+
+    def objects(paths: list[Path]) -> set[tuple[str, str]]:
+        docs = [d for path in paths for d in yaml.safe_load_all(path.read_text()) if d]
+        return {(d["kind"], d["metadata"]["name"]) for d in docs}
+
+    for kind, name in sorted(objects(sorted(CRDS.glob("*.yaml"))) - objects(chosen)):
+        c.kubectl("delete", kind, name, "--ignore-not-found")
+    c.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
+    policy = ("ValidatingAdmissionPolicyBinding", POLICY_NAME) in objects(chosen)
+    wait_for(f"the RLJob policy {'in' if policy else 'out of'} force",
+             lambda: policy_enforced(c, "default") == policy, timeout=30, interval=0.5)
+
+
+@contextlib.contextmanager
+def static_claims(cluster: Cluster, ns: str, claims: list[str]) -> Iterator[list[str]]:
+    """Statically provisioned PVs bound to `claims` in `ns` (there is no provisioner here, and
+    pods whose claims are unbound never schedule); the PVs are deleted afterwards."""
+    api = cluster.api()
+    for claim in claims:
+        pv = f"{ns}-{claim}"
+        api.create("/api/v1/persistentvolumes", {
+            "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+            "spec": {"capacity": {"storage": "1Ti"},
+                     "accessModes": ["ReadWriteMany", "ReadOnlyMany"],
+                     "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                     "hostPath": {"path": f"/tmp/kuberl-e2e/{pv}"},
+                     "claimRef": {"namespace": ns, "name": claim}}})
+        api.create(f"/api/v1/namespaces/{ns}/persistentvolumeclaims", {
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": claim, "namespace": ns},
+            "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "",
+                     "volumeName": pv, "resources": {"requests": {"storage": "1Ti"}}}})
+
+    def bound() -> bool:
+        return all((api.get(f"/api/v1/namespaces/{ns}/persistentvolumeclaims/{claim}") or {})
+                   .get("status", {}).get("phase") == "Bound" for claim in claims)
+
+    wait_for(f"PVCs {claims} in {ns} Bound", bound, timeout=60)
+    try:
+        yield claims
+    finally:
+        for claim in claims:
+            with contextlib.suppress(urllib.error.HTTPError):
+                api.request("DELETE", f"/api/v1/persistentvolumes/{ns}-{claim}")
 
 
 def kubectl_apply(c: Cluster, obj: Mapping[str, Any] | str, *args: str,
@@ -154,22 +214,28 @@ class Operator:
     """`python -m kuberl_operator`, exactly as the chart's Deployment runs it, watching one
     namespace, *with the chart's identity*: the chart is installed (namespaced mode) and the
     operator logs in with its ServiceAccount's token, so a permission the chart lacks fails
-    these tests. (The chart's own pod is a kwok stand-in that runs nothing.)"""
+    these tests. (The chart's own pod is a kwok stand-in that runs nothing.)
+
+    `code`: the root of another kuberl source tree to run instead of this checkout's (an
+    earlier release's operator, e2e/test_upgrade.py), with this checkout's venv; a test may
+    change it (and `log`) between a stop and a start."""
 
     RELEASE = "kuberl"  # the chart names its ServiceAccount after the release
 
     def __init__(self, cluster: Cluster, ns: str, log: Path,
-                 resync_seconds: float = RESYNC_SECONDS) -> None:
+                 resync_seconds: float = RESYNC_SECONDS, code: Path | None = None) -> None:
         self.cluster = cluster
         self.ns = ns
         self.log = log
+        self.identity = log.with_suffix(".kubeconfig")
         self.resync_seconds = resync_seconds
+        self.code = code
         self.metrics_port = free_port()
         self.health_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     def chart_identity(self) -> Path:
-        path = self.log.with_suffix(".kubeconfig")
+        path = self.identity
         if path.exists():  # installed by an earlier start (a restarted operator)
             return path
         # The cluster has the CRD and the RLJob's policy from crds/ (conftest.py): the chart
@@ -201,6 +267,9 @@ class Operator:
         env = {**self.cluster.env, "PYTHONUNBUFFERED": "1", "KUBECONFIG": kubeconfig,
                **self.chart_env()}
         env.pop("KUBERNETES_SERVICE_HOST", None)  # never the in-cluster login
+        if self.code is not None:  # its packages first on the path (the venv's come after)
+            paths = [str(self.code / d) for d in ("operator", "env_image", "wire")]
+            env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
         # --no-scanning: as the chart sets it in namespaced mode (no cluster-wide reads).
         args = [sys.executable, "-m", "kuberl_operator", "-n", self.ns, "-v", "--no-scanning",
                 "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port),

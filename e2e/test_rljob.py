@@ -15,7 +15,6 @@ namespace of its own.
 from __future__ import annotations
 
 import base64
-import contextlib
 import copy
 import importlib
 import json
@@ -50,6 +49,7 @@ from rljobs import (
     policy_enforced,
     policy_unbound,
     selector_query,
+    static_claims,
     table_row,
 )
 
@@ -338,36 +338,10 @@ GPU_EXAMPLES = ["disaggregated.yaml", "multinode-megatron-rdma.yaml"]
 
 @pytest.fixture(scope="module")
 def volumes(k8s_cluster: Cluster, operator_ns: str) -> Iterator[list[str]]:
-    """Statically provisioned PVs bound to the examples' claims (there is no provisioner here,
-    and pods whose claims are unbound never schedule)."""
-    api, ns = k8s_cluster.api(), operator_ns
+    """Statically provisioned PVs bound to the examples' claims (rljobs.static_claims)."""
     claims = sorted({c for name in GPU_EXAMPLES for c in claims_of(example(name))})
-    for claim in claims:
-        pv = f"{ns}-{claim}"
-        api.create("/api/v1/persistentvolumes", {
-            "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
-            "spec": {"capacity": {"storage": "1Ti"},
-                     "accessModes": ["ReadWriteMany", "ReadOnlyMany"],
-                     "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
-                     "hostPath": {"path": f"/tmp/kuberl-e2e/{pv}"},
-                     "claimRef": {"namespace": ns, "name": claim}}})
-        api.create(f"/api/v1/namespaces/{ns}/persistentvolumeclaims", {
-            "apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": {"name": claim, "namespace": ns},
-            "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "",
-                     "volumeName": pv, "resources": {"requests": {"storage": "1Ti"}}}})
-
-    def bound() -> bool:
-        return all((api.get(f"/api/v1/namespaces/{ns}/persistentvolumeclaims/{claim}") or {})
-                   .get("status", {}).get("phase") == "Bound" for claim in claims)
-
-    wait_for(f"PVCs {claims} in {ns} Bound", bound, timeout=60)
-    try:
+    with static_claims(k8s_cluster, operator_ns, claims):
         yield claims
-    finally:
-        for claim in claims:
-            with contextlib.suppress(urllib.error.HTTPError):
-                api.request("DELETE", f"/api/v1/persistentvolumes/{ns}-{claim}")
 
 
 def container(pod: Mapping[str, Any]) -> dict[str, Any]:

@@ -51,7 +51,7 @@ def _describe(err: Any) -> tuple[str, str]:
         parts = cause.field.split(".")
         if loc and loc[-1] == parts[0]:  # a field validator's: pydantic's loc names the field
             parts = parts[1:]
-        return _path([*loc, *parts]), f"{cause.problem} (got {cause.value!r})"
+        return _path([*loc, *parts]), cause.text
     kind = err["type"]
     if kind == "missing":
         return _path(loc), "is required"

@@ -16,11 +16,13 @@ PHASES: tuple[Phase, ...] = ("Pending", "Provisioning", "Running", "Restarting",
                              "Suspended", "Succeeded", "Failed")
 TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
 
-ConditionType = Literal["Accepted", "Queued", "ClusterReady", "Training", "Stalled",
-                        "Preempted", "Suspended", "Succeeded", "Failed"]
-CONDITION_TYPES: tuple[ConditionType, ...] = ("Accepted", "Queued", "ClusterReady", "Training",
-                                              "Stalled", "Preempted", "Suspended", "Succeeded",
-                                              "Failed")
+# SpecWarning: True while the job runs on a spec an earlier kuberl accepted and this one would
+# refuse (kuberl_operator/status/ratchet.py); its message names each field and why.
+ConditionType = Literal["Accepted", "SpecWarning", "Queued", "ClusterReady", "Training",
+                        "Stalled", "Preempted", "Suspended", "Succeeded", "Failed"]
+CONDITION_TYPES: tuple[ConditionType, ...] = ("Accepted", "SpecWarning", "Queued",
+                                              "ClusterReady", "Training", "Stalled",
+                                              "Preempted", "Suspended", "Succeeded", "Failed")
 
 
 # What progress.trainerPhase holds (kuberl_trainer/report/heartbeat.py reports it).

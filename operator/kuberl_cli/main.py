@@ -23,7 +23,7 @@ from typing import NoReturn
 
 import yaml
 
-from kuberl_api import InvalidRLJob, RLJob, load
+from kuberl_api import InvalidRLJob, RLJob, load, load_rendered
 
 
 def _cmd_crd(args: argparse.Namespace) -> int:
@@ -79,7 +79,15 @@ def code_notice(job: RLJob) -> str | None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    job = _load(args.manifest)
+    if args.in_cluster:
+        # The config the operator rendered: the rules it waived for this job (an earlier
+        # release accepted it; kuberl_operator/status/ratchet.py) are waived here too.
+        job, waived = load_rendered(args.manifest)
+        for failure in waived:
+            print(f"notice: accepted by an earlier kuberl release, refused by this one: "
+                  f"{failure.line()}", file=sys.stderr)
+    else:
+        job = _load(args.manifest)
     notice = None if args.in_cluster else code_notice(job)
     if notice:
         print(notice, file=sys.stderr)

@@ -106,7 +106,7 @@ def shared_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str
 # shut down) Sessions that join it. Custom resources enough for any test job's actors.
 RAY_HOST = """
 import sys, ray
-ctx = ray.init(num_cpus=8, include_dashboard=False, logging_level="ERROR",
+ctx = ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="ERROR",
                resources={"kuberl_train": 16, "kuberl_rollout": 16, "kuberl_critic": 16})
 print(ctx.address_info["gcs_address"], flush=True)
 sys.stdin.read()  # until the test process closes it

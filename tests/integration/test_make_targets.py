@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,9 +33,17 @@ def test_make_demo_runs_the_tiny_job_and_says_where_its_start_up_went(
     spec["schedule"]["numRollouts"] = 2
     job, out = tmp_path / "tiny-grpo.yaml", tmp_path / "out"
     job.write_text(yaml.safe_dump(doc))
-    res = subprocess.run(["make", "demo", f"DEMO_TINY={tiny}", f"DEMO_JOB={job}",
-                          f"DEMO_OUT={out}"], cwd=ROOT, env=ENV, capture_output=True,
-                         text=True, timeout=540)
+    # A machine where `ray start` once ran and died: its address file stays in Ray's temp dir,
+    # and a plain ray.init() would try to join it. The demo starts a Ray of its own anyway.
+    ray_tmp = Path(tempfile.mkdtemp(prefix="kr-demo-", dir="/tmp"))  # short: Ray's sockets
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
+    try:
+        res = subprocess.run(["make", "demo", f"DEMO_TINY={tiny}", f"DEMO_JOB={job}",
+                              f"DEMO_OUT={out}"], cwd=ROOT, env={**ENV, "RAY_TMPDIR": str(ray_tmp)},
+                             capture_output=True, text=True, timeout=540)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
     assert f"tiny: reusing {tiny}" in res.stdout
     assert f"logs: {out / 'logs'}/" in res.stdout

@@ -164,3 +164,39 @@ def test_a_refused_join_says_what_to_set(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv(ray_auth.TOKEN_ENV, "t")
     assert "check that it is that Ray's token" in str(
         ray_auth.JoinRefused("x:1", ConnectionError("boom")))
+
+
+# A config the operator rendered for a job an earlier release accepted (status/ratchet.py): a
+# tokenizer outside the model's PVC, which this release's rules refuse.
+WAIVED = """\
+apiVersion: kuberl.dev/v1alpha1
+kind: RLJob
+metadata:
+  name: demo
+  annotations: {kuberl.dev/waived-rules: '["spec.model.tokenizer"]'}
+spec:
+  model: {path: /models/qwen, tokenizer: /mnt/tok, storage: {pvc: m, mountPath: /models}}
+  data: {prompts: /data/train.jsonl}
+"""
+
+
+@pytest.mark.parametrize("in_cluster", [True, False])
+def test_run_in_cluster_waives_what_the_operator_waived(
+        tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, in_cluster: bool) -> None:
+    """On the head (`--in-cluster`) the config's waived rules are waived, with a notice naming
+    each; the same file given to a local run is refused like any manifest (only the operator
+    may waive a rule, for a job it accepted under an earlier release)."""
+    ran: list[Any] = []
+    fake = types.ModuleType("kuberl_trainer.run")
+    fake.run = lambda job, args: ran.append(job) or 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "kuberl_trainer.run", fake)
+    f = tmp_path / "rljob.yaml"
+    f.write_text(WAIVED)
+    code = main(["run", str(f), "--address", "auto", *(["--in-cluster"] if in_cluster else [])])
+    err = capsys.readouterr().err
+    if in_cluster:
+        assert code == 0 and ran[0].spec.model.tokenizer == "/mnt/tok", err
+        assert "refused by this one: spec.model.tokenizer: tokenizer must lie under" in err, err
+    else:
+        assert code == 1 and not ran, err
+        assert "spec.model.tokenizer: tokenizer must lie under" in err, err

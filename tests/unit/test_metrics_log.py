@@ -69,3 +69,27 @@ def test_engine_metric_names_keep_their_colons_for_an_openmetrics_scraper() -> N
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_run_starting_at_step_k_moves_the_rows_of_step_k_and_later_aside(
+        tmp_path: Path) -> None:
+    """A run killed after its last checkpoint (step 2) had written rows 2 and 3, the last cut
+    short by the kill: the run resumed there trains them again, so they move to
+    metrics.dropped.jsonl and metrics.jsonl keeps one row per step."""
+    rows = [json.dumps({"step": s, "reward_mean": s / 10}) + "\n" for s in range(4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(rows)[:-9])  # the last row cut short
+    log = MetricsLog(tmp_path, first_step=2)
+    try:
+        assert log.dropped == 2
+        log.write({"step": 2, "reward_mean": 0.25})
+    finally:
+        log.close()
+    kept = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["reward_mean"]) for r in kept] == [(0, 0.0), (1, 0.1), (2, 0.25)]
+    assert (tmp_path / "metrics.dropped.jsonl").read_text() == rows[2] + rows[3][:-9] + "\n"
+    # A run with nothing to drop leaves both files as they are; no file, nothing to do.
+    for first, out in ((3, tmp_path), (0, tmp_path / "new")):
+        log = MetricsLog(out, first_step=first)
+        log.close()
+        assert log.dropped == 0
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3

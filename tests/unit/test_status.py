@@ -610,8 +610,8 @@ def test_decide(row: Row) -> None:
             continue
         assert d.status.get(key) == value, key
     assert [c["type"] for c in d.status["conditions"]] == [
-        "Accepted", "Queued", "ClusterReady", "Training", "Stalled", "Preempted", "Suspended",
-        "Succeeded", "Failed"]
+        "Accepted", "SpecWarning", "Queued", "ClusterReady", "Training", "Stalled", "Preempted",
+        "Suspended", "Succeeded", "Failed"]
     assert "progress" not in d.status, "the operator never writes progress"
 
 

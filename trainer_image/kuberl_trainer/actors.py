@@ -17,6 +17,7 @@ from typing import Any
 import ray
 import torch
 
+from kuberl_api import spec_from_driver
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.backends.base import Backend, TrainBatch
 from kuberl_trainer.backends.factory import make_backend, preload_backend
@@ -53,7 +54,7 @@ class TrainWorker:
                  log_dir: str | None = None) -> None:
         log_to_file(log_path(log_dir, f"{self.role}-{rank}"),
                     f"{type(self).__name__} rank {rank}/{world_size}")
-        self.spec = RLJobSpec.model_validate_json(spec_json)
+        self.spec = spec_from_driver(spec_json)
         self.rank, self.world_size = rank, world_size
         # The actor starts while the engines load: its imports now, the rest in `setup`.
         # Nothing here touches the GPU (bench/gpu_early_actor.py): colocated engines size

@@ -40,8 +40,16 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
     from kuberl_trainer.agents.remote import EnvironmentUnavailable
     from kuberl_trainer.agents.service import environment_service
 
-    # environment.image: its service reached (or served here) before Ray starts, stopped last
+    # A local run's processes (its Ray's, the engines', an environment server) end with it,
+    # however it ends (SIGKILL too): started before any of them (see watchdog.py)
     services = contextlib.ExitStack()
+    if not opts.address and not opts.in_cluster:
+        from kuberl_trainer import watchdog
+
+        guard = watchdog.start()
+        if guard is not None and guard.stdin is not None:
+            services.callback(guard.stdin.close)  # (closed last: what is left then, ends)
+    # environment.image: its service reached (or served here) before Ray starts, stopped last
     try:
         service = services.enter_context(environment_service(job.spec, opts))
     except EnvironmentUnavailable as exc:

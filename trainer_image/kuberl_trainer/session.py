@@ -27,7 +27,7 @@ from kuberl_trainer.memory_handoff import MemoryHandoff, Ranks
 from kuberl_trainer.placement import layout
 from kuberl_trainer.preflight import Checked
 from kuberl_trainer.report.heartbeat import ENGINE_START_S
-from kuberl_trainer.report.metrics_log import MetricsLog
+from kuberl_trainer.report.metrics_log import DROPPED, MetricsLog
 from kuberl_trainer.report.progress import Progress
 from kuberl_trainer.rollout.manager import DataPosition, RolloutManager
 from kuberl_trainer.rollout.prompts import PromptSource
@@ -191,13 +191,18 @@ class Session:
                                       sft_source=self.sft_source, sampled=memory.to_trainers,
                                       rollout_function=self.checked.rollout_function,
                                       environment_class=self.checked.environment_class)
+        log = MetricsLog(self.opts.output_dir, first_step=self.step,
+                         prometheus_port=self.opts.prometheus_port,
+                         tensorboard_dir=self.opts.tensorboard,
+                         wandb_project=self.opts.wandb_project, run_name=self.job.name)
+        if log.dropped:  # (a run killed after its last checkpoint had written them)
+            print(f"{log.path.name}: {log.dropped} rows of step {self.step} and later, which "
+                  f"this run trains again, moved to {DROPPED}", flush=True)
         parts = Parts(
             aio=self.aio,
             rollout=self.rollout,
             train=self.trainers, engines=self.engines, critic=self.critic,
-            log=MetricsLog(self.opts.output_dir, prometheus_port=self.opts.prometheus_port,
-                           tensorboard_dir=self.opts.tensorboard,
-                           wandb_project=self.opts.wandb_project, run_name=self.job.name),
+            log=log,
             checkpointer=self.ckpt, reporter=_Watchers(progress, self),
             bucket_bytes=BUCKET_BYTES, eval_interval=self.spec.schedule.eval_interval,
             memory=memory,

@@ -171,11 +171,12 @@ def _start_ray(spec: RLJobSpec, opts: Options) -> None:
     # around ray.init rather than given as the job's runtime_env: with one, Ray starts a new
     # worker process for every actor instead of handing it one started ahead, which cost
     # each run about a second of start-up on 2 cores. HF's progress bars would only fill the
-    # actors' log files.
+    # actors' log files. Address "local": a Ray of its own even where `ray start` left one
+    # running, which ray.init would join otherwise (and fail: it refuses the sizes given).
     with environment({"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                        **spec.network.variables()}):
-        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
-                 resources=local_resources(spec), log_to_driver=True,
+        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2),
+                 include_dashboard=False, resources=local_resources(spec), log_to_driver=True,
                  logging_level=logging.WARNING)
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, model_validator
 
-from kuberl_api.base import ApiModel, Rule, check, key_rule, rules_schema
+from kuberl_api.base import ApiModel, FieldError, Rule, key_rule, rules_schema
 from kuberl_api.engine_flags import (
     ENGINE_ARG_NAMES,
     ENGINE_ARG_PATTERN,
@@ -246,14 +246,16 @@ class RolloutSpec(ApiModel):
     # admits what this refuses (and the message is worked out per flag). Listed in
     # tests/unit/test_api_rules.py's PYTHON_ONLY; runs after the rules above.
     @model_validator(mode="after")
-    def _sglang_engine_flags(self) -> RolloutSpec:
+    def _sglang_engine_flags(self, info: ValidationInfo) -> RolloutSpec:
         """Values SGLang's own parser would refuse at start (engine_flags' table of the
         pinned release)."""
         if self.engine == "sglang":
             for key, value in sorted(self.engine_args.items()):
                 problem = engine_arg_problem(key, value)
-                check(problem is None, "engineArgs", {key: value}, str(problem))
+                if problem is not None:
+                    self.refuse(FieldError("engineArgs", {key: value}, problem), info)
             for key, values in sorted(self.engine_list_args.items()):
                 problem = engine_list_arg_problem(key, values)
-                check(problem is None, "engineListArgs", {key: values}, str(problem))
+                if problem is not None:
+                    self.refuse(FieldError("engineListArgs", {key: values}, problem), info)
         return self

@@ -25,7 +25,6 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from kuberl_api import RLJob
 from kuberl_operator.metrics import Metrics
 from kuberl_operator.reconcile.children import adopt, apply, create_once
 from kuberl_operator.reconcile.kube import CONCURRENCY, EVENT, KINDS, RAYJOB, RLJOB, Kube
@@ -262,8 +261,7 @@ class Controller:
         """Carry out one action; a CreateAttempt returns the RayJob it created."""
         namespace = body["metadata"]["namespace"]
         if isinstance(action, CreateAttempt):
-            assert decision.job is not None, "a create needs a valid spec"
-            return await self._create_attempt(body, decision.job, action)
+            return await self._create_attempt(body, decision, action)
         if isinstance(action, DeleteRayJob):
             await self.kube.delete(RAYJOB.url(namespace, action.name))
         elif isinstance(action, DeleteRLJob):
@@ -273,14 +271,16 @@ class Controller:
                 await self.kube.delete(KINDS[kind].url(namespace, action.name))
         return None
 
-    async def _create_attempt(self, body: Mapping[str, Any], job: RLJob,
+    async def _create_attempt(self, body: Mapping[str, Any], decision: Decision,
                               action: CreateAttempt) -> Mapping[str, Any] | None:
         """Render every child, adopt it, apply it (server-side); the RayJob comes last and is
         returned as stored."""
+        job = decision.job
+        assert job is not None, "a create needs a valid spec"
         rayjob = None
         key = secrets.token_urlsafe(32)  # the attempt's engine API key (render/secret.py)
         for child in render_children(job, action.attempt, self.config.ingress,
-                                     engine_api_key=key):
+                                     engine_api_key=key, waived=decision.waived):
             obj = adopt(child, body)
             if obj.get("kind") == "Secret":
                 await create_once(self.kube, obj)

@@ -6,8 +6,10 @@ the goldens in tests/goldens are the whole truth about what the operator creates
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from kuberl_api import RuleFailure
 from kuberl_api.rljob import RLJob
 from kuberl_operator.render.config import configmap
 from kuberl_operator.render.environment import environment_children
@@ -25,7 +27,8 @@ DEFAULT_INGRESS = IngressPolicy()
 
 def render_children(job: RLJob, attempt: int = 0,
                     ingress: IngressPolicy = DEFAULT_INGRESS, *,
-                    engine_api_key: str = RENDERED_KEY) -> list[dict[str, Any]]:
+                    engine_api_key: str = RENDERED_KEY,
+                    waived: Sequence[RuleFailure] = ()) -> list[dict[str, Any]]:
     """All children in apply order: the NetworkPolicy (unless `ingress` is off or the job is on
     the host network), ServiceAccount, Role, RoleBinding, ConfigMap, the attempt's engine-key
     Secret (holding `engine_api_key`: the operator passes a random one per attempt), with
@@ -34,14 +37,17 @@ def render_children(job: RLJob, attempt: int = 0,
 
     The order matters: the head pod needs its ServiceAccount, ConfigMap and Secret to start,
     so those exist before the RayJob that creates it; the environment's pods start while the
-    Ray cluster does; the NetworkPolicy is there before any pod it protects."""
+    Ray cluster does; the NetworkPolicy is there before any pod it protects.
+
+    `waived`: the rules this job breaks that the operator waived for it (an earlier release
+    accepted it; status/ratchet.py), named in the ConfigMap for the trainer."""
     policy = network_policy(job, ingress)
     return [
         *([policy] if policy is not None else []),
         service_account(job),
         role(job),
         role_binding(job),
-        configmap(job),
+        configmap(job, waived),
         engine_key_secret(job, attempt, engine_api_key),
         *environment_children(job),
         rayjob(job, attempt),

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from kuberl_api import RLJob
+from kuberl_api import RLJob, RuleFailure
 from kuberl_api.rljob import IMMUTABLE_SECTIONS
 from kuberl_api.spec import RLJobSpec
 from kuberl_api.status import CONDITION_TYPES
@@ -45,12 +45,18 @@ def section_digests(spec: RLJobSpec) -> dict[str, str]:
     """A short hash per immutable section, of the values the user set (defaults left out, so an
     operator upgrade that adds a defaulted field does not look like a user's edit)."""
     dumped = spec.model_dump(mode="json", by_alias=True, exclude_defaults=True)
-    out = {}
-    for section in IMMUTABLE_SECTIONS:
-        alias = RLJobSpec.model_fields[section].alias or section
-        text = json.dumps(dumped.get(alias), sort_keys=True, separators=(",", ":"))
-        out[section] = hashlib.sha256(text.encode()).hexdigest()[:12]
-    return out
+    return {section: _digest(dumped.get(RLJobSpec.model_fields[section].alias or section))
+            for section in IMMUTABLE_SECTIONS}
+
+
+def _digest(value: object) -> str:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+# The digest of a section left at its defaults (what a section an earlier release did not have
+# yet, and so did not record, held: the CRD of that release pruned any value).
+UNSET_DIGEST = _digest(None)
 
 
 def attempt_of(job_name: str, rayjob: Mapping[str, Any] | str | None) -> int | None:
@@ -147,7 +153,7 @@ class Builder:
     def wake(self, at: datetime) -> None:
         self.wakeups.append(at)
 
-    def finish(self, job: RLJob | None) -> Decision:
+    def finish(self, job: RLJob | None, waived: tuple[RuleFailure, ...] = ()) -> Decision:
         for type_ in CONDITION_TYPES:
             if type_ not in self.conditions:
                 self.keep(type_, "NotStarted")
@@ -163,4 +169,4 @@ class Builder:
         }
         future = [t for t in self.wakeups if t > self.now]
         return Decision(status=status, actions=tuple(self.actions), events=tuple(self.events),
-                        job=job, requeue_at=min(future) if future else None)
+                        job=job, waived=waived, requeue_at=min(future) if future else None)

@@ -7,11 +7,11 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from kuberl_api import InvalidRLJob, RLJob, parse
+from kuberl_api import InvalidRLJob, RLJob, RuleFailure, parse
 from kuberl_api.rljob import EDITABLE_PHASES, IMMUTABLE_SECTIONS
 from kuberl_api.status import TERMINAL_PHASES
 from kuberl_operator.render import names
-from kuberl_operator.status import phases, queueing, running
+from kuberl_operator.status import phases, queueing, ratchet, running
 from kuberl_operator.status.builder import (
     Builder,
     attempt_of,
@@ -36,13 +36,20 @@ def decide(body: Mapping[str, Any], observed: Observed, now: datetime,
     """The new status, actions and events for one RLJob (see the package docstring)."""
     tun = tunables or Tunables()
     b = Builder(body, now)
+    manifest = {k: v for k, v in body.items() if k != "status"}
+    waived: tuple[RuleFailure, ...] = ()
     try:
-        job = parse({k: v for k, v in body.items() if k != "status"})
+        job = parse(manifest)
     except InvalidRLJob as exc:
-        return _invalid(b, exc)
+        # accepted under an earlier release's rules, unchanged since: it runs on (ratchet.py)
+        kept = ratchet.accepted_before(b, manifest)
+        if kept is None:
+            return _invalid(b, exc)
+        job, waived = kept
 
     accepted_digests = dict(b.digests)
-    refused = _check_immutable(b, job)
+    refused = _check_immutable(b, job, waived)
+    ratchet.warn(b, waived)
     edited = bool(accepted_digests) and accepted_digests != b.digests
     attempts = _attempts(b.name, observed, b.ray_job_name)
     current_attempt = max(attempts) if attempts else None
@@ -87,7 +94,7 @@ def decide(body: Mapping[str, Any], observed: Observed, now: datetime,
         expiry = phases.ttl_expiry(b, job)
         if expiry is not None:
             b.wake(expiry)
-    return b.finish(job)
+    return b.finish(job, waived)
 
 
 def _invalid(b: Builder, exc: InvalidRLJob) -> Decision:
@@ -97,12 +104,13 @@ def _invalid(b: Builder, exc: InvalidRLJob) -> Decision:
     if old is None or old.get("status") != "False" or old.get("message") != message:
         b.events.append(Event("Warning", "InvalidSpec", message))
     b.set("Accepted", False, "InvalidSpec", message)
+    b.set("SpecWarning", False, "InvalidSpec", "the spec is refused (condition Accepted)")
     if b.phase is None:
         b.phase = "Pending"
     return b.finish(None)
 
 
-def _check_immutable(b: Builder, job: RLJob) -> list[str]:
+def _check_immutable(b: Builder, job: RLJob, waived: tuple[RuleFailure, ...]) -> list[str]:
     """Accepted, or refused for changed immutable sections (returned; the job runs on as it was
     accepted). Digests are (re)recorded while the phase is still editable."""
     digests = section_digests(job.spec)
@@ -111,7 +119,8 @@ def _check_immutable(b: Builder, job: RLJob) -> list[str]:
                if frozen and s in b.digests and b.digests[s] != digests[s]]
     if not changed:
         b.digests = digests
-        b.set("Accepted", True, "Accepted", "the spec is valid")
+        b.set("Accepted", True, "Accepted", "the spec is valid" if not waived else
+              "the spec is valid under the rules it was accepted with (see SpecWarning)")
         return []
     fields = ", ".join(f"spec.{s}" for s in changed)
     message = (f"{fields} changed after the job started and cannot be applied to a running "

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from kuberl_api import RLJob
+from kuberl_api import RLJob, RuleFailure
 
 # Stamped on every RayJob we create: the restart count that attempt was created with.
 ANNOTATION_RESTARTS = "kuberl.dev/restarts"
@@ -90,6 +90,9 @@ class Decision:
     actions: tuple[Action, ...] = ()
     events: tuple[Event, ...] = ()
     job: RLJob | None = None
+    # The rules `job` breaks, waived because an earlier release accepted it (status/ratchet.py):
+    # a new attempt's config names them, for the trainer to waive too.
+    waived: tuple[RuleFailure, ...] = ()
     # When time alone would change the decision next (deadline, TTL, heartbeat, head grace).
     requeue_at: datetime | None = None
 

@@ -20,6 +20,7 @@ from typing import IO, Any
 
 import ray
 
+from kuberl_api import spec_from_driver
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.engines.client import engine_api_key
 from kuberl_trainer.engines.command import api_key_config, engine_command
@@ -60,7 +61,7 @@ class EngineServer:
                  log_file: str | None = None, node_rank: int = 0) -> None:
         part = f" node {node_rank}" if node_rank else ""
         log_to_file(log_file, f"engine {index}{part}")
-        self.spec = RLJobSpec.model_validate_json(spec_json)
+        self.spec = spec_from_driver(spec_json)
         self.index, self.seed, self.sharing, self.node_rank = index, seed, sharing, node_rank
         self.name = f"engine {index}{part}"
         self.proc: subprocess.Popen[bytes] | None = None

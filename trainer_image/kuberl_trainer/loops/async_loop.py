@@ -86,8 +86,8 @@ async def _run(parts: Parts, start: int, total: int, weight_version: int, max_st
             # Where the prompts stand before the first rollout not trained yet, read here:
             # the producer draws prompts on this thread, never while this code runs.
             position = parts.rollout.position_at(step + 1)
-            ckpt, saved_s = await loop.run_in_executor(pool, save_if_due, parts, step,
-                                                       weight_version, position)
+            staged, saved_s = await loop.run_in_executor(pool, save_if_due, parts, step,
+                                                         weight_version, position)
             t2 = time.perf_counter()
             async with _between_rollouts(engines, partial):
                 t_sync = time.perf_counter()
@@ -107,12 +107,13 @@ async def _run(parts: Parts, start: int, total: int, weight_version: int, max_st
                                 step_s=step_s, trainers_idle_s=(t1 - t0) + (t_sync - t2),
                                 engines_idle_s=min(engines.idle_s, step_s),
                                 generating_s=min(engines.generating_s, step_s)),
-                **({"time_save_s": saved_s} if ckpt else {})}
+                **({"time_save_s": saved_s} if staged else {})}
             engines.idle_s = engines.generating_s = 0.0
             if evaluation_due(parts, step):  # under the weights just sent
                 async with _between_rollouts(engines, partial):
                     record.update(await parts.rollout.evaluate(step))
-            report_step(parts, step, ckpt, record)
+            # (off the loop: a commit prunes, deleting a whole checkpoint)
+            await loop.run_in_executor(pool, report_step, parts, step, staged, record)
     finally:
         producer.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):  # (its error: raised)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from kuberl_trainer.actors import TrainGroup
@@ -18,10 +19,17 @@ from kuberl_trainer.rollout.manager import DataPosition, Rollout, RolloutManager
 from kuberl_trainer.stopping import GracefulStop
 
 
+class Staged(Protocol):
+    """A checkpoint written, not yet the newest (checkpoint.Staged)."""
+
+    step: int
+    def commit(self) -> Path: ...
+
+
 class Checkpointer(Protocol):
     def due(self, step: int) -> bool: ...
-    def save(self, step: int, weight_version: int,
-             position: DataPosition | None = None) -> str: ...
+    def stage(self, step: int, weight_version: int,
+              position: DataPosition | None = None) -> Staged: ...
 
 
 class Critic(Protocol):
@@ -59,14 +67,15 @@ def train_on(parts: Parts, rollout: Rollout) -> dict[str, float]:
 
 
 def save_if_due(parts: Parts, step: int, weight_version: int,
-                position: DataPosition | None = None) -> tuple[tuple[int, str] | None, float]:
-    """(the checkpoint written after step `step`, if one was due; the seconds it took).
-    `position`: the prompts' position to record, when the caller took it (mode async)."""
+                position: DataPosition | None = None) -> tuple[Staged | None, float]:
+    """(the checkpoint written after step `step`, if one was due, committed by report_step;
+    the seconds it took). `position`: the prompts' position to record, when the caller took
+    it (mode async)."""
     saving = time.perf_counter()
     if not parts.checkpointer.due(step + 1):
         return None, 0.0
-    ckpt = (step + 1, parts.checkpointer.save(step + 1, weight_version, position))
-    return ckpt, time.perf_counter() - saving
+    staged = parts.checkpointer.stage(step + 1, weight_version, position)
+    return staged, time.perf_counter() - saving
 
 
 def sync_bytes(parts: Parts, before: int) -> dict[str, int]:
@@ -83,7 +92,12 @@ def evaluation_due(parts: Parts, step: int) -> bool:
     return every is not None and (step + 1) % every == 0
 
 
-def report_step(parts: Parts, step: int, ckpt: tuple[int, str] | None,
+def report_step(parts: Parts, step: int, staged: Staged | None,
                 record: dict[str, Any]) -> None:
+    """The step's row, then the checkpoint it saved made the newest, then the progress line
+    and the RLJob status: a checkpoint never lands before the rows of the steps it holds, so
+    a run killed between the two resumes from the checkpoint before and trains the step
+    again (its row dropped then: report/metrics_log.py)."""
     parts.log.write(record)
+    ckpt = None if staged is None else (staged.step, str(staged.commit()))
     parts.reporter.step(step, record, ckpt)

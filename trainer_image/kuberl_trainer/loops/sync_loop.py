@@ -29,7 +29,7 @@ def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
         weight_version += 1
         # A checkpoint while the trainers hold their GPUs (colocated, every byte of their
         # state is still there and the engines' memory is released)
-        ckpt, saved_s = save_if_due(parts, step, weight_version)
+        staged, saved_s = save_if_due(parts, step, weight_version)
         parts.memory.trained()  # colocated: the optimizer's state to host memory
         t2 = time.perf_counter()
         parts.memory.before_sync()  # colocated: the engines' weights come back first
@@ -44,8 +44,8 @@ def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
                   "time_generate_s": t1 - t0, "time_train_s": t2 - t1 - saved_s,
                   "time_sync_s": t3 - t2, "time_step_s": t3 - t0 - saved_s, **handoff,
                   **sync_bytes(parts, synced), "engine_restarts_total": parts.fleet.restarts,
-                  **({"time_save_s": saved_s} if ckpt else {})}
+                  **({"time_save_s": saved_s} if staged else {})}
         if evaluation_due(parts, step):  # under the weights just sent
             record.update(parts.aio.run_until_complete(parts.rollout.evaluate(step)))
-        report_step(parts, step, ckpt, record)
+        report_step(parts, step, staged, record)
     return weight_version

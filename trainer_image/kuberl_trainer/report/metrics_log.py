@@ -1,9 +1,16 @@
 """Per-step metrics: one JSON object per line in metrics.jsonl (stable key names), the same
-numbers as Prometheus gauges, and TensorBoard when it is installed and asked for."""
+numbers as Prometheus gauges, and TensorBoard when it is installed and asked for.
+
+metrics.jsonl holds one row per step of the training its output directory's checkpoints
+continue: a run that starts at step K (resumed from the checkpoint of step K, or K = 0 with
+none) first moves the rows of steps >= K, which it trains again, to metrics.dropped.jsonl
+(those of a run killed after its last checkpoint, and a row the kill cut short), then appends.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -12,14 +19,20 @@ from typing import Any
 # Keys every step line carries, in this order (others follow, sorted).
 STEP_KEYS = ("step", "reward_mean", "reward_std", "response_length_mean", "time_generate_s",
              "time_train_s", "time_sync_s", "time_step_s", "weight_version")
+METRICS = "metrics.jsonl"
+DROPPED = "metrics.dropped.jsonl"
 
 
 class MetricsLog:
-    def __init__(self, out_dir: Path, *, prometheus_port: int = 0,
+    """`first_step`: the step this run starts at; the rows of that step and later already in
+    metrics.jsonl are moved to metrics.dropped.jsonl first (`dropped`: how many)."""
+
+    def __init__(self, out_dir: Path, *, first_step: int = 0, prometheus_port: int = 0,
                  tensorboard_dir: Path | None = None, wandb_project: str | None = None,
                  run_name: str = "kuberl") -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.path = out_dir / "metrics.jsonl"
+        self.path = out_dir / METRICS
+        self.dropped = drop_rows_from(self.path, first_step)
         self._file = self.path.open("a")
         self._gauges: dict[str, Any] = {}
         self._counters: dict[str, tuple[Any, float]] = {}
@@ -107,6 +120,37 @@ class MetricsLog:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def drop_rows_from(path: Path, first_step: int) -> int:
+    """Move the rows of steps >= `first_step` from `path` to metrics.dropped.jsonl beside it,
+    with any line that is not a row (one a kill cut short); how many lines moved. `path` is
+    replaced atomically: a kill meanwhile leaves it as it was (and the next run moves those
+    rows again: metrics.dropped.jsonl may then hold one twice)."""
+    try:
+        lines = [line.rstrip("\n") + "\n" for line in path.read_text().splitlines()]
+    except FileNotFoundError:
+        return 0
+    kept: list[str] = []
+    moved: list[str] = []
+    for line in lines:
+        (kept if _step_of(line) < first_step else moved).append(line)
+    if not moved:
+        return 0
+    with (path.parent / DROPPED).open("a") as out:
+        out.writelines(moved)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+    return len(moved)
+
+
+def _step_of(line: str) -> float:
+    """A row's step; infinity for a line that is not a row (dropped whatever its step)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 def serve_text_format(port: int, registry: Any, addr: str = "0.0.0.0") -> Any:
