@@ -116,10 +116,13 @@ cluster-up: $(STAMP)
 cluster-down: $(STAMP)
 	$(BIN)/python e2e/cluster.py down $(STATE_ARG)
 
-# Regenerate crds/ (and the chart's copy) from the model (unit tests fail when they drift).
+# Regenerate crds/ (the CRD and the policy with the RLJob's rules) and the chart's copies from
+# the model (unit tests fail when they drift).
 crd: $(STAMP)
 	$(BIN)/kuberl crd --output crds/rljob.yaml
+	$(BIN)/kuberl crd --policy --output crds/rljob-policy.yaml
 	cp crds/rljob.yaml helm/kuberl/crds/rljob.yaml
+	cp crds/rljob-policy.yaml helm/kuberl/policy/rljob-policy.yaml
 
 # Regenerate the renderer golden files from examples/.
 goldens: $(STAMP)

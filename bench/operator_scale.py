@@ -20,8 +20,18 @@ timeout: orphans). kube-apiserver's, etcd's and the controller-manager's CPU are
 
 `--kuberay off` (default) stops the KubeRay operator after start: with it, N RLJobs make N
 RayClusters and their pods, which measures KubeRay and kwok rather than this operator. `on`
-keeps it (and adds cpu nodes); the table says which. The issue gives absolute goals, not a
-baseline, so each row prints measured vs goal.
+keeps it (and adds cpu nodes); the table says which. Issue 18 gives absolute goals, so each row
+prints measured vs goal.
+
+The operator's cost as a ratio (issue 36): before each size's RLJobs, `--baseline rayjobs`
+(default) POSTs the same N jobs' RayJobs directly, rendered by the operator's own pure
+renderers (`render_children`, as `kuberl render` prints them), with the same clients, into a
+namespace no operator watches; `--baseline all` POSTs every object rendered for a job (its
+NetworkPolicy, ServiceAccount, Role, RoleBinding, ConfigMap and Secret, then the RayJob), what
+`kuberl render | kubectl apply -f -` would do. Both bursts are timed the same way, from the
+burst's start (the moment `kubectl apply -f` of N files would begin) to each job's RayJob on the
+watch; the table's ratio is the RLJobs' p99 over the direct RayJobs' p99 (issue 36's goal:
+<= 1.2x).
 """
 
 from __future__ import annotations
@@ -57,6 +67,9 @@ from cluster import Cluster, binaries  # noqa: E402
 from polling import wait_for  # noqa: E402
 from rljobs import Operator, cpu_job, http_get, namespace  # noqa: E402
 
+from kuberl_api import parse  # noqa: E402
+from kuberl_operator.render import render_children  # noqa: E402
+
 LABEL = "kuberl.dev/rljob"
 RLJOBS = "/apis/kuberl.dev/v1alpha1/namespaces/{ns}/rljobs"
 # What the operator makes per RLJob (all labelled kuberl.dev/rljob), checked after delete-all.
@@ -71,7 +84,22 @@ KUBERAY_CHILDREN = {  # with --kuberay on: KubeRay copies the label onto these
     "RayCluster": "/apis/ray.io/v1/namespaces/{ns}/rayclusters",
     "Pod": "/api/v1/namespaces/{ns}/pods",
 }
-GOALS = {"p99": 10.0, "rss_mib": 256.0}
+GOALS = {"p99": 10.0, "rss_mib": 256.0, "ratio": 1.2}
+# Where the baseline POSTs each rendered kind (namespaced).
+COLLECTIONS = {
+    ("v1", "ServiceAccount"): "/api/v1/namespaces/{ns}/serviceaccounts",
+    ("v1", "ConfigMap"): "/api/v1/namespaces/{ns}/configmaps",
+    ("v1", "Secret"): "/api/v1/namespaces/{ns}/secrets",
+    ("v1", "Service"): "/api/v1/namespaces/{ns}/services",
+    ("apps/v1", "Deployment"): "/apis/apps/v1/namespaces/{ns}/deployments",
+    ("rbac.authorization.k8s.io/v1", "Role"):
+        "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"):
+        "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+    ("networking.k8s.io/v1", "NetworkPolicy"):
+        "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
+    ("ray.io/v1", "RayJob"): "/apis/ray.io/v1/namespaces/{ns}/rayjobs",
+}
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -296,19 +324,51 @@ def histogram_quantile(q: float, after: dict[str, Any], before: dict[str, Any]) 
     return math.nan
 
 
-def apiserver_rejections(client: Client) -> float:
-    """API Priority and Fairness rejections (429s) since the API server started."""
+def apiserver_metrics(client: Client) -> str:
     client.close()  # a kept-alive connection may have idled out during GC
     try:
         conn = client.connect()
         conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
+        return conn.getresponse().read().decode()
     except (OSError, http.client.HTTPException):
-        return math.nan
+        return ""
     finally:
         client.close()
+
+
+def apiserver_rejections(client: Client) -> float:
+    """API Priority and Fairness rejections (429s) since the API server started."""
+    text = apiserver_metrics(client)
+    if not text:
+        return math.nan
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("apiserver_flowcontrol_rejected_requests_total{"))
+
+
+_REQUESTS = re.compile(r"^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<n>\S+)$")
+
+
+def requests_served(client: Client) -> dict[str, float]:
+    """Requests the API server answered since it started, by "VERB resource[/subresource]"
+    (watches and the metrics scrape itself excluded)."""
+    out: dict[str, float] = {}
+    for line in apiserver_metrics(client).splitlines():
+        if not (m := _REQUESTS.match(line)):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"]))
+        if labels.get("verb") in ("WATCH", "CONNECT") or not labels.get("resource"):
+            continue
+        what = labels["resource"] + (f"/{labels['subresource']}" if labels.get("subresource")
+                                     else "")
+        key = f"{labels['verb']} {what}"
+        out[key] = out.get(key, 0.0) + float(m["n"])
+    return out
+
+
+def requests_per_job(before: dict[str, float], after: dict[str, float], n: int) -> dict[str, float]:
+    """The requests between two counts, per job (what every client asked during a burst)."""
+    out = {k: (after[k] - before.get(k, 0.0)) / n for k in after}
+    return {k: v for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if v >= 0.05}
 
 
 # ------------------------------------------------------------------ one size
@@ -325,7 +385,30 @@ def quantiles(values: list[float]) -> dict[str, float]:
     return {"p50": q(0.50), "p95": q(0.95), "p99": q(0.99), "max": s[-1]}
 
 
-def create_burst(cluster: Cluster, ns: str, n: int, clients: int, seen: Seen) -> list[str]:
+Posts = Callable[[str, str], list[tuple[str, dict[str, Any]]]]
+
+
+def rljob_posts(name: str, ns: str) -> list[tuple[str, dict[str, Any]]]:
+    """What a user applies for one job through the operator: its RLJob."""
+    return [(RLJOBS.format(ns=ns), cpu_job(name, ns))]
+
+
+def direct_posts(everything: bool) -> Posts:
+    """What a user applies for one job without the operator: the RayJob the operator would
+    render for the same RLJob (with `everything`, every object it renders, the RayJob last)."""
+    def posts(name: str, ns: str) -> list[tuple[str, dict[str, Any]]]:
+        children = render_children(parse(cpu_job(name, ns)))
+        if not everything:
+            children = children[-1:]
+        assert children[-1]["kind"] == "RayJob", children[-1]["kind"]
+        return [(COLLECTIONS[(c["apiVersion"], c["kind"])].format(ns=ns), c)
+                for c in children]
+    return posts
+
+
+def create_burst(cluster: Cluster, ns: str, n: int, clients: int, seen: Seen,
+                 posts: Posts = rljob_posts) -> list[str]:
+    """`posts` for N jobs by `clients` threads; a job's create time is its last POST's return."""
     names = [f"scale-{i:05d}" for i in range(n)]
     local = threading.local()
     failures: list[str] = []
@@ -333,11 +416,12 @@ def create_burst(cluster: Cluster, ns: str, n: int, clients: int, seen: Seen) ->
     def create(name: str) -> None:
         if not hasattr(local, "client"):
             local.client = Client(cluster)
-        status, body = local.client.request("POST", RLJOBS.format(ns=ns), cpu_job(name, ns))
+        for path, obj in posts(name, ns):
+            status, body = local.client.request("POST", path, obj)
+            if status not in (200, 201, 409):
+                failures.append(f"{name}: {status} {str(body)[:300]}")
+                return
         done = time.monotonic()
-        if status not in (200, 201, 409):
-            failures.append(f"{name}: {status} {str(body)[:300]}")
-            return
         with seen.lock:
             seen.created[name] = done
 
@@ -396,9 +480,60 @@ def delete_and_gc(cluster: Cluster, ns: str, kinds: dict[str, str], timeout: flo
 
 
 @dataclass
+class Baseline:
+    """The same N jobs' rendered RayJobs (or all their objects) POSTed directly."""
+
+    jobs: int
+    what: str
+    rayjob_from_start: dict[str, float]
+    rayjob: dict[str, float]
+    missing_rayjob: int
+    burst_s: float
+    apiserver_cpu: float
+    requests: dict[str, float]
+
+
+def run_baseline(cluster: Cluster, n: int, args: argparse.Namespace,
+                 say: Callable[[str], None]) -> Baseline:
+    """N jobs applied without the operator (none watches the namespace), timed as run_size
+    times the RLJobs: from the burst's start and from each job's last create to its RayJob."""
+    posts = direct_posts(args.baseline == "all")
+    apiserver = cluster.pids["kube-apiserver"]
+    with namespace(cluster, f"base{n}") as ns:
+        client = Client(cluster)
+        seen = Seen()
+        path = CHILDREN["RayJob"].format(ns=ns)
+        _, rv = client.items(path, selector() + "&limit=1")
+        watch = Watch(cluster, path, selector(), rv, seen.on_rayjob)
+        watch.start()
+        time.sleep(2)  # the watch is open
+        say(f"baseline: {n} jobs' {args.baseline} POSTed directly in {ns}")
+        served0, cpu0 = requests_served(client), proc_cpu(apiserver)
+        t0 = time.monotonic()
+        names = create_burst(cluster, ns, n, args.clients, seen, posts)
+        burst = time.monotonic() - t0
+        wait_for("every direct RayJob on the watch", lambda: len(seen.rayjob) >= n,
+                 timeout=args.timeout)
+        cpu, served = proc_cpu(apiserver) - cpu0, requests_served(client)
+        watch.stopped = True
+        client.close()
+        say(f"  created in {burst:.1f} s")
+    wait_for("the baseline namespace deleted", lambda: cluster.api().get(
+        f"/api/v1/namespaces/{ns}") is None, timeout=300)
+    with seen.lock:
+        from_start = [seen.rayjob[j] - t0 for j in names if j in seen.rayjob]
+        latencies = [seen.rayjob[j] - seen.created[j] for j in names
+                     if j in seen.rayjob and j in seen.created]
+    return Baseline(jobs=n, what=args.baseline, rayjob_from_start=quantiles(from_start),
+                    rayjob=quantiles(latencies), missing_rayjob=n - len(from_start),
+                    burst_s=burst, apiserver_cpu=cpu, requests=requests_per_job(served0, served, n))
+
+
+@dataclass
 class Result:
     jobs: int
     rayjob: dict[str, float]
+    rayjob_from_start: dict[str, float]
     accepted: dict[str, float]
     missing_rayjob: int
     missing_accepted: int
@@ -416,6 +551,15 @@ class Result:
     rejections: float
     watch_errors: int
     log_warnings: int
+    requests: dict[str, float] = field(default_factory=dict)
+    baseline: Baseline | None = None
+
+    def ratio(self) -> float:
+        """apply -> RayJob p99 through the operator over applying the RayJobs directly (both
+        from the burst's start)."""
+        if self.baseline is None:
+            return math.nan
+        return self.rayjob_from_start["p99"] / self.baseline.rayjob_from_start["p99"]
 
 
 def profile_apiserver(cluster: Cluster, args: argparse.Namespace, n: int,
@@ -463,7 +607,7 @@ def run_size(cluster: Cluster, n: int, args: argparse.Namespace, pids: dict[str,
             watches[-1].start()
         rejected0 = apiserver_rejections(client)
         time.sleep(2)  # the watches are open; the operator's idle CPU settles
-        m0, cpu0 = scrape(op), sampler.cpu()
+        m0, cpu0, served0 = scrape(op), sampler.cpu(), requests_served(client)
         say(f"{n} RLJobs in namespace {ns}: creating with {args.clients} clients")
         profiler = profile_apiserver(cluster, args, n, say)
         t0 = time.monotonic()
@@ -474,7 +618,7 @@ def run_size(cluster: Cluster, n: int, args: argparse.Namespace, pids: dict[str,
         done = time.monotonic() - t0
         if profiler is not None:
             profiler.join()
-        m1, cpu1 = scrape(op), sampler.cpu()
+        m1, cpu1, served1 = scrape(op), sampler.cpu(), requests_served(client)
         say(f"  {'all' if complete else 'NOT all'} RayJobs and Accepted after {done:.1f} s; "
             f"settling {args.settle:.0f} s (one resync of every job)")
         time.sleep(args.settle)
@@ -502,6 +646,7 @@ def run_size(cluster: Cluster, n: int, args: argparse.Namespace, pids: dict[str,
     with seen.lock:
         lat_rj = [seen.rayjob[j] - seen.created[j] for j in names
                   if j in seen.rayjob and j in seen.created]
+        from_start = [seen.rayjob[j] - t0 for j in names if j in seen.rayjob]
         lat_acc = [seen.accepted[j] - seen.created[j] for j in names
                    if j in seen.accepted and j in seen.created]
 
@@ -509,7 +654,8 @@ def run_size(cluster: Cluster, n: int, args: argparse.Namespace, pids: dict[str,
         return {k: b[k] - a[k] for k in a}
 
     return Result(
-        jobs=n, rayjob=quantiles(lat_rj), accepted=quantiles(lat_acc),
+        jobs=n, rayjob=quantiles(lat_rj), rayjob_from_start=quantiles(from_start),
+        accepted=quantiles(lat_acc),
         missing_rayjob=n - len(lat_rj), missing_accepted=n - len(lat_acc),
         burst_s=burst, done_s=done, rss_peak=sampler.peak_rss["operator"],
         cpu={"burst": delta(cpu0, cpu1), "settle": delta(cpu1, cpu2),
@@ -523,7 +669,8 @@ def run_size(cluster: Cluster, n: int, args: argparse.Namespace, pids: dict[str,
         duplicates=duplicates, gc_s=gc_s, rljobs_gone_s=gone, orphans=orphans, gc_rate=gc_rate,
         rejections=rejected1 - rejected0, watch_errors=sum(w.errors for w in watches),
         log_warnings=sum(1 for line in text.splitlines()
-                         if "[WARNING" in line or "[ERROR" in line or "Traceback" in line))
+                         if "[WARNING" in line or "[ERROR" in line or "Traceback" in line),
+        requests=requests_per_job(served0, served1, n))
 
 
 # ------------------------------------------------------------------ report
@@ -541,6 +688,22 @@ def table(results: list[Result], args: argparse.Namespace) -> str:
         rows.append((name, values, goal))
 
     row("create burst (all POSTs returned)", [fmt(r.burst_s) for r in results])
+    if any(r.baseline for r in results):
+        what = next(r.baseline.what for r in results if r.baseline)
+        base = [r.baseline for r in results]
+        row(f"direct {what}: create burst", [fmt(b.burst_s) if b else "-" for b in base])
+        for q in ("p50", "p99"):
+            row(f"direct {what}: burst start -> RayJob {q}",
+                [fmt(b.rayjob_from_start[q]) if b else "-" for b in base])
+        row(f"direct {what}: create -> RayJob p99",
+            [fmt(b.rayjob["p99"]) if b else "-" for b in base])
+        row(f"direct {what}: kube-apiserver CPU s, burst",
+            [f"{b.apiserver_cpu:.1f}" if b else "-" for b in base])
+        for q in ("p50", "p99"):
+            row(f"RLJobs: burst start -> RayJob {q}",
+                [fmt(r.rayjob_from_start[q]) for r in results])
+        row("**ratio: RLJobs / direct, burst start -> RayJob p99**",
+            [f"{r.ratio():.2f}x" for r in results], f"<= {GOALS['ratio']}x")
     for what, key in (("apply -> RayJob", "rayjob"), ("apply -> Accepted", "accepted")):
         for q in ("p50", "p95", "p99", "max"):
             goal = f"< {GOALS['p99']:.0f} s" if q == "p99" else ""
@@ -561,6 +724,12 @@ def table(results: list[Result], args: argparse.Namespace) -> str:
     row("controller-manager CPU s, delete + GC",
         [fmt(r.cpu["gc"]["kube-controller-manager"], "") for r in results])
     row("this benchmark's CPU s, burst", [fmt(r.cpu["burst"]["bench"], "") for r in results])
+    row("API requests per job, burst (every client; >= 0.05)",
+        [", ".join(f"{k} {v:.2f}" for k, v in r.requests.items()) for r in results])
+    if any(r.baseline for r in results):
+        row("direct: API requests per job, burst",
+            [", ".join(f"{k} {v:.2f}" for k, v in r.baseline.requests.items())
+             if r.baseline else "-" for r in results])
     row("reconcile passes, burst / settle window",
         [f"{r.passes['burst']:.0f} / {r.passes['settle']:.0f}" for r in results])
     row("reconcile duration mean / p50 / p99 (bucket)",
@@ -595,9 +764,13 @@ def verdict(r: Result) -> str:
         fails.append(f"{r.duplicates} duplicates")
     if r.orphans:
         fails.append(f"GC unfinished at the timeout, {sum(r.orphans.values())} children left")
+    ratio = "" if r.baseline is None else (
+        f"; operator cost {r.ratio():.2f}x applying the RayJobs directly (burst start -> "
+        f"RayJob p99 {fmt(r.rayjob_from_start['p99'])} vs "
+        f"{fmt(r.baseline.rayjob_from_start['p99'])}; goal <= {GOALS['ratio']}x)")
     return (f"{r.jobs} jobs: " + ("MEETS the goal (p99 < 10 s, RSS < 256 MiB, no errors, "
                                   "duplicates or orphans)" if not fails
-                                  else "MISSES the goal: " + ", ".join(fails)))
+                                  else "MISSES the goal: " + ", ".join(fails)) + ratio)
 
 
 # ------------------------------------------------------------------ main
@@ -641,6 +814,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="RLJobs per burst; a comma-separated list runs each size in turn "
                    "(fresh namespace and operator, same control plane): 300,1000")
     p.add_argument("--kuberay", choices=("on", "off"), default="off")
+    p.add_argument("--baseline", choices=("rayjobs", "all", "off"), default="rayjobs",
+                   help="before each size's RLJobs, POST the same jobs' rendered RayJobs (or "
+                   "all their rendered objects) directly, for the operator's cost as a ratio")
     p.add_argument("--clients", type=int, default=16, help="concurrent create calls")
     p.add_argument("--settle", type=float, default=35.0,
                    help="seconds to watch after all jobs are Accepted (>= one 30 s resync)")
@@ -670,7 +846,9 @@ def main(argv: list[str] | None = None) -> int:
         pids = {name: cluster.pids[name]
                 for name in ("kube-apiserver", "etcd", "kube-controller-manager")}
         for i, n in enumerate(sizes):
+            baseline = None if args.baseline == "off" else run_baseline(cluster, n, args, say)
             results.append(run_size(cluster, n, args, pids, say))
+            results[-1].baseline = baseline
             (Path(args.state_dir) / f"result-{n}.json").write_text(
                 json.dumps(dataclasses.asdict(results[-1]), indent=1))
             say(verdict(results[-1]))

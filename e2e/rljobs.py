@@ -23,10 +23,14 @@ from cluster import Api, Cluster, terminate, write_kubeconfig
 from polling import wait_for
 
 from kuberl_api.rljob import API_VERSION, KIND
+from kuberl_operator.policy import POLICY_NAME
 from kuberl_operator.render import names
 
 ROOT = Path(__file__).resolve().parents[1]
 CRDS = ROOT / "crds"  # what the session's cluster starts with (conftest.py)
+# The RLJob's rules as a ValidatingAdmissionPolicy and its binding (`kuberl crd --policy`):
+# installed with crds/ when the cluster starts, as `kubectl apply -f crds/` installs them.
+POLICY_FILE = CRDS / "rljob-policy.yaml"
 
 RLJOBS = "/apis/kuberl.dev/v1alpha1/namespaces/{ns}/rljobs"
 RAYJOBS = "/apis/ray.io/v1/namespaces/{ns}/rayjobs"
@@ -69,8 +73,10 @@ def install_crds(c: Cluster, files: list[Path] | None = None) -> None:
     """Install a release's CRDs as an upgrade (or a downgrade) does: `kubectl apply
     --server-side` of its crd files (default: this checkout's crds/, as the README says), taking
     over fields another apply set. Objects this checkout's crds/ holds and `files` do not are
-    deleted: a release without them had none. The API server serves a new schema a moment after
-    this returns: wait for its effect."""
+    deleted: a release without them had none (before issue 36, the rules were the CRD's, and
+    there was no policy). Returns once the rules' policy is in force, or out of force where
+    `files` have none; the API server serves a new schema a moment after this returns: wait for
+    its effect."""
     chosen = files if files is not None else sorted(CRDS.glob("*.yaml"))
     for path in chosen:
         c.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
@@ -82,6 +88,9 @@ def install_crds(c: Cluster, files: list[Path] | None = None) -> None:
     for kind, name in sorted(objects(sorted(CRDS.glob("*.yaml"))) - objects(chosen)):
         c.kubectl("delete", kind, name, "--ignore-not-found")
     c.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
+    policy = ("ValidatingAdmissionPolicyBinding", POLICY_NAME) in objects(chosen)
+    wait_for(f"the RLJob policy {'in' if policy else 'out of'} force",
+             lambda: policy_enforced(c, "default") == policy, timeout=30, interval=0.5)
 
 
 @contextlib.contextmanager
@@ -123,6 +132,30 @@ def kubectl_apply(c: Cluster, obj: Mapping[str, Any] | str, *args: str,
     proc: subprocess.CompletedProcess[str] = c.kubectl("apply", "-f", "-", *args, input=text,
                                                        check=check)
     return proc
+
+
+def policy_enforced(c: Cluster, ns: str) -> bool:
+    """Whether the RLJob's policy refuses a job that breaks a rule (a server-side dry run: the
+    API server loads policies and bindings asynchronously, so a test waits for this)."""
+    job = cpu_job("policy-probe", ns, training={"backend": "megatron", "gpusPerNode": 0})
+    proc = c.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(job),
+                     check=False)
+    return proc.returncode != 0 and f"ValidatingAdmissionPolicy '{POLICY_NAME}'" in proc.stderr
+
+
+@contextlib.contextmanager
+def policy_unbound(c: Cluster, ns: str) -> Iterator[None]:
+    """The RLJob's rules out of force, as on a cluster whose admin applied only the CRD (or an
+    older kuberl's rules): the policy's binding deleted, re-applied from crds/ afterwards."""
+    c.kubectl("delete", "validatingadmissionpolicybinding", POLICY_NAME)
+    wait_for("the RLJob policy out of force", lambda: not policy_enforced(c, ns), timeout=30,
+             interval=0.5)
+    try:
+        yield
+    finally:
+        c.kubectl("apply", "-f", str(POLICY_FILE))
+        wait_for("the RLJob policy in force", lambda: policy_enforced(c, ns), timeout=30,
+                 interval=0.5)
 
 
 def condition(obj: Mapping[str, Any] | None, type_: str) -> dict[str, Any]:
@@ -205,9 +238,12 @@ class Operator:
         path = self.identity
         if path.exists():  # installed by an earlier start (a restarted operator)
             return path
+        # The cluster has the CRD and the RLJob's policy from crds/ (conftest.py): the chart
+        # installs neither (--skip-crds; the policy is one per cluster).
         helm = subprocess.run(
             [str(self.cluster.helm_path), "install", self.RELEASE, str(ROOT / "helm" / "kuberl"),
-             "-n", self.ns, "--skip-crds", "--set", f"watchNamespaces={{{self.ns}}}"],
+             "-n", self.ns, "--skip-crds", "--set", f"watchNamespaces={{{self.ns}}}",
+             "--set", "validationPolicy.enabled=false"],
             capture_output=True, text=True, env=self.cluster.env, timeout=120)
         assert helm.returncode == 0, helm.stderr
         token = self.cluster.kubectl("create", "token", self.RELEASE, "-n", self.ns,

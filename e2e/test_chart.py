@@ -3,9 +3,10 @@ and the observability pack (dashboard, alerts) rendered from the chart's own fil
 
 What a user relies on: `helm lint` is clean in both RBAC modes; `helm install` creates a
 one-replica Recreate Deployment that runs non-root on a read-only root filesystem and becomes
-Available; and the operator's ServiceAccount may do exactly what the operator does (asked of the
-real API server's authorizer with `kubectl auth can-i --as`), nothing cluster-wide in namespaced
-mode, and never write an RLJob's spec.
+Available, and the RLJob's ValidatingAdmissionPolicy, which then refuses a bad RLJob; and the
+operator's ServiceAccount may do exactly what the operator does (asked of the real API server's
+authorizer with `kubectl auth can-i --as`), nothing cluster-wide in namespaced mode, and never
+write an RLJob's spec.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import yaml
 from cluster import Cluster
 from polling import wait_for
 from prometheus import promtool
+from rljobs import POLICY_FILE, cpu_job, kubectl_apply, policy_enforced
 
+from kuberl_operator.policy import POLICY_NAME
 from kuberl_operator.settings import parse_args
 
 pytestmark = pytest.mark.e2e
@@ -103,6 +106,15 @@ def rendered(cluster: Cluster, *values: str) -> list[dict[str, Any]]:
     out = helm(cluster, "template", "kuberl", str(CHART), "-n", "kuberl-system",
                "--kube-version", "1.37.2", *values).stdout
     return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_chart_renders_the_policy_crds_has(k8s_cluster: Cluster) -> None:
+    """The chart's policy is crds/rljob-policy.yaml's, as generated; a value turns it off."""
+    policy = [d for d in rendered(k8s_cluster)
+              if d["kind"].startswith("ValidatingAdmissionPolicy")]
+    assert policy == [d for d in yaml.safe_load_all(POLICY_FILE.read_text()) if d]
+    off = rendered(k8s_cluster, "--set", "validationPolicy.enabled=false")
+    assert not [d for d in off if d["kind"].startswith("ValidatingAdmissionPolicy")]
 
 
 def test_namespaced_mode_grants_nothing_cluster_wide(k8s_cluster: Cluster) -> None:
@@ -231,14 +243,45 @@ def wait_available(cluster: Cluster, ns: str, name: str, timeout: float = 90) ->
     return result
 
 
-def test_install_cluster_wide(k8s_cluster: Cluster, namespaces: list[str]) -> None:
+@pytest.fixture
+def policy_from_the_chart(k8s_cluster: Cluster, namespaces: list[str]) -> Iterator[None]:
+    """The harness installed the RLJob's policy from crds/ (one per cluster): out for a chart
+    that installs its own, back afterwards."""
+    c, ns = k8s_cluster, namespaces[1]
+    c.kubectl("delete", "-f", str(POLICY_FILE))
+    wait_for("the RLJob policy out of force", lambda: not policy_enforced(c, ns), timeout=30,
+             interval=0.5)
+    try:
+        yield
+    finally:
+        c.kubectl("apply", "-f", str(POLICY_FILE))
+        wait_for("the RLJob policy in force", lambda: policy_enforced(c, ns), timeout=30,
+                 interval=0.5)
+
+
+def test_install_cluster_wide(k8s_cluster: Cluster, namespaces: list[str],
+                              policy_from_the_chart: None) -> None:
     release_ns, job_ns, _ = namespaces
     release = f"kuberl-{release_ns[-6:]}"
     # The CRD is already in the cluster (the harness applies crds/ at start): --skip-crds, as a
-    # user upgrading it with `kubectl apply --server-side -f crds/` would.
+    # user upgrading it with `kubectl apply --server-side -f crds/` would. The policy is the
+    # chart's (validationPolicy.enabled, on by default).
     helm(k8s_cluster, "install", release, str(CHART), "-n", release_ns, "--skip-crds",
          "--wait=false")
     try:
+        policy = json.loads(k8s_cluster.kubectl(
+            "get", "validatingadmissionpolicy", POLICY_NAME, "-o", "json").stdout)
+        assert policy["metadata"]["annotations"]["meta.helm.sh/release-name"] == release
+        wait_for("the chart's policy in force", lambda: policy_enforced(k8s_cluster, job_ns),
+                 timeout=30, interval=0.5)
+        # a good job is admitted, and its status takes writes (as the trainer's heartbeat)
+        good = kubectl_apply(k8s_cluster, cpu_job("chart-policy", job_ns))
+        assert good.returncode == 0, good.stderr
+        status = k8s_cluster.kubectl("patch", "rljob", "chart-policy", "-n", job_ns,
+                                     "--subresource=status", "--type=merge", "-p",
+                                     '{"status": {"progress": {"step": 1}}}', check=False)
+        assert status.returncode == 0, status.stderr
+
         deployment = wait_available(k8s_cluster, release_ns, release)
         spec = deployment["spec"]
         assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
@@ -264,8 +307,10 @@ def test_install_cluster_wide(k8s_cluster: Cluster, namespaces: list[str]) -> No
 def test_install_namespaced(k8s_cluster: Cluster, namespaces: list[str]) -> None:
     release_ns, watched, other = namespaces
     release = f"kuberl-{release_ns[-6:]}"
+    # The cluster has the RLJob's policy from crds/ (one per cluster): not this release's.
     helm(k8s_cluster, "install", release, str(CHART), "-n", release_ns, "--skip-crds",
-         "--set", f"watchNamespaces={{{watched}}}", "--wait=false")
+         "--set", f"watchNamespaces={{{watched}}}", "--set", "validationPolicy.enabled=false",
+         "--wait=false")
     try:
         wait_available(k8s_cluster, release_ns, release)
         sa = f"system:serviceaccount:{release_ns}:{release}"

@@ -1,19 +1,20 @@
 """RLJob on a real control plane: the CRD, admission, and the operator end to end.
 
-What `kubectl apply` does with the generated CRD on a real kube-apiserver (v1.37: structural
-schema, defaults, CEL rules, strict field validation, the status subresource), and what the
+What `kubectl apply` does with the generated CRD and the RLJob's ValidatingAdmissionPolicy on a
+real kube-apiserver (v1.37: structural schema, defaults, the policy's CEL rules, strict field
+validation, the status subresource), and what the
 operator (`python -m kuberl_operator`, as a subprocess logged in through a kubeconfig) does with
 an RLJob against real KubeRay, scheduler, garbage collector and kwok nodes. The unit tier checks
 the same rules against a Python stand-in (tests/crd_admission.py); this tier is the ground truth.
 
-One cluster per session (conftest.py: the project's CRD installed before the controller-manager,
-4 train nodes), shared by every test; each test works in a namespace of its own.
+One cluster per session (conftest.py: the project's crds/, the CRD and the policy, installed
+before the controller-manager, 4 train nodes), shared by every test; each test works in a
+namespace of its own.
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
 import copy
 import importlib
 import json
@@ -45,6 +46,8 @@ from rljobs import (
     events_for,
     kubectl_apply,
     namespace,
+    policy_enforced,
+    policy_unbound,
     selector_query,
     static_claims,
     table_row,
@@ -56,7 +59,8 @@ if str(ROOT) not in sys.path:  # `tests` is a package at the repository root
 
 from kuberl_api import loads, parse  # noqa: E402
 from kuberl_api.rljob import API_VERSION, KIND  # noqa: E402
-from kuberl_operator.crd import openapi_schema  # noqa: E402
+from kuberl_operator.crd import openapi_schema, validated_schema  # noqa: E402
+from kuberl_operator.policy import POLICY_NAME, rljob_policy  # noqa: E402
 from kuberl_operator.render import names  # noqa: E402
 
 # The unit tier's admission stand-in and table of bad specs, reused as they are. Imported by
@@ -73,7 +77,9 @@ pytestmark = pytest.mark.e2e
 CRD_FILE = ROOT / "crds" / "rljob.yaml"
 CRD_NAME = "rljobs.kuberl.dev"
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
-SCHEMA = openapi_schema()
+# The schema with the rules where they apply: what tests.crd_admission emulates (the CRD's
+# schema, then the policy's checks).
+SCHEMA = validated_schema()
 
 
 def example(name: str) -> dict[str, Any]:
@@ -109,7 +115,7 @@ def test_crd_applies_and_is_established(k8s_cluster: Cluster) -> None:
     assert server_side.returncode == 0, server_side.stderr
     # What the server stored is the schema the model generates (nothing pruned or rewritten).
     stored = json.loads(c.kubectl("get", "crd", CRD_NAME, "-o", "json").stdout)
-    assert stored["spec"]["versions"][0]["schema"]["openAPIV3Schema"] == SCHEMA
+    assert stored["spec"]["versions"][0]["schema"]["openAPIV3Schema"] == openapi_schema()
 
     def established() -> bool:
         crd = json.loads(c.kubectl("get", "crd", CRD_NAME, "-o", "json").stdout)
@@ -136,8 +142,11 @@ def test_crd_applies_and_is_established(k8s_cluster: Cluster) -> None:
 
 @pytest.fixture(scope="module")
 def validation_ns(k8s_cluster: Cluster) -> Iterator[str]:
-    """A namespace no operator watches: objects stay exactly as the API server stored them."""
+    """A namespace no operator watches: objects stay exactly as the API server stored them.
+    The RLJob's policy is in force there (the API server loads it asynchronously)."""
     with namespace(k8s_cluster, "e2e-validate") as ns:
+        wait_for("the RLJob policy in force", lambda: policy_enforced(k8s_cluster, ns),
+                 timeout=30, interval=0.5)
         yield ns
 
 
@@ -179,7 +188,7 @@ def _bad_manifest(case: str, edit: Callable[[dict[str, Any]], None],
                   ns: str) -> dict[str, Any]:
     obj = base()
     edit(obj["spec"])
-    obj["metadata"] = {"name": case[:40].rstrip("-"), "namespace": ns}
+    obj["metadata"] = {"name": case[:40].rstrip("-").lower(), "namespace": ns}  # a valid name
     return obj
 
 
@@ -697,28 +706,13 @@ def test_failed_rayjob_restarts_as_next_attempt(k8s_cluster: Cluster, operator: 
 # ---------------------------------------------------------- 5. refused by the operator only
 
 
-@contextlib.contextmanager
-def crd_without_rule(cluster: Cluster, section: str) -> Iterator[None]:
-    """The installed CRD with `spec.<section>`'s CEL rules removed, as an RLJob CRD of an older
-    kuberl release would be (Helm never upgrades CRDs), restored afterwards from crds/."""
-    pointer = ("/spec/versions/0/schema/openAPIV3Schema/properties/spec/properties/"
-               f"{section}/x-kubernetes-validations")
-    cluster.kubectl("patch", "crd", CRD_NAME, "--type=json", "-p",
-                    json.dumps([{"op": "remove", "path": pointer}]))
-    try:
-        yield
-    finally:
-        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-        stored = json.loads(cluster.kubectl("get", "crd", CRD_NAME, "-o", "json").stdout)
-        assert stored["spec"]["versions"][0]["schema"]["openAPIV3Schema"] == SCHEMA
-
-
-def test_operator_refuses_what_the_crd_let_through(k8s_cluster: Cluster, operator: Operator,
-                                                   operator_ns: str) -> None:
-    """An RLJob that the installed CRD admits but the operator's model refuses (an older CRD
-    without the clip-order rule, as after an operator upgrade without a CRD upgrade): the
-    operator says Accepted=False with the field in the message, posts one Warning Event,
-    keeps the job Pending, and creates nothing."""
+def test_operator_refuses_what_the_api_server_let_through(k8s_cluster: Cluster,
+                                                          operator: Operator,
+                                                          operator_ns: str) -> None:
+    """An RLJob that the API server admits but the operator's model refuses (the CRD without
+    the RLJob's policy, as where only crds/rljob.yaml was applied, or the chart's
+    validationPolicy.enabled=false): the operator says Accepted=False with the field in the
+    message, posts one Warning Event, keeps the job Pending, and creates nothing."""
     c, ns = k8s_cluster, operator_ns
     api = c.api()
     job = "clip-order"
@@ -729,10 +723,9 @@ def test_operator_refuses_what_the_crd_let_through(k8s_cluster: Cluster, operato
     assert refused.returncode != 0 and "epsClipHigh must be at least epsClip" in refused.stderr
     url = RLJOBS.format(ns=ns) + f"/{job}"
     try:
-        with crd_without_rule(c, "algorithm"):
-            # The apiserver picks up a CRD change asynchronously: retry until it admits it.
-            wait_for("the loosened CRD to admit the job",
-                     lambda: kubectl_apply(c, obj).returncode == 0, timeout=30, interval=0.5)
+        with policy_unbound(c, ns):
+            applied = kubectl_apply(c, obj)
+            assert applied.returncode == 0, applied.stderr
         accepted = wait_for("Accepted=False", lambda: condition(api.get(url), "Accepted").get(
             "status") == "False" and condition(api.get(url), "Accepted"), timeout=30,
             detail=operator.tail)
@@ -753,7 +746,7 @@ def test_operator_refuses_what_the_crd_let_through(k8s_cluster: Cluster, operato
         shown = c.kubectl("get", "rljob", job, "-n", ns, "-o", "jsonpath={.status.phase}").stdout
         assert shown == "Pending"
 
-        # The user fixes the spec (the restored CRD checks the edited section again): the
+        # The user fixes the spec (the restored policy checks the edited section again): the
         # operator accepts it and starts the job.
         obj["spec"]["algorithm"]["epsClipHigh"] = 0.28
         fixed = kubectl_apply(c, obj)
@@ -769,6 +762,110 @@ def test_operator_refuses_what_the_crd_let_through(k8s_cluster: Cluster, operato
         JobWatch(c, operator, ns, job).delete_and_wait_gc()
 
 
+# --------------------------------------------------------- 6. the policy that holds the rules
+
+
+def test_policy_is_installed_as_generated_and_type_checks(k8s_cluster: Cluster) -> None:
+    """The policy from crds/ (as `kubectl apply -f crds/` installs it) is stored as the model
+    generates it, and the API server's type check of its CEL against the RLJob's schema (the
+    controller-manager's, in the policy's status) finds nothing to warn about."""
+    c = k8s_cluster
+    url = f"/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies/{POLICY_NAME}"
+
+    def checked() -> dict[str, Any] | None:
+        stored: dict[str, Any] = c.api().get(url)
+        status = stored.get("status") or {}
+        return stored if status.get("observedGeneration") == stored["metadata"][
+            "generation"] and "typeChecking" in status else None
+
+    stored = wait_for("the policy's type check", checked, timeout=60)
+    assert stored["status"]["typeChecking"].get("expressionWarnings") is None, stored["status"]
+    generated = rljob_policy()["spec"]
+    for key in ("failurePolicy", "matchConditions", "variables", "validations"):
+        assert stored["spec"][key] == generated[key], key
+    rules = stored["spec"]["matchConstraints"]["resourceRules"]
+    assert [r["resources"] for r in rules] == [["rljobs"]]
+
+
+def test_status_writes_never_meet_the_policy(k8s_cluster: Cluster, validation_ns: str) -> None:
+    """The policy matches what the RLJob's policy matches, but refuses everything: the real
+    API server applies it to a label change of an RLJob and never to a status patch (a
+    subresource is matched only by its own name). So a trainer's heartbeat costs no rule."""
+    c, ns = k8s_cluster, validation_ns
+    name = "e2e-status-probe"
+    obj = base()
+    obj["metadata"] = {"name": "status-probe", "namespace": ns}
+    assert kubectl_apply(c, obj).returncode == 0
+    probe = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+             "metadata": {"name": name},
+             "spec": {"failurePolicy": "Fail",
+                      "matchConstraints": rljob_policy()["spec"]["matchConstraints"],
+                      "validations": [{"expression": "false", "message": "refused by the probe"}]}}
+    binding = {"apiVersion": "admissionregistration.k8s.io/v1",
+               "kind": "ValidatingAdmissionPolicyBinding", "metadata": {"name": name},
+               "spec": {"policyName": name, "validationActions": ["Deny"],
+                        "matchResources": {"namespaceSelector": {"matchLabels": {
+                            "kubernetes.io/metadata.name": ns}}}}}
+    values = iter(range(1000))
+
+    def labelled() -> subprocess.CompletedProcess[str]:  # a new value: a write every time
+        proc: subprocess.CompletedProcess[str] = c.kubectl(
+            "label", "rljob", "status-probe", "-n", ns, f"probe={next(values)}", "--overwrite",
+            check=False)
+        return proc
+
+    try:
+        assert kubectl_apply(c, {"apiVersion": "v1", "kind": "List",
+                                 "items": [probe, binding]}).returncode == 0
+        wait_for("the probe in force", lambda: "refused by the probe" in labelled().stderr,
+                 timeout=30, interval=0.5)
+        for step in range(3):
+            patched = c.kubectl("patch", "rljob", "status-probe", "-n", ns,
+                                "--subresource=status", "--type=merge", "-p", json.dumps(
+                                    {"status": {"progress": {"step": step}}}), check=False)
+            assert patched.returncode == 0, patched.stderr
+    finally:
+        c.kubectl("delete", "validatingadmissionpolicybinding,validatingadmissionpolicy", name,
+                  "--ignore-not-found")
+        wait_for("the probe out of force", lambda: labelled().returncode == 0, timeout=30,
+                 interval=0.5)
+        c.kubectl("delete", "rljob", "status-probe", "-n", ns, "--ignore-not-found")
+
+
+def test_policy_ratchets_what_was_stored_before_it(k8s_cluster: Cluster,
+                                                  validation_ns: str) -> None:
+    """A job stored while the policy did not hold it (an older kuberl's rules, or none) and
+    that breaks a rule now: its labels, its status and the spec sections the rule does not read
+    still take writes; an edit of what the rule reads is refused with the rule's message."""
+    c, ns = k8s_cluster, validation_ns
+    obj = base()
+    obj["metadata"] = {"name": "stored-before", "namespace": ns}
+    obj["spec"]["training"] = {"backend": "megatron", "gpusPerNode": 0}  # megatron needs GPUs
+    obj["spec"]["rollout"] = {"engine": "reference", "gpus": 0}
+    refused = kubectl_apply(c, obj)
+    rule = "backend megatron trains on GPUs"
+    assert refused.returncode != 0 and rule in refused.stderr, refused.stderr
+    with policy_unbound(c, ns):
+        stored = kubectl_apply(c, obj)
+        assert stored.returncode == 0, stored.stderr
+    try:
+        labelled = c.kubectl("label", "rljob", "stored-before", "-n", ns, "team=a", check=False)
+        assert labelled.returncode == 0, labelled.stderr
+        status = c.kubectl("patch", "rljob", "stored-before", "-n", ns, "--subresource=status",
+                           "--type=merge", "-p", '{"status": {"phase": "Pending"}}', check=False)
+        assert status.returncode == 0, status.stderr
+        for ok in ({"algorithm": {"lr": 1e-5}}, {"suspend": True}):
+            edited = c.kubectl("patch", "rljob", "stored-before", "-n", ns, "--type=merge",
+                               "-p", json.dumps({"spec": ok}), check=False)
+            assert edited.returncode == 0, (ok, edited.stderr)
+        edited = c.kubectl("patch", "rljob", "stored-before", "-n", ns, "--type=merge", "-p",
+                           '{"spec": {"training": {"nodes": 2}}}', check=False)
+        assert edited.returncode != 0, edited.stdout
+        assert f"spec.training.gpusPerNode: {rule}" in edited.stderr, edited.stderr
+    finally:
+        c.kubectl("delete", "rljob", "stored-before", "-n", ns, "--ignore-not-found")
+
+
 def test_env_names_refused_at_apply(k8s_cluster: Cluster, validation_ns: str) -> None:
     """Found by this tier: the API server refuses pods with such env names, so a job that
     got past apply would sit in Provisioning while KubeRay failed to create its GPU pods."""
@@ -782,10 +879,12 @@ def test_env_names_refused_at_apply(k8s_cluster: Cluster, validation_ns: str) ->
 
 
 # ------------------------------------------------- CEL rules after a violated minimum or maximum
-# Found by this tier: the API server still runs the CEL rules after a schema error such as a
-# minimum or a maximum (only a wrong type, a missing field, an enum or a length stops them), and
-# the rules that divide added "division by zero evaluating rule" to the message, those that
-# multiply "integer overflow evaluating rule" (int64), until they were guarded.
+# Found by this tier when the rules were the CRD's: the API server still runs a CRD's CEL rules
+# after a schema error such as a minimum or a maximum (only a wrong type, a missing field, an
+# enum or a length stops them), and the rules that divide added "division by zero evaluating
+# rule" to the message, those that multiply "integer overflow evaluating rule" (int64), until
+# they were guarded. The policy runs only on objects the schema accepted; these keep the bound's
+# message alone, whatever holds the rules.
 
 # The unit tier's tables, as (id, edit of spec, the field, a field a CEL rule names too, or "",
 # the bound the server reports: "<field> in body should be <bound>"): a divisor at 0, and an
@@ -814,7 +913,9 @@ def test_no_cel_evaluation_errors_when_a_bound_is_violated(
     for noise in ("evaluating rule", "overflow", "by zero"):
         assert noise not in text, text
     assert f"{field} in body should be {bound}" in text, text
-    assert not also or also in text, text
+    # The CRD's schema refuses the object before admission runs the policy: no rule adds to
+    # the bound's message (`also`, a field a rule names too, was reported when the rules were
+    # the CRD's, which the server runs after such an error).
     expected = {p.partition(": ")[2] for p in admit(SCHEMA, obj)} & CEL_MESSAGES
     assert {m for m in CEL_MESSAGES if m in text} == expected, text
 

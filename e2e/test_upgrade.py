@@ -1,6 +1,6 @@
 """An upgrade with a job running: an RLJob that an earlier kuberl release accepted, and that this
 one's rules refuse, keeps being reconciled after the CRD and the operator are upgraded
-(kuberl_operator/status/ratchet.py; the API server ratchets the CRD's rules likewise).
+(kuberl_operator/status/ratchet.py; the rules' ValidatingAdmissionPolicy ratchets likewise).
 
 The earlier release is kuberl at EARLIER, the last commit before be39d6d made
 `model.tokenizer` lie under `model.storage.mountPath`: its CRD (a fixture, from that commit)
@@ -89,7 +89,7 @@ def test_job_of_an_earlier_release_runs_on_after_the_upgrade(
         k8s_cluster: Cluster, upgrade_ns: str, earlier_release: Path, tmp_path: Path) -> None:
     """Applied and started under the earlier release; after the upgrade, this operator tracks
     its RayJob (Running), with SpecWarning=True naming the field and the rule and one Warning
-    Event; an edit of an editable field is admitted (the CRD ratchets the unchanged section)
+    Event; an edit of an editable field is admitted (the policy ratchets the unchanged section)
     and one of the offending field is refused, by this release's rule; a failed attempt is
     restarted from the spec as accepted, which then runs to Succeeded."""
     c, ns = k8s_cluster, upgrade_ns

@@ -1,12 +1,19 @@
 """What the API server does with an RLJob at `kubectl apply`, in Python, for unit tests.
 
-Given the generated CRD's openAPIV3Schema this applies defaults, rejects unknown fields (kubectl's
-strict field validation), checks types/enums/bounds (jsonschema, OpenAPI 3.0 = draft 4
-semantics), and evaluates every `x-kubernetes-validations` CEL rule with cel-python, binding
-`self`/`oldSelf` as Kubernetes does. Like the server it still runs the CEL rules after schema
-errors that leave the values usable (a minimum, a maximum, a pattern), so a rule that fails to
-evaluate on such an object (a division by zero) is caught here too. It is a stand-in for speed,
-not a replacement: the e2e tier applies the same manifests to a real kube-apiserver.
+Given the RLJob's validated schema (`crd.validated_schema()`: the CRD's openAPIV3Schema with
+every rule's CEL at the node it validates), this does what kube-apiserver does with the CRD made
+from it and the ValidatingAdmissionPolicy made from its rules (kuberl_operator/policy.py):
+applies defaults, rejects unknown fields (kubectl's strict field validation), checks
+types/enums/bounds (jsonschema, OpenAPI 3.0 = draft 4 semantics) and, only when the schema
+holds (the API server validates an object against its CRD before admission runs the policy),
+evaluates the policy's checks with cel-python, binding `object`, `oldObject`, `request` and the
+policy's variables as the server does. It is a stand-in for speed, not a replacement: the e2e
+tier applies the same manifests to a real kube-apiserver with the policy installed.
+
+Two differences from the server, both checked there: whole numbers in `number` fields become
+doubles here (the policy reads them as ints, which CEL compares with doubles as numbers;
+cel-python does not), and the policy's assembly of its checks' problems into one message (a
+list, `join`, `indexOf`) is not evaluated here, only each check.
 """
 
 from __future__ import annotations
@@ -19,12 +26,17 @@ import jsonschema
 from celpy import celtypes
 from celpy.evaluation import CELEvalError
 
+from kuberl_operator.crd import without_rules
+from kuberl_operator.policy import (
+    SPEC_WRITTEN,
+    UNCHANGED,
+    Check,
+    checks,
+    unchanged_variable,
+)
+
 Schema = dict[str, Any]
 _ENV = celpy.Environment()
-# Schema errors after which the API server skips the CEL rules (hasBlockingErr in
-# apiextensions-apiserver's customresource strategy: wrong type, required, enum, too long,
-# too many items or properties); after any other it runs them on the object as it is.
-_BLOCKING = frozenset({"type", "required", "enum", "maxLength", "maxItems", "maxProperties"})
 _PROGRAMS: dict[str, Any] = {}
 
 
@@ -42,7 +54,7 @@ def _to_cel(value: Any) -> Any:
 
 def apply_defaults(schema: Schema, value: Any) -> Any:
     """Structural defaulting: absent properties with a default get it, recursively; integers
-    in `number` fields become doubles (CEL sees them as double on a real server)."""
+    in `number` fields become doubles (cel-python compares no int with a double)."""
     kind = schema.get("type")
     if kind == "number" and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -76,57 +88,71 @@ def _unknown_fields(schema: Schema, value: Any, path: str) -> list[str]:
     return out
 
 
-def _schema_errors(schema: Schema, value: Any) -> tuple[list[str], bool]:
-    """The problems, and whether one of them keeps the server from running the CEL rules."""
+def _schema_errors(schema: Schema, value: Any) -> list[str]:
     validator = jsonschema.Draft4Validator(schema)
     out = []
-    blocking = False
     for err in validator.iter_errors(value):
         path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err.absolute_path)
         out.append(f"{path.lstrip('.')}: {err.message}")
-        blocking = blocking or err.validator in _BLOCKING
-    return out, blocking
+    return out
 
 
-def _cel_errors(schema: Schema, value: Any, old: Any, path: str) -> list[str]:
+def _evaluate(expr: str, ctx: dict[str, Any], what: str) -> Any:
+    try:
+        return _program(expr).evaluate(ctx)
+    except CELEvalError as exc:  # the policy fails closed: the server refuses the object
+        raise AssertionError(f"the policy's CEL errored for {what}: {expr}: {exc}") from exc
+
+
+_POLICIES: dict[int, tuple[Schema, list[Check], str]] = {}
+
+
+def _policy(schema: Schema) -> tuple[list[Check], str]:
+    """The policy's checks and its `unchanged` variable, made once per schema."""
+    if id(schema) not in _POLICIES:
+        _POLICIES[id(schema)] = (schema, checks(schema), unchanged_variable(schema))
+    _, policy_checks, unchanged = _POLICIES[id(schema)]
+    return policy_checks, unchanged
+
+
+def policy_problems(schema: Schema, new: dict[str, Any], old: dict[str, Any] | None) -> list[str]:
+    """What the policy made from `schema`'s rules refuses in `new` (an update of `old`, both
+    defaulted), one "path: message" line per problem."""
+    ctx: dict[str, Any] = {
+        "object": _to_cel(new), "oldObject": _to_cel(old),
+        "request": _to_cel({"operation": "CREATE" if old is None else "UPDATE"})}
+    if not _evaluate(SPEC_WRITTEN, ctx, "matchConditions"):
+        return []  # an update that leaves the spec as it was: the policy does not apply
+    policy_checks, unchanged = _policy(schema)
+    ctx["variables"] = celtypes.MapType(
+        {celtypes.StringType(UNCHANGED): _evaluate(unchanged, ctx, UNCHANGED)})
     out = []
-    for rule in schema.get("x-kubernetes-validations", []):
-        transition = "oldSelf" in rule["rule"]
-        if transition and old is None:
-            continue  # Kubernetes skips transition rules on create
-        ctx = {"self": _to_cel(value)}
-        if transition:
-            ctx["oldSelf"] = _to_cel(old)
-        try:
-            result = _program(rule["rule"]).evaluate(ctx)
-        except CELEvalError as exc:  # a real server rejects the object on evaluation errors
-            raise AssertionError(f"CEL rule errored at {path}: {rule['rule']}: {exc}") from exc
-        assert isinstance(result, celtypes.BoolType), rule["rule"]
-        if not result:
-            where = f"{path}{rule.get('fieldPath', '')}".lstrip(".")
-            out.append(f"{where}: {rule['message']}")
-    if isinstance(value, dict):
-        for name, prop in schema.get("properties", {}).items():
-            if name in value:
-                sub_old = old.get(name) if isinstance(old, dict) else None
-                out += _cel_errors(prop, value[name], sub_old, f"{path}.{name}")
-    if isinstance(value, list) and isinstance(schema.get("items"), dict):
-        # Rules on list items run on each item (as on a create: transition rules on items of
-        # a list that is not a map-list have no old item to compare with).
-        for i, item in enumerate(value):
-            out += _cel_errors(schema["items"], item, None, f"{path}[{i}]")
+    for check in policy_checks:
+        if check.items is None:
+            result = _evaluate(check.test, ctx, check.where)
+            assert isinstance(result, celtypes.BoolType), check.test
+            if not result:
+                out.append(f"{check.where}: {check.message}")
+            continue
+        listed = list(_evaluate(check.listed, ctx, check.where))
+        for item in _evaluate(check.items, ctx, check.where):
+            if not _evaluate(check.test, {**ctx, "item": item}, check.where):
+                where = f"{check.where}[{listed.index(item)}]{check.item_field}"
+                out.append(f"{where}: {check.message}")
     return out
 
 
 def admit(schema: Schema, obj: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
-    """Problems the API server would report for `obj` (an update of `old` when given);
-    empty when it would be accepted. Each line starts with the field path."""
-    new = apply_defaults(schema, copy.deepcopy(obj))
-    prev = apply_defaults(schema, copy.deepcopy(old)) if old is not None else None
-    unknown = [p.lstrip(".") for p in _unknown_fields(schema, new, "")]
+    """Problems the API server would report for `obj` (an update of `old` when given), with
+    the CRD and the policy made from `schema`; empty when it would be accepted. Each line
+    starts with the field path (empty for a rule about the object as a whole)."""
+    crd_schema = without_rules(schema)
+    new = apply_defaults(crd_schema, copy.deepcopy(obj))
+    prev = apply_defaults(crd_schema, copy.deepcopy(old)) if old is not None else None
+    unknown = [p.lstrip(".") for p in _unknown_fields(crd_schema, new, "")]
     if unknown:  # strict field validation refuses the request before validating it
         return unknown
-    problems, blocking = _schema_errors(schema, new)
-    if blocking:
+    problems = _schema_errors(crd_schema, new)
+    if problems:  # refused by the CRD's schema: admission (the policy) never runs
         return problems
-    return problems + _cel_errors(schema, new, prev, "")
+    return policy_problems(schema, new, prev)

@@ -1,7 +1,8 @@
 """Shared pieces of the RLJob model: the base class, rules (CEL and Python), and field errors.
 
 Every rule of the API is a `Rule`, written once with both its forms side by side: a CEL
-expression that goes into the CRD (so `kubectl apply` refuses a violation) and a Python
+expression that the API server checks (the RLJob's ValidatingAdmissionPolicy, made from the
+schema's CEL by kuberl_operator/policy.py, so `kubectl apply` refuses a violation) and a Python
 predicate that the model checks (so `kuberl` and the operator refuse it too, with the same
 message). A model lists its rules in `RULES` (its fields' in `FIELD_RULES`); its
 `json_schema_extra` carries their CEL (`rules_schema`), and `ApiModel` checks their Python.
@@ -147,7 +148,8 @@ _UNEVALUATED = _Unevaluated()
 
 @dataclass(frozen=True)
 class Rule:
-    """One rule, in both its forms: `cel` for the CRD, `holds` for the model, one `message`.
+    """One rule, in both its forms: `cel` for the API server, `holds` for the model, one
+    `message`.
 
     Both forms read the node the rule sits on as `self`: a section (the model instance), or
     for a rule on a field, the field's value. `field` is the camelCase path below that node of

@@ -1,6 +1,7 @@
 """The `kuberl` command.
 
     kuberl crd [--output FILE]      print (or write) the RLJob CRD generated from the model
+    kuberl crd --policy [-o FILE]   ... or the ValidatingAdmissionPolicy with the RLJob's rules
     kuberl validate RLJOB.yaml      check a manifest the way the operator will
     kuberl render RLJOB.yaml        print every child object the operator would create
     kuberl run RLJOB.yaml           run the job on local Ray (the training loop)
@@ -26,9 +27,14 @@ from kuberl_api import InvalidRLJob, RLJob, load, load_rendered
 
 
 def _cmd_crd(args: argparse.Namespace) -> int:
-    from kuberl_operator.crd import rljob_crd_yaml
+    if args.policy:
+        from kuberl_operator.policy import rljob_policy_yaml
 
-    text = rljob_crd_yaml()
+        text = rljob_policy_yaml()
+    else:
+        from kuberl_operator.crd import rljob_crd_yaml
+
+        text = rljob_crd_yaml()
     if args.output:
         Path(args.output).write_text(text)
     else:
@@ -117,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     crd = sub.add_parser("crd", help="print the RLJob CustomResourceDefinition")
     crd.add_argument("--output", "-o", help="write to this file instead of stdout")
+    crd.add_argument("--policy", action="store_true",
+                     help="the ValidatingAdmissionPolicy and its binding that check the RLJob's "
+                     "rules at create and update (crds/rljob-policy.yaml) instead of the CRD")
     crd.set_defaults(func=_cmd_crd)
 
     validate = sub.add_parser("validate", help="validate an RLJob manifest")

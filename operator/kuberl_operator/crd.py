@@ -3,6 +3,11 @@
 Pydantic writes JSON Schema (2020-12); Kubernetes wants a *structural* OpenAPI v3.0 schema:
 every node typed, no $ref, no anyOf-with-null, boolean exclusiveMinimum, defaults that the API
 server can apply. `structural()` does that translation; `rljob_crd()` wraps it in the CRD.
+
+The model's cross-field rules arrive as CEL (`x-kubernetes-validations`) at the nodes they
+validate: `validated_schema()`. The CRD carries the schema without them (`openapi_schema()`):
+policy.py turns them into the ValidatingAdmissionPolicy that checks them, where status writes
+never meet them.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import Any
 import yaml
 
 from kuberl_api import rljob
+from kuberl_api.base import CEL_KEY
 from kuberl_api.rljob import RLJob
 from kuberl_api.spec import RLJobSpec
 from kuberl_api.status import RLJobStatus
@@ -108,7 +114,9 @@ def _model_schema(model: type[Any]) -> Schema:
     return structural(raw, raw.get("$defs", {}))
 
 
-def openapi_schema() -> Schema:
+def validated_schema() -> Schema:
+    """The RLJob's structural schema with every rule's CEL at the node it validates (the
+    source of the policy's checks; tests evaluate both against the same manifests)."""
     spec = _model_schema(RLJobSpec)
     spec["description"] = "What to train, on which GPUs, and how. See the kuberl README."
     status = _model_schema(RLJobStatus)
@@ -126,8 +134,23 @@ def openapi_schema() -> Schema:
             "spec": spec,
             "status": status,
         },
-        "x-kubernetes-validations": rljob.root_rules(),
+        CEL_KEY: rljob.root_rules(),
     }
+
+
+def without_rules(node: Any) -> Any:
+    """`node` with no `x-kubernetes-validations` anywhere below it."""
+    if isinstance(node, dict):
+        return {k: without_rules(v) for k, v in node.items() if k != CEL_KEY}
+    if isinstance(node, list):
+        return [without_rules(v) for v in node]
+    return node
+
+
+def openapi_schema() -> Schema:
+    """The CRD's schema: types, bounds, enums, patterns and defaults; no CEL (policy.py)."""
+    schema: Schema = without_rules(validated_schema())
+    return schema
 
 
 PRINTER_COLUMNS = [

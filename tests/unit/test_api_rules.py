@@ -1,7 +1,8 @@
-"""Every rule of the RLJob spec is a `Rule` with both its forms: the CEL the CRD carries is exactly
-the rules' CEL (none written by hand without a Python twin), the models validate with the rules'
-Python (and nothing else, bar the listed Python-only checks), and a manifest that breaks a rule
-gets the same message, at the same field, from the model and from the CRD's CEL."""
+"""Every rule of the RLJob spec is a `Rule` with both its forms: the CEL the schema carries
+(`crd.validated_schema()`, from which the policy is made) is exactly the rules' CEL (none
+written by hand without a Python twin), the models validate with the rules' Python (and nothing
+else, bar the listed Python-only checks), and a manifest that breaks a rule gets the same
+message, at the same field, from the model and from the policy's CEL."""
 
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ from kuberl_api import InvalidRLJob, parse
 from kuberl_api.base import CEL_KEY, ApiModel, Rule
 from kuberl_api.engine_flags import ENGINE_FLAGS_REFUSED, KUBERL_ENGINE_FLAGS
 from kuberl_api.spec import RLJobSpec
-from kuberl_operator.crd import openapi_schema
+from kuberl_operator.crd import validated_schema
 from tests.crd_admission import admit
 from tests.unit.test_api_validation import BAD_SPECS, base, both, ppo, set_
 
-SCHEMA = openapi_schema()
+SCHEMA = validated_schema()
 SPEC_SCHEMA = SCHEMA["properties"]["spec"]
 
 # CEL rules on a single field that have no Python twin, by (model, field): none. A schema rule

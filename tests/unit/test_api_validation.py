@@ -1,6 +1,7 @@
 """Bad RLJob manifests are refused with messages naming the field — by the pydantic model (what
-`kuberl` and the operator use) and by the generated CRD's schema and CEL rules (what
-`kubectl apply` uses). Each case is checked against both, so the two can't drift apart."""
+`kuberl` and the operator use) and by the generated CRD's schema and the rules' CEL in its
+ValidatingAdmissionPolicy (what `kubectl apply` uses). Each case is checked against both, so
+the two can't drift apart."""
 
 from __future__ import annotations
 
@@ -25,11 +26,11 @@ from kuberl_api.spec import (
     MAX_ROLLOUT_GPUS,
     MAX_SAMPLES_PER_PROMPT,
 )
-from kuberl_operator.crd import openapi_schema
+from kuberl_operator.crd import validated_schema
 from tests.crd_admission import admit
 
 ROOT = Path(__file__).resolve().parents[2]
-SCHEMA = openapi_schema()
+SCHEMA = validated_schema()
 
 
 def base() -> dict[str, Any]:
@@ -452,9 +453,10 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
      "spec.network.weightSyncPort", "GPU pods"),
 ]
 
-# A divisor of a cross-field rule at 0, below its minimum. The API server still runs the CEL
-# rules after such a schema error, so each rule that divides by it must pass rather than fail
-# to evaluate ("division by zero evaluating rule"): only the field's own minimum is reported.
+# A divisor of a cross-field rule at 0, below its minimum: only the field's own minimum is
+# reported. (The policy runs only on objects the CRD's schema accepted. Where the rules are a
+# CRD's, the API server still runs them after such a schema error, so each rule that divides by
+# it passes rather than fail to evaluate, "division by zero evaluating rule": common._outside.)
 # (id, edit of spec, the field, another field a CEL rule rightly names too, or "")
 ZERO_DIVISORS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("tp-zero", set_("training.parallelism.tp", 0), "spec.training.parallelism.tp", ""),
@@ -476,11 +478,11 @@ ZERO_DIVISORS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
 ]
 
 
-# An operand of a cross-field rule far outside its range. The server runs the CEL rules after a
-# violated maximum too, and multiplies int64s: unguarded, nodes: 2**62 added "integer overflow
-# evaluating rule" (nodes * gpusPerNode), and a value just refused could still add a rule's
-# message worked out from it. Each rule that multiplies, divides or takes a modulus passes
-# while an operand is out of range, so the field's own bound is all that is reported.
+# An operand of a cross-field rule far outside its range: the field's own bound is all that is
+# reported. (Where the rules are a CRD's, the server runs them after a violated maximum too, and
+# multiplies int64s: unguarded, nodes: 2**62 added "integer overflow evaluating rule" (nodes *
+# gpusPerNode). Each rule that multiplies, divides or takes a modulus passes while an operand is
+# out of range.)
 # (id, edit of spec, the field, another field a comparison rule rightly names too, or "",
 #  the bound as the server words it: "... in body should be <bound>")
 HUGE = 2**62

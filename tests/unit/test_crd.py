@@ -66,5 +66,5 @@ def test_names_columns_and_subresources() -> None:
     assert columns["Step"] == ".status.progress.step"
     assert columns["Reward"] == ".status.progress.rewardMean"
     assert columns["Age"] == ".metadata.creationTimestamp"
-    rules = version["schema"]["openAPIV3Schema"]["x-kubernetes-validations"]
-    assert any("oldSelf.spec.model" in r["rule"] for r in rules)
+    # The rules are the policy's (crds/rljob-policy.yaml): a CRD's run on status writes too.
+    assert "x-kubernetes-validations" not in CRD_FILE.read_text()

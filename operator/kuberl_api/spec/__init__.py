@@ -2,7 +2,8 @@
 
 Each section is its own small model, in a module of its own; rules that involve one section live
 on it, rules that span sections on `RLJobSpec` (job.py, its rules in job_rules.py). Each rule is
-a `base.Rule`: its CEL (for the CRD) and its Python twin written once, side by side. This module
+a `base.Rule`: its CEL (for the API server's admission policy) and its Python twin written once,
+side by side. This module
 re-exports the public names of the section modules (and the engine-flag tables of
 engine_flags.py), so `from kuberl_api.spec import X` works as it did when spec was one module.
 """

@@ -60,12 +60,15 @@ MAX_ENGINE_RESTARTS = 1000
 
 
 # A CEL rule that multiplies, divides or takes a modulus first passes when one of its operands
-# lies outside its schema range: the API server still runs the CEL rules after such a schema
-# error (a minimum or a maximum; only a wrong type, a missing field, an enum or a length stops
-# them), and an unguarded rule would add "division by zero" or "integer overflow evaluating
-# rule", or a cross-field message worked out from the refused value, to the field's own minimum
-# or maximum error. The Python twins never see such values (pydantic runs a model validator
-# only once every field is valid).
+# lies outside its schema range, so that it evaluates on any value its field's type allows.
+# kuberl's ValidatingAdmissionPolicy (kuberl_operator/policy.py) runs the rules only on objects
+# the CRD's schema accepted, but as a CRD's `x-kubernetes-validations` (as kuberl shipped them
+# before; bench/crd_validation_cost.py's rules-in-crd) the API server still runs them after such
+# a schema error (a minimum or a maximum; only a wrong type, a missing field, an enum or a
+# length stops them), and an unguarded rule would add "division by zero" or "integer overflow
+# evaluating rule", or a cross-field message worked out from the refused value, to the field's
+# own minimum or maximum error. The Python twins never see such values (pydantic runs a model
+# validator only once every field is valid).
 
 
 def _outside(path: str, low: int, high: int, *, optional: bool = False) -> str:

@@ -242,7 +242,7 @@ class RolloutSpec(ApiModel):
         "GRPO group and of globalBatchSize; a sample with fewer rows is padded with empty rows "
         "out of the loss.")
 
-    # Python only, not a Rule: the CRD cannot carry SGLang's flag table, so the API server
+    # Python only, not a Rule: CEL cannot carry SGLang's flag table, so the API server
     # admits what this refuses (and the message is worked out per flag). Listed in
     # tests/unit/test_api_rules.py's PYTHON_ONLY; runs after the rules above.
     @model_validator(mode="after")
