@@ -144,10 +144,11 @@ def policy_enforced(c: Cluster, ns: str) -> bool:
 
 
 @contextlib.contextmanager
-def policy_unbound(c: Cluster, ns: str) -> Iterator[None]:
+def policy_unbound(c: Cluster, ns: str, *delete: str) -> Iterator[None]:
     """The RLJob's rules out of force, as on a cluster whose admin applied only the CRD (or an
-    older kuberl's rules): the policy's binding deleted, re-applied from crds/ afterwards."""
-    c.kubectl("delete", "validatingadmissionpolicybinding", POLICY_NAME)
+    older kuberl's rules): `kubectl delete *delete` (default: the policy's binding), the
+    policy and its binding re-applied from crds/ afterwards."""
+    c.kubectl("delete", *(delete or ("validatingadmissionpolicybinding", POLICY_NAME)))
     wait_for("the RLJob policy out of force", lambda: not policy_enforced(c, ns), timeout=30,
              interval=0.5)
     try:

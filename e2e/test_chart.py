@@ -23,7 +23,7 @@ import yaml
 from cluster import Cluster
 from polling import wait_for
 from prometheus import promtool
-from rljobs import POLICY_FILE, cpu_job, kubectl_apply, policy_enforced
+from rljobs import POLICY_FILE, cpu_job, kubectl_apply, policy_enforced, policy_unbound
 
 from kuberl_operator.policy import POLICY_NAME
 from kuberl_operator.settings import parse_args
@@ -247,16 +247,8 @@ def wait_available(cluster: Cluster, ns: str, name: str, timeout: float = 90) ->
 def policy_from_the_chart(k8s_cluster: Cluster, namespaces: list[str]) -> Iterator[None]:
     """The harness installed the RLJob's policy from crds/ (one per cluster): out for a chart
     that installs its own, back afterwards."""
-    c, ns = k8s_cluster, namespaces[1]
-    c.kubectl("delete", "-f", str(POLICY_FILE))
-    wait_for("the RLJob policy out of force", lambda: not policy_enforced(c, ns), timeout=30,
-             interval=0.5)
-    try:
+    with policy_unbound(k8s_cluster, namespaces[1], "-f", str(POLICY_FILE)):
         yield
-    finally:
-        c.kubectl("apply", "-f", str(POLICY_FILE))
-        wait_for("the RLJob policy in force", lambda: policy_enforced(c, ns), timeout=30,
-                 interval=0.5)
 
 
 def test_install_cluster_wide(k8s_cluster: Cluster, namespaces: list[str],

@@ -98,7 +98,8 @@ def decide(body: Mapping[str, Any], observed: Observed, now: datetime,
 
 
 def _invalid(b: Builder, exc: InvalidRLJob) -> Decision:
-    """The CRD let through something kuberl_api rejects: say so, create nothing, touch nothing."""
+    """The API server let through something kuberl_api rejects (no admission policy installed,
+    or a rule only Python checks): say so, create nothing, touch nothing."""
     message = "; ".join(exc.problems)
     old = b.old_condition("Accepted")
     if old is None or old.get("status") != "False" or old.get("message") != message:
