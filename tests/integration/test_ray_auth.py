@@ -114,8 +114,11 @@ def test_the_heads_dashboard_refuses_a_client_without_the_token(tiny: Path,
             return int(s.getsockname()[1])
 
     dashboard = free_port()
+    # Ports of its own: every local Ray (the shared one, other tests' runs) binds Ray's default
+    # ports, and a head whose agent cannot bind its HTTP port (52365) never takes a job.
     params.update({"port": str(free_port()), "dashboard-port": str(dashboard),
-                   "ray-client-server-port": str(free_port()), "num-cpus": "1"})
+                   "ray-client-server-port": str(free_port()),
+                   "dashboard-agent-listen-port": str(free_port()), "num-cpus": "1"})
     token = "t0ken-" + os.urandom(16).hex()
     env = {**without_token(), ray_auth.MODE_ENV: "token", ray_auth.TOKEN_ENV: token}
     ray = Path(sys.executable).with_name("ray")
