@@ -43,3 +43,41 @@ def test_a_step_without_micro_batches_reports_zeros() -> None:
     out = StepMetrics().summary()
     assert out["loss"] == 0.0 and out["response_tokens"] == 0.0
     assert out["optimizer_steps"] == 0.0
+
+
+def test_a_stat_only_some_micro_batches_report_is_their_token_mean() -> None:
+    """The train-inference gap with oldLogprobs: engine is measured in the rollout's first
+    optimizer step only: its mean is over the tokens that reported it, not diluted by the
+    later steps' tokens; an extreme's max is a max over micro-batches, never a mean."""
+    t = torch.tensor
+    metrics = StepMetrics()
+    for tokens, pg, gap, gap_max in ((3, 1.0, 0.2, 0.5), (1, 2.0, 0.6, 0.9)):
+        metrics.add_micro(tokens=t(tokens), loss=t(0.0), stats={
+            "pg_loss": t(pg), "rollout_logp_abs_diff_mean": t(gap),
+            "rollout_logp_abs_diff_max": t(gap_max)})
+    metrics.add_step(1.0, 1e-6)
+    metrics.add_micro(tokens=t(4), loss=t(0.0), stats={"pg_loss": t(3.0)})
+    metrics.add_step(1.0, 1e-6)
+    out = metrics.summary()
+    assert out["rollout_logp_abs_diff_mean"] == pytest.approx((0.2 * 3 + 0.6 * 1) / 4)
+    assert out["rollout_logp_abs_diff_max"] == pytest.approx(0.9)
+    assert out["pg_loss"] == pytest.approx((1.0 * 3 + 2.0 * 1 + 3.0 * 4) / 8)
+
+
+def test_extremes_of_micro_batches_without_response_tokens_do_not_win() -> None:
+    """A micro-batch of rows out of the loss reports placeholders (ratio 1, a gap of 0); the
+    extremes come from the micro-batches with tokens, or the placeholder when none has any."""
+    t = torch.tensor
+    metrics = StepMetrics()
+    metrics.add_micro(tokens=t(0), loss=t(0.0), stats={"ratio_max": t(1.0),
+                                                       "rollout_seq_log_ratio_max": t(0.0)})
+    metrics.add_micro(tokens=t(2), loss=t(0.0), stats={"ratio_max": t(0.9),
+                                                       "rollout_seq_log_ratio_max": t(-0.3)})
+    metrics.add_micro(tokens=t(0), loss=t(0.0), stats={"ratio_max": t(1.0),
+                                                       "rollout_seq_log_ratio_max": t(0.0)})
+    out = metrics.summary()
+    assert out["ratio_max"] == pytest.approx(0.9)
+    assert out["rollout_seq_log_ratio_max"] == pytest.approx(-0.3)
+    empty = StepMetrics()
+    empty.add_micro(tokens=t(0), loss=t(0.0), stats={"ratio_max": t(1.0)})
+    assert empty.summary()["ratio_max"] == 1.0

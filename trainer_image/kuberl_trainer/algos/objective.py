@@ -110,7 +110,8 @@ class Objective:
             metrics.update(importance.gap_metrics(old_logp, rollout_logp, mask))
         if self.tis_cap is not None:
             if rollout_logp is None or old_logp is None:
-                raise ValueError("tisCap needs the trainer's and the engines' log-probs")
+                raise ValueError("tisCap needs the trainer's and the engines' log-probs "
+                                 "(old_logp, rollout_logp)")
             weights, tis_metrics = importance.truncated_weights(old_logp, rollout_logp, mask,
                                                                 self.tis_cap)
             pg = pg * weights
@@ -118,7 +119,7 @@ class Objective:
         if self.importance_mask is not None:
             if rollout_logp is None or old_logp is None:
                 raise ValueError("importanceMask needs the trainer's and the engines' "
-                                 "log-probs")
+                                 "log-probs (old_logp, rollout_logp)")
             m = self.importance_mask
             kept, mis_metrics = importance.masked_weights(old_logp, rollout_logp, mask,
                                                           level=m.level, low=m.low, high=m.high)
