@@ -208,29 +208,30 @@ class FSDPBackend:
         sft_parts = sft_step_parts(batch, sft, self.rank_batch_size,
                                    self.spec.global_batch_size, f"{self.world_size} ranks")
         # Old and reference log-probs of the whole shard, before the first step moves the policy.
-        batch = self._prepare(batch.to(self.device))
+        batch, recomputed = self._prepare(batch.to(self.device))
         metrics = StepMetrics()
         for i, (step_batch, sft_part) in enumerate(zip(batch.chunks(self.rank_batch_size),
                                                        sft_parts, strict=True)):
             if sft_part is not None:
                 sft_part = sft_part.to(self.device)
             self._optimizer_step(step_batch, metrics, sft_part, fresh=i == 0)
-        return metrics.summary() | {"old_logprobs_recomputed": float(
-            batch.old_logprobs is not None)}
+        return metrics.summary() | {"old_logprobs_recomputed": float(recomputed)}
 
-    def _prepare(self, batch: TrainBatch) -> TrainBatch:
-        """The tensors the loss needs that the caller may leave out."""
-        return self._with_old(self._with_reference(batch))
+    def _prepare(self, batch: TrainBatch) -> tuple[TrainBatch, bool]:
+        """The tensors the loss needs that the caller may leave out, and whether this
+        computed the old log-probs (a forward pass over the whole shard)."""
+        batch = self._with_reference(batch)
+        if not self._needs_old(batch):
+            return batch, False
+        return dataclasses.replace(batch, old_logprobs=self._logprobs(self.module, batch)), True
 
-    def _with_old(self, batch: TrainBatch) -> TrainBatch:
-        """Fill in old log-probs when the caller left them out but the shard feeds several
-        optimizer steps: every step after the first must see the policy from before the
-        first. With one step the training forward's own log-probs serve (see TrainBatch);
-        with ``oldLogprobs: engine`` the engines' do, and this forward pass is skipped."""
-        if (batch.old_logprobs is not None or len(batch) <= self.rank_batch_size
-                or self.objective.old_logprobs == "engine"):
-            return batch
-        return dataclasses.replace(batch, old_logprobs=self._logprobs(self.module, batch))
+    def _needs_old(self, batch: TrainBatch) -> bool:
+        """Old log-probs are computed when the caller left them out but the shard feeds
+        several optimizer steps: every step after the first must see the policy from before
+        the first. With one step the training forward's own log-probs serve (see
+        TrainBatch); with ``oldLogprobs: engine`` the engines' do, and the pass is skipped."""
+        return (batch.old_logprobs is None and len(batch) > self.rank_batch_size
+                and self.objective.old_logprobs == "trainer")
 
     def _with_reference(self, batch: TrainBatch) -> TrainBatch:
         """Fill in reference log-probs when the KL term needs them and the caller did not."""
