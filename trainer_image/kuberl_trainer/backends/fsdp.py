@@ -208,22 +208,24 @@ class FSDPBackend:
         sft_parts = sft_step_parts(batch, sft, self.rank_batch_size,
                                    self.spec.global_batch_size, f"{self.world_size} ranks")
         # Old and reference log-probs of the whole shard, before the first step moves the policy.
-        batch, recomputed = self._prepare(batch.to(self.device))
+        batch, prepared = self._prepare(batch.to(self.device))
         metrics = StepMetrics()
         for i, (step_batch, sft_part) in enumerate(zip(batch.chunks(self.rank_batch_size),
                                                        sft_parts, strict=True)):
             if sft_part is not None:
                 sft_part = sft_part.to(self.device)
             self._optimizer_step(step_batch, metrics, sft_part, fresh=i == 0)
-        return metrics.summary() | {"old_logprobs_recomputed": float(recomputed)}
+        return metrics.summary() | prepared
 
-    def _prepare(self, batch: TrainBatch) -> tuple[TrainBatch, bool]:
-        """The tensors the loss needs that the caller may leave out, and whether this
-        computed the old log-probs (a forward pass over the whole shard)."""
+    def _prepare(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
+        """The tensors the loss needs that the caller may leave out, and the step's metric
+        ``old_logprobs_recomputed``: 1 when this computed the old log-probs (a forward pass
+        over the whole shard), else 0."""
         batch = self._with_reference(batch)
-        if not self._needs_old(batch):
-            return batch, False
-        return dataclasses.replace(batch, old_logprobs=self._logprobs(self.module, batch)), True
+        recompute = self._needs_old(batch)
+        if recompute:
+            batch = dataclasses.replace(batch, old_logprobs=self._logprobs(self.module, batch))
+        return batch, {"old_logprobs_recomputed": float(recompute)}
 
     def _needs_old(self, batch: TrainBatch) -> bool:
         """Old log-probs are computed when the caller left them out but the shard feeds
