@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kuberl_trainer.backends.step_metrics import StepMetrics
+from kuberl_trainer.backends.step_metrics import StepMetrics, combine_ranks
 
 
 def test_micro_batch_reports_become_token_weighted_step_metrics() -> None:
@@ -81,3 +81,20 @@ def test_extremes_of_micro_batches_without_response_tokens_do_not_win() -> None:
     empty = StepMetrics()
     empty.add_micro(tokens=t(0), loss=t(0.0), stats={"ratio_max": t(1.0)})
     assert empty.summary()["ratio_max"] == 1.0
+
+
+def test_ranks_combine_token_means_by_their_tokens_and_keep_extremes() -> None:
+    """Data-parallel ranks hold equal samples, not equal tokens: a token-mean over the whole
+    batch weighs each rank's by its response tokens; extremes stay extremes; the loss, grad
+    norm and the other per-step values are the ranks' mean."""
+    ranks = [{"rollout_logp_abs_diff_mean": 0.1, "rollout_logp_abs_diff_max": 0.5,
+              "ratio_min": 0.9, "grad_norm": 2.0, "response_tokens": 300.0},
+             {"rollout_logp_abs_diff_mean": 0.5, "rollout_logp_abs_diff_max": 0.7,
+              "ratio_min": 0.8, "grad_norm": 2.0, "response_tokens": 100.0}]
+    out = combine_ranks(ranks)
+    assert out["rollout_logp_abs_diff_mean"] == pytest.approx((0.1 * 300 + 0.5 * 100) / 400)
+    assert out["rollout_logp_abs_diff_max"] == 0.7 and out["ratio_min"] == 0.8
+    assert out["grad_norm"] == 2.0 and out["response_tokens"] == 200.0
+    # no response tokens anywhere: plain means (nothing to weigh by)
+    empty = [{"pg_loss": 1.0, "response_tokens": 0.0}, {"pg_loss": 3.0, "response_tokens": 0.0}]
+    assert combine_ranks(empty)["pg_loss"] == 2.0

@@ -7,10 +7,36 @@ stalls the launch queue while the step is still running."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+# What ``summary`` reports beside the token-means of the micro-batches' stats.
+PER_STEP = frozenset({"loss", "sft_nll", "grad_norm", "lr", "optimizer_steps",
+                      "response_tokens"})
+
+
+def combine_ranks(results: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One dict from the data-parallel ranks' summaries (the same keys each). The ranks hold
+    equal numbers of samples but not of tokens, so a token-mean is weighted by each rank's
+    ``response_tokens``; extremes (``*_max``, ``*_min``) stay extremes; the rest (``PER_STEP``,
+    or everything when no rank has response tokens) is the ranks' mean."""
+    weights = [r.get("response_tokens", 0.0) for r in results]
+    total = sum(weights)
+    out = {}
+    for key in results[0]:
+        values = [r[key] for r in results]
+        if key.endswith("_max"):
+            out[key] = max(values)
+        elif key.endswith("_min"):
+            out[key] = min(values)
+        elif key in PER_STEP or total <= 0:
+            out[key] = sum(values) / len(values)
+        else:
+            out[key] = sum(v * w for v, w in zip(values, weights, strict=True)) / total
+    return out
 
 
 @dataclass
