@@ -43,6 +43,7 @@ from rljobs import JobWatch, Operator, cpu_job, free_port, kubectl_apply, unique
 from stand_in import head_reporter
 
 from kuberl_rollout.reference.metrics import CONTENT_TYPE, EngineMetrics as ReferenceMetrics
+from kuberl_trainer.algos.objective import Objective
 from kuberl_trainer.backends.step_metrics import StepMetrics
 from kuberl_trainer.engines.metrics import EngineMetrics
 from kuberl_trainer.loops.staleness import overlap_times, staleness_metrics
@@ -132,13 +133,19 @@ class EngineStandIn:
 
 def step_record(step: int, engine: str) -> dict[str, Any]:
     """One async step's record as the loop writes it (async_loop.py), its parts from the
-    trainer's own functions where they are pure: the backend's StepMetrics, the rollout's
-    engine throughput, staleness and overlap; the rollout's reward statistics as
+    trainer's own functions where they are pure: the objective's statistics (the
+    train-inference gap's too) through the backend's StepMetrics, the rollout's engine
+    throughput, staleness and overlap; the rollout's reward statistics as
     RolloutManager._metrics names them; the weight-sync bytes as loop.sync_bytes names them
     (each step's sync, and the total with the start-up sync's)."""
     stats = StepMetrics()
-    stats.add_micro(tokens=torch.tensor(512.0), loss=torch.tensor(0.25),
-                    stats={"kl": torch.tensor(0.01), "clip_fraction": torch.tensor(0.1)})
+    # the objective's own statistics of a micro-batch: engines 0.006 nats per token off the
+    # trainer (bfloat16's usual train-inference gap: KuberlTrainInferenceGapHigh stays quiet)
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
+    logp = torch.tensor([[0.0, -1.0, -2.0, -0.5]])
+    _, objective_stats = Objective().partial_loss(logp, logp, mask, mask, entropy=mask,
+                                                  rollout_logp=logp - 0.006 * mask)
+    stats.add_micro(tokens=mask.sum(), loss=torch.tensor(0.25), stats=objective_stats)
     stats.add_step(1.5, 1e-6)
     sample = Sample("1+1?", "2", 0, 0)
     responses = [Response(sample, [1, 2], list(range(64)), [0.0] * 64, "2", False,

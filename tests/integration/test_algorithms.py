@@ -4,15 +4,21 @@ reference engines and weight sync. Each run must finish, write the metrics its o
 raise the policy's exact expected reward on held-out prompts (tests/integration/learning.py
 says how that is measured and why it holds on any machine).
 
-(The default, GRPO with PPO clip and token-mean, is test_local_run.py's colocated run.)"""
+(The default, GRPO with PPO clip and token-mean, is test_local_run.py's colocated run.)
+
+The engines' log-probs as pi_old (oldLogprobs: engine) get a short run of their own: it is an
+optimisation (a forward pass skipped), not a learning signal of its own."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from tests.integration import learning
+from tests.integration.local_run import failed, kuberl_run, manifest, metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -61,3 +67,35 @@ def test_mixed_rl_and_sft_trains_on_the_demonstrations(tiny: Path, tmp_path: Pat
     outcome = learning.MIXED_SFT.run(tiny, tmp_path)
     assert all(k in outcome.rows[-1] for k in ("sft_nll", "pg_loss", "reward_mean", "loss"))
     assert not learning.MIXED_SFT.failures(outcome), learning.MIXED_SFT.failures(outcome)
+
+
+# Engines serving in bfloat16 while the trainer holds float32 on CPU: their log-probs of the
+# sampled tokens lie ~6e-3 apart on average (max ~0.08), against ~3e-7 when both hold float32
+# (test_local_run.py's colocated run; docs/algorithms.md, "The train-inference gap").
+BF16_GAP_MEAN = 1e-3
+
+
+def test_engine_old_logprobs_skip_the_trainers_forward_and_show_the_bf16_gap(
+        tiny: Path, tmp_path: Path) -> None:
+    """oldLogprobs: engine with two optimizer steps per rollout (globalBatchSize 64 of 128
+    samples) and bfloat16 engines: the trainer never runs its forward pass for pi_old
+    (trainer mode would, every step), trains (both optimizer steps, the weights move), and
+    the gap measured in each rollout's first step is the bfloat16 one, far above float
+    noise; the PPO ratio of that step is against the engines' log-probs, so not 1."""
+    out = tmp_path / "out"
+    job = manifest(tiny, tmp_path, "engine-old", schedule={"numRollouts": 2},
+                   rollout={"engineArgs": {"dtype": "bfloat16"}},
+                   algorithm={"oldLogprobs": "engine"}, training={"globalBatchSize": 64})
+    res = kuberl_run(job, out, "--seed", str(learning.run_seed()))
+    assert res.returncode == 0, failed(res)
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["optimizer_steps"] == 2.0 and r["old_logprobs_recomputed"] == 0.0, r
+        assert r["rollout_logp_abs_diff_mean"] > BF16_GAP_MEAN, r
+        assert r["rollout_seq_log_ratio_max"] > r["rollout_seq_log_ratio_min"], r
+        assert r["ratio_max"] > 1.0 > r["ratio_min"], r
+        assert torch.isfinite(torch.tensor(r["grad_norm"])), r
+    before = load_file(str(tiny / "model" / "model.safetensors"))
+    after = load_file(str(learning.final_model(out) / "model.safetensors"))
+    assert any(not torch.equal(after[k].float(), v.float()) for k, v in before.items())

@@ -99,6 +99,52 @@ def test_objective_needs_its_inputs() -> None:
         Objective(kl_coef=0.1).partial_loss(mask, mask, mask, mask, entropy=mask)
 
 
+def test_objective_reports_the_train_inference_gap_without_any_correction() -> None:
+    # No tisCap, no importanceMask: the gap between the trainer's pi_old and the engines'
+    # log-probs is still reported (old - rollout = [0.5, -1.0]); the loss is the plain PPO.
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    logp = torch.tensor([[0.0, -1.0, -2.0]])
+    rollout = torch.tensor([[0.0, -1.5, -1.0]])
+    obj = Objective()
+    partial, m = obj.partial_loss(logp, logp, mask.clone(), mask,
+                                  entropy=torch.zeros_like(mask), rollout_logp=rollout)
+    assert float(partial) / obj.units(mask) == pytest.approx(-1.0)  # ratio 1, adv 1
+    assert m["rollout_logp_diff"] == pytest.approx(-0.25)
+    assert m["rollout_logp_abs_diff_mean"] == pytest.approx(0.75)
+    assert m["rollout_logp_abs_diff_max"] == pytest.approx(1.0)
+    assert m["rollout_seq_log_ratio_max"] == m["rollout_seq_log_ratio_min"] == pytest.approx(
+        -0.25)
+    assert "tis_weight_mean" not in m and "mis_masked_fraction" not in m
+    # without the engines' log-probs there is no gap to report
+    _, m = obj.partial_loss(logp, logp, mask.clone(), mask, entropy=torch.zeros_like(mask))
+    assert not any(k.startswith("rollout_") for k in m)
+
+
+def test_objective_with_engine_old_logprobs_takes_the_ratio_against_the_engines() -> None:
+    # oldLogprobs: engine: pi_old is the engines' log-probs, so the ratio is
+    # exp(logp - rollout) = [e^0.5, e^-1] (clipped at 1.2 and 0.8: with adv +1 the loss is
+    # -min(r, clip(r)) = [-1.2, -e^-1]); the gap is measured against the trainer's old_logp,
+    # and with none given (a later optimizer step) it is left out.
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    logp = torch.tensor([[0.0, -1.0, -2.0]])
+    rollout = torch.tensor([[0.0, -1.5, -1.0]])
+    obj = Objective(old_logprobs="engine")
+    partial, m = obj.partial_loss(logp, logp, mask.clone(), mask,
+                                  entropy=torch.zeros_like(mask), rollout_logp=rollout)
+    assert float(partial) / obj.units(mask) == pytest.approx((-1.2 - math.exp(-1.0)) / 2)
+    assert m["ratio_max"] == pytest.approx(math.exp(0.5))
+    assert m["approx_kl"] == pytest.approx(((-1.5 + 1.0) + (-1.0 + 2.0)) / 2)
+    assert m["rollout_logp_abs_diff_mean"] == pytest.approx(0.75)
+    partial2, m = obj.partial_loss(logp, None, mask.clone(), mask,
+                                   entropy=torch.zeros_like(mask), rollout_logp=rollout)
+    assert float(partial2) == pytest.approx(float(partial))
+    assert not any(k.startswith("rollout_") for k in m)
+    with pytest.raises(ValueError, match="oldLogprobs: engine needs"):
+        obj.partial_loss(logp, logp, mask, mask, entropy=mask)
+    with pytest.raises(ValueError, match="oldLogprobs: trainer needs"):
+        Objective().partial_loss(logp, None, mask, mask, entropy=mask, rollout_logp=rollout)
+
+
 SCORES = torch.tensor([1.0, 0.0, 0.0, 0.0])
 TOKENS = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 1.0, 1.0], [0.0, 1.0, 1.0]])
 

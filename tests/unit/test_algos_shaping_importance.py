@@ -60,7 +60,7 @@ def test_truncated_weights_by_hand() -> None:
     torch.testing.assert_close(w, torch.tensor([[0.0, 0.5, 1.0, 2.0, 0.0]]))
     assert m["tis_weight_mean"] == pytest.approx(3.5 / 3)
     assert m["tis_truncated_fraction"] == pytest.approx(1 / 3)
-    assert m["rollout_logp_diff"] == pytest.approx((math.log(0.5) + math.log(3.0)) / 3)
+    assert set(m) == {"tis_weight_mean", "tis_truncated_fraction"}  # (the gap: gap_metrics)
     assert not w.requires_grad
 
 
@@ -69,7 +69,38 @@ def test_truncated_weights_are_one_when_engines_agree() -> None:
     mask = (torch.rand(3, 7) > 0.3).float()
     w, m = importance.truncated_weights(logp, logp.detach().clone(), mask, cap=2.0)
     torch.testing.assert_close(w, mask)
-    assert m["rollout_logp_diff"] == 0.0 and m["tis_truncated_fraction"] == 0.0
+    assert m["tis_truncated_fraction"] == 0.0
+
+
+def test_gap_metrics_by_hand() -> None:
+    # Two responses after a prompt token; padding (and the masked-out token) hold garbage.
+    # old - rollout: row 0 [0.5, -1.0], row 1 [0.0, -0.2]; a third row has no response tokens.
+    old = torch.tensor([[0.0, -1.0, -2.0, -0.5], [0.0, -0.2, -0.3, 0.0], [0.0, 7.0, 7.0, 7.0]])
+    rollout = torch.tensor([[0.0, -1.5, -1.0, 0.0], [0.0, -0.2, -0.1, -9.0],
+                            [0.0, -7.0, -7.0, -7.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    m = importance.gap_metrics(old, rollout, mask)
+    assert m["rollout_logp_diff"] == pytest.approx((0.5 - 1.0 + 0.0 - 0.2) / 4)
+    assert m["rollout_logp_abs_diff_mean"] == pytest.approx((0.5 + 1.0 + 0.0 + 0.2) / 4)
+    assert m["rollout_logp_abs_diff_max"] == pytest.approx(1.0)
+    # per response, mean_t (old - rollout): row 0 -0.25, row 1 -0.1 (the empty row: none)
+    assert m["rollout_seq_log_ratio_max"] == pytest.approx(-0.1)
+    assert m["rollout_seq_log_ratio_min"] == pytest.approx(-0.25)
+    assert all(v.dim() == 0 for v in m.values())
+
+
+def test_gap_metrics_without_response_tokens_are_zero() -> None:
+    old, rollout = torch.randn(2, 3), torch.randn(2, 3)
+    for mask in (torch.zeros(2, 3), torch.zeros(0, 3)):
+        rows = mask.shape[0]
+        m = importance.gap_metrics(old[:rows], rollout[:rows], mask)
+        assert all(float(v) == 0.0 for v in m.values()), m
+
+
+def test_gap_metrics_are_zero_when_engines_agree() -> None:
+    logp = torch.randn(3, 7)
+    m = importance.gap_metrics(logp, logp.clone(), (torch.rand(3, 7) > 0.3).float())
+    assert all(float(v) == 0.0 for v in m.values()), m
 
 
 def test_truncated_weights_refuse_bad_cap() -> None:

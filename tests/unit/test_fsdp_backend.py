@@ -263,6 +263,40 @@ def test_missing_old_logprobs_train_like_precomputed_ones(model_dir: str, gbs: i
         torch.testing.assert_close(params(left_out)[name], value, rtol=0, atol=1e-6)
 
 
+def test_engine_old_logprobs_skip_the_trainers_forward_and_train_on_the_engines(
+        model_dir: str) -> None:
+    """oldLogprobs: engine over two optimizer steps: no forward pass for pi_old (trainer mode
+    makes one); where the engines' log-probs equal the trainer's, the update is the one
+    trainer mode makes, and the gap (measured in the first step) is 0; engines' log-probs
+    off by 0.01 per token show as that gap, and move the update."""
+    batch = dataclasses.replace(make_batch(), old_logprobs=None)
+    trainer = make_backend(make_spec(model_dir, gbs=B // 2), rank=0, world_size=1,
+                           device="cpu")
+    engine = make_backend(make_spec(model_dir, gbs=B // 2, oldLogprobs="engine"), rank=0,
+                          world_size=1, device="cpu")
+    shifted = make_backend(make_spec(model_dir, gbs=B // 2, oldLogprobs="engine"), rank=0,
+                           world_size=1, device="cpu")
+    assert isinstance(trainer, FSDPBackend) and isinstance(engine, FSDPBackend)
+    assert isinstance(shifted, FSDPBackend)
+    sampled = dataclasses.replace(batch, rollout_logprobs=trainer.logprobs(batch))
+    m_trainer = trainer.train_step(sampled)
+    m_engine = engine.train_step(sampled)
+    assert (m_trainer["old_logprobs_recomputed"], m_engine["old_logprobs_recomputed"]) == (1, 0)
+    assert m_engine["optimizer_steps"] == 2
+    for name, value in params(trainer).items():
+        torch.testing.assert_close(params(engine)[name], value, rtol=0, atol=1e-6)
+    for m in (m_trainer, m_engine):
+        assert m["rollout_logp_abs_diff_mean"] < 1e-6 and m["rollout_logp_abs_diff_max"] < 1e-5
+    off = dataclasses.replace(sampled, rollout_logprobs=(sampled.rollout_logprobs - 0.01)
+                              * sampled.loss_mask)
+    m_shifted = shifted.train_step(off)
+    assert m_shifted["rollout_logp_diff"] == pytest.approx(0.01, abs=1e-5)
+    assert m_shifted["rollout_seq_log_ratio_min"] == pytest.approx(0.01, abs=1e-5)
+    assert m_shifted["ratio_max"] > 1.005  # the ratio is against the engines' log-probs
+    moved = max(float((params(shifted)[k] - v).abs().max()) for k, v in params(engine).items())
+    assert moved > 0
+
+
 def test_save_load_resumes_exactly(model_dir: str, tmp_path: Path) -> None:
     optim = OptimConfig(warmup_steps=4)  # the lr then depends on the restored scheduler
     spec = make_spec(model_dir)

@@ -20,6 +20,7 @@ from kuberl_api import spec_from_driver
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.backends.base import Backend, TrainBatch
 from kuberl_trainer.backends.factory import make_backend, preload_backend
+from kuberl_trainer.backends.step_metrics import combine_ranks
 from kuberl_trainer.engines.command import engine_dtype
 from kuberl_trainer.placement import (
     Layout,
@@ -384,17 +385,9 @@ class TrainGroup(RankGroup):
 
 
 def combine_rank_metrics(results: Sequence[dict[str, float]]) -> dict[str, float]:
-    """One dict from the ranks' (each a mean over its equal shard): means of means, except
-    extremes (``*_max``, ``*_min``), which stay extremes."""
-    out = {}
-    for key in results[0]:
-        values = [r[key] for r in results]
-        if key.endswith("_max"):
-            out[key] = max(values)
-        elif key.endswith("_min"):
-            out[key] = min(values)
-        else:
-            out[key] = sum(values) / len(values)
-    return out
+    """One dict from the ranks' (each over its equal shard of samples): token-means weighted
+    by the ranks' response tokens, extremes (``*_max``, ``*_min``) kept extremes
+    (``backends.step_metrics.combine_ranks``)."""
+    return combine_ranks(results)
 
 

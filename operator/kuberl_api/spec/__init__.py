@@ -24,6 +24,7 @@ from kuberl_api.engine_flags import (
 from kuberl_api.spec.algorithm import (
     DISCOUNTED_ESTIMATORS,
     DUAL_CLIP_PPO_ONLY,
+    ENGINE_OLD_NO_IS,
     GAE_LAMBDA_APPLIES,
     GAMMA_APPLIES,
     KL_REWARD_NEEDS_COEF,
@@ -37,6 +38,7 @@ from kuberl_api.spec.algorithm import (
     KlPenalty,
     KlType,
     LossAggregation,
+    OldLogprobs,
     PolicyLoss,
 )
 from kuberl_api.spec.code import (
@@ -83,6 +85,7 @@ from kuberl_api.spec.environment import EnvironmentSpec
 from kuberl_api.spec.job import Placement, RLJobSpec
 from kuberl_api.spec.job_rules import (
     ASYNC_DISAGGREGATED,
+    ASYNC_ENGINE_OLD,
     ASYNC_SETTINGS_ASYNC_ONLY,
     CODE_NEEDS_USER_CODE,
     COLOCATED_FROM_TRAINING,
@@ -147,6 +150,7 @@ from kuberl_api.spec.training import (
 
 __all__ = [
     "ASYNC_DISAGGREGATED",
+    "ASYNC_ENGINE_OLD",
     "ASYNC_SETTINGS_ASYNC_ONLY",
     "CODE_DIR",
     "CODE_NEEDS_USER_CODE",
@@ -170,6 +174,7 @@ __all__ = [
     "ENGINE_FLAGS_REFUSED",
     "ENGINE_FLAG_REFUSAL",
     "ENGINE_LIST_ARGS_TWICE",
+    "ENGINE_OLD_NO_IS",
     "ENGINE_RESTARTS_DISAGGREGATED",
     "ENGINE_TILES_NODES",
     "ENV_NAME_PATTERN",
@@ -239,6 +244,7 @@ __all__ = [
     "NetworkSpec",
     "NodePool",
     "OffloadSpec",
+    "OldLogprobs",
     "Parallelism",
     "Placement",
     "PolicyLoss",

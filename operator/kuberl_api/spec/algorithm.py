@@ -23,6 +23,9 @@ LossAggregation = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
 ]
 KlPenalty = Literal["loss", "reward"]
+# Whose log-probs of the sampled tokens are PPO's pi_old: the trainer's own forward pass (or,
+# with one optimizer step per rollout, its training forward's) or the engines' from sampling.
+OldLogprobs = Literal["trainer", "engine"]
 # Estimators that discount token returns with algorithm.gamma (reinforce_plus_plus_baseline's
 # returns are undiscounted; see kuberl_trainer.algos.estimators).
 DISCOUNTED_ESTIMATORS = ("reinforce_plus_plus", "ppo")
@@ -40,6 +43,9 @@ GAE_LAMBDA_APPLIES = "gaeLambda applies to advantageEstimator: ppo only (GAE's l
 OVERLONG_PENALTY_APPLIES = ("overlongPenalty applies only with overlongBuffer (DAPO overlong "
                             "shaping is off without it)")
 MIN_LR_APPLIES = "minLrRatio applies only when lrDecayStyle decays (linear or cosine)"
+ENGINE_OLD_NO_IS = ("oldLogprobs: engine cannot go with tisCap or importanceMask: their "
+                    "weight is pi_old / pi_rollout, which is 1 when pi_old is the engines' "
+                    "log-probs (use oldLogprobs: trainer)")
 
 
 class ImportanceMaskSpec(ApiModel):
@@ -92,6 +98,11 @@ class AlgorithmSpec(ApiModel):
         Rule("self.minLrRatio == 0.0 || self.lrDecayStyle != 'constant'",
              lambda a: a.min_lr_ratio == 0.0 or a.lr_decay_style != "constant",
              MIN_LR_APPLIES, "minLrRatio"),
+        Rule("self.oldLogprobs == 'trainer' || (!has(self.tisCap) && "
+             "!has(self.importanceMask))",
+             lambda a: (a.old_logprobs == "trainer"
+                        or (a.tis_cap is None and a.importance_mask is None)),
+             ENGINE_OLD_NO_IS, "oldLogprobs"),
     )
     model_config = {"json_schema_extra": rules_schema(RULES)}
 
@@ -135,6 +146,12 @@ class AlgorithmSpec(ApiModel):
         None, description="Masked importance sampling: tokens (or responses) whose ratio "
         "pi_old / pi_rollout leaves [low, high] leave the policy loss; with tisCap, the "
         "tokens kept are also weighted; unset: off.")
+    old_logprobs: OldLogprobs = Field(
+        "trainer", description="Whose log-probs of the sampled tokens are pi_old (the PPO "
+        "ratio's denominator): trainer (its own forward pass before the rollout's first "
+        "optimizer step; none needed with one step per rollout) or engine (the engines' "
+        "from sampling: that forward pass is skipped; not with tisCap, importanceMask or "
+        "mode: async).")
     kl_coef: float = Field(0.0, ge=0, le=100, description="Weight of the KL term; 0: off.")
     kl_loss_type: KlType = Field(
         "low_var_kl", description="Estimator of the KL term (k1, k2, k3, low_var_kl); only "

@@ -109,6 +109,9 @@ HEALTH_PROBE_NEEDS_RESTARTS = ("rollout.healthProbe applies only where engines a
                                "leave it at its defaults")
 ASYNC_DISAGGREGATED = ("mode: async needs placement: disaggregated (colocated engines and "
                        "trainers take turns with the same GPUs: there is nothing to overlap)")
+ASYNC_ENGINE_OLD = ("algorithm.oldLogprobs: engine cannot go with mode: async: decoupled PPO "
+                    "clips around the trainer's proximal policy, which the engines' log-probs "
+                    "of older weights are not (use oldLogprobs: trainer)")
 ASYNC_SETTINGS_ASYNC_ONLY = ("async settings apply to mode: async only: leave them at their "
                              "defaults")
 SGLANG_NEEDS_GPUS = "engine sglang needs GPUs (rollout on CPU): use engine: reference"
@@ -232,6 +235,9 @@ JOB_RULES = (
     Rule("self.mode == 'sync' || self.placement == 'disaggregated'",
          lambda s: s.mode == "sync" or s.placement == "disaggregated", ASYNC_DISAGGREGATED,
          "mode"),
+    Rule("self.mode == 'sync' || self.algorithm.oldLogprobs == 'trainer'",
+         lambda s: s.mode == "sync" or s.algorithm.old_logprobs == "trainer", ASYNC_ENGINE_OLD,
+         "algorithm.oldLogprobs"),
     Rule(f"self.mode == 'async' || {_at_defaults('self.async', AsyncSpec)}",
          lambda s: s.mode == "async" or s.async_ == AsyncSpec(), ASYNC_SETTINGS_ASYNC_ONLY,
          "async"),

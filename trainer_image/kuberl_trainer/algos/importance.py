@@ -1,4 +1,5 @@
-"""Importance sampling for the rollout/trainer mismatch: truncated (TIS) and masked (MIS).
+"""The rollout/trainer mismatch: how large it is (``gap_metrics``, every step) and importance
+sampling to correct for it, truncated (TIS) and masked (MIS).
 
 The engines sample with their own kernels (and often lower precision), so the probability a
 response had when it was generated, ``rollout_logp``, is not exactly the trainer's ``old_logp``
@@ -28,10 +29,10 @@ def truncated_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
         cap: the truncation, > 0 (2 is the paper's choice).
 
     Returns:
-        ``(weights, metrics)``: ``tis_weight_mean``, ``tis_truncated_fraction`` (tokens whose
-        weight hit the cap) and ``rollout_logp_diff`` (mean ``old_logp - rollout_logp``, the
-        k1 estimate of the mismatch; near 0 when engines and trainer agree), as 0-d tensors
-        on the inputs' device (reading them is the caller's one host transfer).
+        ``(weights, metrics)``: ``tis_weight_mean`` and ``tis_truncated_fraction`` (tokens
+        whose weight hit the cap), as 0-d tensors on the inputs' device (reading them is the
+        caller's one host transfer). The gap itself is ``gap_metrics``', reported with or
+        without TIS.
     """
     if cap <= 0:
         raise ValueError(f"the TIS cap must be positive, got {cap}")
@@ -40,9 +41,45 @@ def truncated_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
     weights = torch.where(on, raw.clamp(max=cap), torch.zeros_like(raw))
     n = on.sum().clamp(min=1).to(weights.dtype)
     metrics = {"tis_weight_mean": weights.sum() / n,
-               "tis_truncated_fraction": (on & (raw > cap)).sum() / n,
-               "rollout_logp_diff": diff.sum() / n}
+               "tis_truncated_fraction": (on & (raw > cap)).sum() / n}
     return weights, metrics
+
+
+def gap_metrics(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """How far the engines' log-probs of the sampled tokens lie from the trainer's, for the
+    same weights: the train-inference gap, reported every step whatever corrects for it.
+
+    Token level, over the response tokens: ``rollout_logp_diff`` (mean ``old - rollout``,
+    signed: the k1 estimate of KL(engine || trainer)), ``rollout_logp_abs_diff_mean`` and
+    ``rollout_logp_abs_diff_max``. Sequence level, the per-token-mean variant: each response's
+    ``r_i = mean_t (old - rollout)``, the log of the geometric-mean ratio
+    ``exp(mean_t log(pi_old / pi_rollout))`` that ``importanceMask`` ``level: sequence``
+    bands, and its extremes over the responses, ``rollout_seq_log_ratio_max`` and
+    ``rollout_seq_log_ratio_min`` (their spread is how far apart the sequence-level weights
+    of one batch lie; the token-sum variant would grow with a response's length). Means and
+    extremes, because those are what combine exactly over micro-batches and ranks
+    (``backends.step_metrics``): a standard deviation would not.
+
+    Without response tokens every value is 0 (and the count 0 tells ``StepMetrics`` to leave
+    its extremes out). 0-d tensors on the inputs' device, detached.
+    """
+    on, diff = _log_ratios(old_logp, rollout_logp, mask)
+    n = on.sum().clamp(min=1).to(diff.dtype)
+    counts = on.sum(dim=-1)
+    rows = counts > 0
+    seq = diff.sum(dim=-1) / counts.clamp(min=1).to(diff.dtype)  # [B]: r_i
+    zero = diff.new_zeros(())
+    seq_max = seq_min = abs_max = zero
+    if diff.numel():  # (a shape, not a value: no device sync)
+        none = ~rows.any()
+        abs_max = diff.abs().max()
+        seq_max = torch.where(none, zero, torch.where(rows, seq, -math.inf).max())
+        seq_min = torch.where(none, zero, torch.where(rows, seq, math.inf).min())
+    return {"rollout_logp_diff": diff.sum() / n,
+            "rollout_logp_abs_diff_mean": diff.abs().sum() / n,
+            "rollout_logp_abs_diff_max": abs_max,
+            "rollout_seq_log_ratio_max": seq_max,
+            "rollout_seq_log_ratio_min": seq_min}
 
 
 def masked_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *,

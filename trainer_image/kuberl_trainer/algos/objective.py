@@ -8,7 +8,9 @@ lives here, so every backend trains on the same objective::
 
     loss = agg( w * pg + klCoef * kl - entropyCoef * H )
 
-with ``pg`` the per-token policy loss, ``w`` the TIS weights (1 without ``tisCap``) times the
+with ``pg`` the per-token policy loss on the ratio ``pi / pi_old``, where ``pi_old`` is the
+trainer's own log-probs of the sampling policy (``oldLogprobs: trainer``) or the engines'
+(``engine``), ``w`` the TIS weights (1 without ``tisCap``) times the
 masked-IS weights (0 or 1; 1 without ``importanceMask``), ``kl`` a per-token estimate of
 KL(policy || reference) (only when ``klPenalty: loss``; with ``reward`` the penalty is in the
 advantages instead), ``H`` the per-token entropy.
@@ -27,7 +29,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from kuberl_api.spec import ImportanceMaskSpec, KlType, LossAggregation, RLJobSpec
+from kuberl_api.spec import ImportanceMaskSpec, KlType, LossAggregation, OldLogprobs, RLJobSpec
 from kuberl_trainer.algos import aggregation, importance, kl as kl_estimators, policy_loss
 
 
@@ -44,6 +46,7 @@ class Objective:
     importance_mask: ImportanceMaskSpec | None = None
     aggregation: LossAggregation = "token-mean"
     horizon: int | None = None    # the generation budget, for seq-mean-token-sum-norm
+    old_logprobs: OldLogprobs = "trainer"  # whose log-probs are pi_old
 
     @classmethod
     def from_spec(cls, spec: RLJobSpec) -> Objective:
@@ -53,7 +56,8 @@ class Objective:
                    kl_coef=a.kl_coef if a.kl_penalty == "loss" else 0.0,
                    kl_type=a.kl_loss_type, entropy_coef=a.entropy_coef, tis_cap=a.tis_cap,
                    importance_mask=a.importance_mask,
-                   aggregation=a.loss_aggregation, horizon=spec.data.max_response_len)
+                   aggregation=a.loss_aggregation, horizon=spec.data.max_response_len,
+                   old_logprobs=a.old_logprobs)
 
     @property
     def needs_entropy_grad(self) -> bool:
@@ -64,46 +68,58 @@ class Objective:
         ranks to normalise the partial sums)."""
         return aggregation.units(mask, self.aggregation, self.horizon)
 
-    def partial_loss(self, logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *,
+    def partial_loss(self, logp: Tensor, old_logp: Tensor | None, adv: Tensor, mask: Tensor, *,
                      entropy: Tensor, rollout_logp: Tensor | None = None,
                      ref_logp: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """The aggregation's numerator over these rows, and token-mean metrics.
 
         Args (all ``[B, T]``, aligned to input_ids positions, ``mask`` 1 on response tokens):
             logp: the policy's log-probs (with gradient).
-            old_logp: the sampling policy's, as the trainer computes them (no gradient).
+            old_logp: the sampling policy's, as the trainer computes them (no gradient): the
+                ratio's denominator with ``oldLogprobs: trainer``. With ``engine`` the
+                engines' ``rollout_logp`` is, and ``old_logp`` serves only the gap metrics;
+                None there when the trainer has none (the rollout's optimizer steps after
+                its first: its forward no longer sees the sampling policy).
             adv: per-token advantages.
             entropy: per-token entropy of the policy (with gradient if entropyCoef > 0).
-            rollout_logp: the engines' log-probs, for TIS and masked IS (needed when tisCap
-                or importanceMask is set).
+            rollout_logp: the engines' log-probs, for the gap metrics, TIS and masked IS
+                (needed when tisCap or importanceMask is set, or with ``oldLogprobs:
+                engine``).
             ref_logp: the reference's log-probs (needed when the KL term is on).
 
         Returns:
             ``(partial_sum, metrics)``; metrics are token-means over this micro-batch:
             ``pg_loss``, ``pg_clipfrac`` (and ``pg_clipfrac_lower`` with dual clip),
             ``ratio_mean``/``ratio_max``/``ratio_min``, ``approx_kl`` (k1 of KL(old || policy)),
-            ``entropy``, ``kl_ref`` (when a reference is given), TIS metrics with tisCap; each
+            ``entropy``, ``kl_ref`` (when a reference is given), TIS metrics with tisCap, the
+            train-inference gap (``importance.gap_metrics``) whenever both the trainer's and
+            the engines' log-probs of the sampling policy are given; each
             a detached 0-d tensor on the inputs' device, so that a backend reads a whole
             step's metrics back in one transfer (``backends.step_metrics``) instead of
             stalling the GPU once per micro-batch.
         """
+        pi_old = self._pi_old(old_logp, rollout_logp)
         if self.policy_loss == "gspo":
-            pg, flags = policy_loss.gspo(logp, old_logp, adv, mask, self.eps_clip,
+            pg, flags = policy_loss.gspo(logp, pi_old, adv, mask, self.eps_clip,
                                          self.eps_clip_high)
         else:
-            pg, flags = policy_loss.ppo_clip(logp, old_logp, adv, mask, self.eps_clip,
+            pg, flags = policy_loss.ppo_clip(logp, pi_old, adv, mask, self.eps_clip,
                                              self.eps_clip_high, clip_c=self.clip_c)
         metrics: dict[str, Tensor] = {}
+        if old_logp is not None and rollout_logp is not None:
+            metrics.update(importance.gap_metrics(old_logp, rollout_logp, mask))
         if self.tis_cap is not None:
-            if rollout_logp is None:
-                raise ValueError("tisCap needs the engines' log-probs (rollout_logp)")
+            if rollout_logp is None or old_logp is None:
+                raise ValueError("tisCap needs the trainer's and the engines' log-probs "
+                                 "(old_logp, rollout_logp)")
             weights, tis_metrics = importance.truncated_weights(old_logp, rollout_logp, mask,
                                                                 self.tis_cap)
             pg = pg * weights
             metrics.update(tis_metrics)
         if self.importance_mask is not None:
-            if rollout_logp is None:
-                raise ValueError("importanceMask needs the engines' log-probs (rollout_logp)")
+            if rollout_logp is None or old_logp is None:
+                raise ValueError("importanceMask needs the trainer's and the engines' "
+                                 "log-probs (old_logp, rollout_logp)")
             m = self.importance_mask
             kept, mis_metrics = importance.masked_weights(old_logp, rollout_logp, mask,
                                                           level=m.level, low=m.low, high=m.high)
@@ -120,8 +136,20 @@ class Objective:
         partial = aggregation.partial_sum(total, mask, self.aggregation)
 
         metrics.update(_token_metrics(mask.bool(), pg=pg, flags=flags, logp=logp,
-                                      old_logp=old_logp, entropy=entropy, kl_ref=kl_ref))
+                                      old_logp=pi_old, entropy=entropy, kl_ref=kl_ref))
         return partial, metrics
+
+    def _pi_old(self, old_logp: Tensor | None, rollout_logp: Tensor | None) -> Tensor:
+        """The ratio's denominator: the engines' log-probs with ``oldLogprobs: engine``,
+        else the trainer's."""
+        if self.old_logprobs == "engine":
+            if rollout_logp is None:
+                raise ValueError("oldLogprobs: engine needs the engines' log-probs "
+                                 "(rollout_logp)")
+            return rollout_logp
+        if old_logp is None:
+            raise ValueError("oldLogprobs: trainer needs the trainer's log-probs (old_logp)")
+        return old_logp
 
 
 @torch.no_grad()

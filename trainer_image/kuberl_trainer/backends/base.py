@@ -32,13 +32,15 @@ class TrainBatch:
         attention_mask: 1 on real tokens, 0 on padding.
         loss_mask: 1 on response tokens (the ones the policy is trained on), else 0.
         advantages: float, per-token advantage (0 off the loss mask).
-        rollout_logprobs: float, log-probs the engines reported while sampling (used for
-            off-policy diagnostics and importance corrections; not by the PPO ratio).
+        rollout_logprobs: float, log-probs the engines reported while sampling (the
+            train-inference gap's metrics and importance corrections; the PPO ratio's
+            denominator only with ``algorithm.oldLogprobs: engine``).
         old_logprobs: float, log-probs under the policy that is being updated, taken before
             the first optimizer step of this rollout (the PPO ratio's denominator). None when
             the rollout feeds exactly one optimizer step: the policy being trained is then
             still the one that would compute them, so the training forward's own log-probs,
-            detached, are the same numbers without a second forward pass.
+            detached, are the same numbers without a second forward pass. None also with
+            ``oldLogprobs: engine``, which skips that forward pass (``trainer_old_logprobs``).
         ref_logprobs: float, log-probs under the frozen reference model, or None when the
             job has no KL term (``algorithm.klCoef == 0``).
         values: float, the value model's estimates at rollout time (PPO; the value loss
@@ -114,6 +116,17 @@ class TrainBatch:
                              f"{parts} data-parallel shards")
         size = len(self) // parts
         return [self.slice(i * size, (i + 1) * size) for i in range(parts)]
+
+
+def trainer_old_logprobs(batch: TrainBatch, logp: Tensor, fresh: bool) -> Tensor | None:
+    """The trainer's own log-probs of the sampling policy for a micro-batch's rows: the
+    batch's ``old_logprobs`` when the backend computed them, else, in the rollout's first
+    optimizer step (``fresh``), its training forward's ``logp`` detached (the policy has not
+    moved yet); else None (``oldLogprobs: engine``, later steps: the trainer has none, and
+    the train-inference gap is not measured there)."""
+    if batch.old_logprobs is not None:
+        return batch.old_logprobs
+    return logp.detach() if fresh else None
 
 
 def sft_step_parts(batch: TrainBatch, sft: TrainBatch | None, share: int, global_batch: int,

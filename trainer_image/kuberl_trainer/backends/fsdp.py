@@ -42,7 +42,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.algos.objective import Objective
-from kuberl_trainer.backends.base import TrainBatch, sft_step_parts
+from kuberl_trainer.backends.base import TrainBatch, sft_step_parts, trainer_old_logprobs
 from kuberl_trainer.backends.buckets import bucketize
 from kuberl_trainer.backends.fused_kernels import NONE, apply_fused_kernels
 from kuberl_trainer.backends.hf_files import (
@@ -202,31 +202,38 @@ class FSDPBackend:
         ``microBatchSize``. ``sft`` (this rank's share of the step's demonstrations, with
         ``algorithm.sftCoef``) is cut into as many equal parts, one per optimizer step.
         Returned metrics are token-weighted means over the shard, plus the mean grad norm and
-        the last learning rate of its optimizer steps.
+        the last learning rate of its optimizer steps, and ``old_logprobs_recomputed`` (1 when
+        the trainer ran a forward pass of its own for pi_old, else 0).
         """
         sft_parts = sft_step_parts(batch, sft, self.rank_batch_size,
                                    self.spec.global_batch_size, f"{self.world_size} ranks")
         # Old and reference log-probs of the whole shard, before the first step moves the policy.
-        batch = self._prepare(batch.to(self.device))
+        batch, prepared = self._prepare(batch.to(self.device))
         metrics = StepMetrics()
-        for step_batch, sft_part in zip(batch.chunks(self.rank_batch_size), sft_parts,
-                                        strict=True):
+        for i, (step_batch, sft_part) in enumerate(zip(batch.chunks(self.rank_batch_size),
+                                                       sft_parts, strict=True)):
             if sft_part is not None:
                 sft_part = sft_part.to(self.device)
-            self._optimizer_step(step_batch, metrics, sft_part)
-        return metrics.summary()
+            self._optimizer_step(step_batch, metrics, sft_part, fresh=i == 0)
+        return metrics.summary() | prepared
 
-    def _prepare(self, batch: TrainBatch) -> TrainBatch:
-        """The tensors the loss needs that the caller may leave out."""
-        return self._with_old(self._with_reference(batch))
+    def _prepare(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
+        """The tensors the loss needs that the caller may leave out, and the step's metric
+        ``old_logprobs_recomputed``: 1 when this computed the old log-probs (a forward pass
+        over the whole shard), else 0."""
+        batch = self._with_reference(batch)
+        recompute = self._needs_old(batch)
+        if recompute:
+            batch = dataclasses.replace(batch, old_logprobs=self._logprobs(self.module, batch))
+        return batch, {"old_logprobs_recomputed": float(recompute)}
 
-    def _with_old(self, batch: TrainBatch) -> TrainBatch:
-        """Fill in old log-probs when the caller left them out but the shard feeds several
-        optimizer steps: every step after the first must see the policy from before the
-        first. With one step the training forward's own log-probs serve (see TrainBatch)."""
-        if batch.old_logprobs is not None or len(batch) <= self.rank_batch_size:
-            return batch
-        return dataclasses.replace(batch, old_logprobs=self._logprobs(self.module, batch))
+    def _needs_old(self, batch: TrainBatch) -> bool:
+        """Old log-probs are computed when the caller left them out but the shard feeds
+        several optimizer steps: every step after the first must see the policy from before
+        the first. With one step the training forward's own log-probs serve (see
+        TrainBatch); with ``oldLogprobs: engine`` the engines' do, and the pass is skipped."""
+        return (batch.old_logprobs is None and len(batch) > self.rank_batch_size
+                and self.objective.old_logprobs == "trainer")
 
     def _with_reference(self, batch: TrainBatch) -> TrainBatch:
         """Fill in reference log-probs when the KL term needs them and the caller did not."""
@@ -235,8 +242,9 @@ class FSDPBackend:
         return dataclasses.replace(batch, ref_logprobs=self._logprobs(self.ref, batch))
 
     def _optimizer_step(self, batch: TrainBatch, metrics: StepMetrics,
-                        sft: TrainBatch | None = None) -> None:
-        """One optimizer step over ``batch`` (this rank's part of one global batch).
+                        sft: TrainBatch | None = None, *, fresh: bool = True) -> None:
+        """One optimizer step over ``batch`` (this rank's part of one global batch); ``fresh``:
+        the rollout's first, whose forward still sees the policy that sampled it.
 
         The loss is aggregated over the *whole global batch* (``algos.objective``): each
         micro-batch backpropagates its partial sum divided by the units (tokens or sequences)
@@ -258,7 +266,7 @@ class FSDPBackend:
                     metrics.add_micro(tokens=tokens, loss=loss.detach() / self.world_size,
                                       sft_nll=nll.detach())
                 else:
-                    partial, stats, tokens = self._micro_loss(mb)
+                    partial, stats, tokens = self._micro_loss(mb, fresh)
                     loss = partial * (self.world_size / units)
                     metrics.add_micro(tokens=tokens, loss=loss.detach() / self.world_size,
                                       stats=stats)
@@ -273,14 +281,16 @@ class FSDPBackend:
         self.scheduler.step()
         metrics.add_step(grad_norm, lr)
 
-    def _micro_loss(self, mb: MicroBatch) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+    def _micro_loss(self, mb: MicroBatch, fresh: bool
+                    ) -> tuple[Tensor, dict[str, Tensor], Tensor]:
         """``(partial loss sum, token-mean stats, response tokens)`` for one micro-batch, the
         last two as device scalars; the objective (policy loss, TIS, KL, entropy,
-        aggregation) is ``algos.objective``'s."""
+        aggregation) is ``algos.objective``'s. ``fresh``: the rollout's first optimizer
+        step, where this forward's log-probs are the trainer's pi_old."""
         logp, entropy = self._token_values(self.model, mb)    # [b, t] each
         b = mb.batch
         mask = response_mask(b.loss_mask)                     # [b, t]
-        old = b.old_logprobs if b.old_logprobs is not None else logp.detach()  # see TrainBatch
+        old = trainer_old_logprobs(b, logp, fresh)
         if not self.objective.needs_entropy_grad:
             entropy = entropy.detach()  # a metric only: its backward term is skipped
         partial, stats = self.objective.partial_loss(

@@ -7,10 +7,36 @@ stalls the launch queue while the step is still running."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+# What ``summary`` reports beside the token-means of the micro-batches' stats.
+PER_STEP = frozenset({"loss", "sft_nll", "grad_norm", "lr", "optimizer_steps",
+                      "response_tokens"})
+
+
+def combine_ranks(results: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One dict from the data-parallel ranks' summaries (the same keys each). The ranks hold
+    equal numbers of samples but not of tokens, so a token-mean is weighted by each rank's
+    ``response_tokens``; extremes (``*_max``, ``*_min``) stay extremes; the rest (``PER_STEP``,
+    or everything when no rank has response tokens) is the ranks' mean."""
+    weights = [r.get("response_tokens", 0.0) for r in results]
+    total = sum(weights)
+    out = {}
+    for key in results[0]:
+        values = [r[key] for r in results]
+        if key.endswith("_max"):
+            out[key] = max(values)
+        elif key.endswith("_min"):
+            out[key] = min(values)
+        elif key in PER_STEP or total <= 0:
+            out[key] = sum(values) / len(values)
+        else:
+            out[key] = sum(v * w for v, w in zip(values, weights, strict=True)) / total
+    return out
 
 
 @dataclass
@@ -27,7 +53,13 @@ class _Micro:
 
 class StepMetrics:
     """Token-weighted means of micro-batch stats (extremes, ``*_max``/``*_min``, stay
-    extremes); the mean loss, the mean grad norm and the last lr of the optimizer steps."""
+    extremes); the mean loss, the mean grad norm and the last lr of the optimizer steps.
+
+    A stat's mean is over the tokens of the micro-batches that report it: one only some
+    report (the train-inference gap with ``oldLogprobs: engine``, measurable in the rollout's
+    first optimizer step only) is their mean, not diluted by the others' tokens. Extremes come
+    from the micro-batches with response tokens (one without has none to report: its
+    placeholder must not win), or from the first micro-batch when none has any."""
 
     def __init__(self) -> None:
         self.micros: list[_Micro] = []
@@ -46,7 +78,9 @@ class StepMetrics:
 
     def summary(self) -> dict[str, float]:
         sums: dict[str, float] = {}
+        weights: dict[str, int] = {}
         extremes: dict[str, float] = {}
+        placeholders: set[str] = set()  # extremes only micro-batches without tokens reported
         tokens = sft_tokens = 0
         loss = sft_nll = 0.0
         for micro, values in zip(self.micros, self._read_back(), strict=True):
@@ -58,13 +92,21 @@ class StepMetrics:
                 continue
             tokens += int(count)
             for key, value in zip(micro.stats, rest, strict=True):
-                if key.endswith("_max"):
-                    extremes[key] = max(extremes.get(key, value), value)
-                elif key.endswith("_min"):
-                    extremes[key] = min(extremes.get(key, value), value)
+                if key.endswith(("_max", "_min")):
+                    if count > 0 and key in placeholders:  # a real value replaces it
+                        extremes[key] = value
+                        placeholders.discard(key)
+                    elif key not in extremes:
+                        extremes[key] = value
+                        if count == 0:
+                            placeholders.add(key)
+                    elif count > 0:
+                        pick = max if key.endswith("_max") else min
+                        extremes[key] = pick(extremes[key], value)
                 else:
                     sums[key] = sums.get(key, 0.0) + value * count
-        out = {k: v / max(tokens, 1) for k, v in sums.items()}
+                    weights[key] = weights.get(key, 0) + int(count)
+        out = {k: v / max(weights[k], 1) for k, v in sums.items()}
         out.update(extremes)
         steps = max(len(self.grad_norms), 1)
         out["loss"] = loss / steps  # each step's loss is the sum of its micro parts

@@ -71,10 +71,10 @@ class ValueBackend(FSDPBackend):
     def _lr(self) -> float:
         return self.spec.critic.lr
 
-    def _prepare(self, batch: TrainBatch) -> TrainBatch:
+    def _prepare(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
         if batch.values is None or batch.returns is None:
             raise ValueError("the value model trains on a batch with values and returns")
-        return batch
+        return batch, {}
 
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> Tensor:
@@ -87,7 +87,8 @@ class ValueBackend(FSDPBackend):
         scores = self._forward(model, mb)[:, 0].float()       # [N]: after each packed token
         return unpack(align_to_tokens(scores, mb.packed), mb.packed, mb.batch.input_ids.shape[1])
 
-    def _micro_loss(self, mb: MicroBatch) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+    def _micro_loss(self, mb: MicroBatch, fresh: bool
+                    ) -> tuple[Tensor, dict[str, Tensor], Tensor]:
         b = mb.batch
         assert b.values is not None and b.returns is not None
         mask = response_mask(b.loss_mask)

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.algos.objective import Objective
-from kuberl_trainer.backends.base import TrainBatch, sft_step_parts
+from kuberl_trainer.backends.base import TrainBatch, sft_step_parts, trainer_old_logprobs
 from kuberl_trainer.backends.hf_files import (
     MODEL_DIR,
     copy_tokenizer,
@@ -300,30 +300,35 @@ class MegatronBackend:
                                    self.spec.global_batch_size,
                                    f"{self.dp_size} data-parallel ranks")
         # Old and reference log-probs of the whole shard, before the first step moves the policy.
-        batch = self._prepare(batch.to("cuda"))
+        batch, recomputed = self._prepare(batch.to("cuda"))
         metrics = StepMetrics()
-        for step_batch, sft_part in zip(batch.chunks(self.rank_batch_size), sft_parts,
-                                        strict=True):
+        for i, (step_batch, sft_part) in enumerate(zip(batch.chunks(self.rank_batch_size),
+                                                       sft_parts, strict=True)):
             if sft_part is not None:
                 sft_part = sft_part.to("cuda")
-            self._optimizer_step(step_batch, sft_part, metrics)
-        return metrics.summary()
+            self._optimizer_step(step_batch, sft_part, metrics, fresh=i == 0)
+        return metrics.summary() | {"old_logprobs_recomputed": float(recomputed)}
 
-    def _prepare(self, batch: TrainBatch) -> TrainBatch:
-        """Old log-probs when the rollout feeds several optimizer steps, reference log-probs
-        when the KL term needs them and the caller left them out (see FSDPBackend)."""
+    def _prepare(self, batch: TrainBatch) -> tuple[TrainBatch, bool]:
+        """Old log-probs when the rollout feeds several optimizer steps (not with
+        ``oldLogprobs: engine``), reference log-probs when the KL term needs them and the
+        caller left them out (see FSDPBackend); and whether the old ones were computed."""
         if self.ref is not None and batch.ref_logprobs is None:
             ref = self._logprobs(self.ref, batch)
             if self.par.last_stage:
                 batch = dataclasses.replace(batch, ref_logprobs=ref)
-        if batch.old_logprobs is None and len(batch) > self.rank_batch_size:
+        recompute = (batch.old_logprobs is None and len(batch) > self.rank_batch_size
+                     and self.objective.old_logprobs == "trainer")
+        if recompute:
             old = self._logprobs(self.model, batch)
             if self.par.last_stage:
                 batch = dataclasses.replace(batch, old_logprobs=old)
-        return batch
+        return batch, recompute
 
     def _optimizer_step(self, batch: TrainBatch, sft: TrainBatch | None,
-                        metrics: StepMetrics) -> None:
+                        metrics: StepMetrics, *, fresh: bool) -> None:
+        """One optimizer step; ``fresh``: the rollout's first (its forward's log-probs are
+        the trainer's pi_old, see ``trainer_old_logprobs``)."""
         units = self._dp_sum(self.objective.units(response_mask(batch.loss_mask)))
         micros = self._micros(batch)
         sft_tokens = 1.0
@@ -343,7 +348,7 @@ class MegatronBackend:
                 return value, count, {"sft_nll": nll.detach(), "tokens": count,
                                       "loss": value.detach()}
             b = mb.batch
-            old = b.old_logprobs if b.old_logprobs is not None else logp.detach()
+            old = trainer_old_logprobs(b, logp, fresh)
             if not self.objective.needs_entropy_grad:
                 entropy = entropy.detach()
             partial_sum, stats = self.objective.partial_loss(
