@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -144,12 +144,16 @@ def main() -> int:
     jobs = [(arm, seed) for seed in args.seeds for arm in args.arms]
     results = []
     with ThreadPoolExecutor(args.parallel) as pool:
-        for r in pool.map(lambda job: run(*job, args.steps, tiny, args.out, env), jobs):
+        futures = [pool.submit(run, arm, seed, args.steps, tiny, args.out, env)
+                   for arm, seed in jobs]
+        for future in as_completed(futures):
+            r = future.result()
             results.append(r)
             (args.out / "results.json").write_text(json.dumps(results, indent=1))
             print(json.dumps(r) if "error" in r else
                   f"{r['arm']:<20} seed {r['seed']} gain {r['after'] - before:+.4f} "
-                  f"stale {r['staleness_mean']:.2f} step {r['step_s']:.2f}s", flush=True)
+                  f"stale {r['staleness_mean']:.2f} step {r['step_s']:.2f}s "
+                  f"({r['seconds']:.0f} s)", flush=True)
     host.stdin.close()
     host.wait(timeout=120)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
