@@ -4,8 +4,9 @@ Two samples agree when their answers are equal strings:
 
 - exact: the response with whitespace collapsed and case folded (what exact_match compares);
 - f1: its SQuAD-normalised tokens (what token_f1 compares);
-- math: the final answer math-verify extracts (a boxed answer first), in SymPy's printed form,
-  so ``\\frac12`` and ``0.5`` agree as the reward would say they do; None when none parses;
+- math: the final answer math-verify extracts (a boxed answer first), as SymPy prints it, so
+  ``\\boxed{\\frac12}`` and ``1/2`` agree (``0.5`` prints as a float and does not: a vote
+  is stricter than the reward); None when none parses;
 - custom: the reward function's own ``answer(response) -> str | None`` attribute, if it has
   one (``grade.answer = extract``); else there is no answer and no maj@k;
 - environment: none (its reward is the episode's, not a grade of an answer): no maj@k.
