@@ -36,7 +36,6 @@ from kuberl_trainer.engines.client import EngineClient
 from kuberl_trainer.rollout.agentic import AgentRollout, agent_rollout
 from kuberl_trainer.rollout.batch import (
     engine_throughput,
-    failed,
     failed_groups,
     pack,
     reward_of,
