@@ -117,6 +117,7 @@ class DataSpec(ApiModel):
     storage: Storage | None = Field(None, description="PVC that holds the data.")
     eval_sets: list[EvalSet] = Field(default_factory=list, max_length=16,
                                      description="Held-out sets, evaluated every "
-                                     "schedule.evalInterval steps (both or neither).")
+                                     "schedule.evalInterval steps (both or neither), or once "
+                                     "by mode eval.")
     sft: SftData | None = Field(None, description="Demonstrations for algorithm.sftCoef's "
                                 "NLL term, trained on beside every RL step.")
