@@ -623,9 +623,13 @@ def test_head_service_account_reports_only_its_own_status(
         ca = str(c.state_dir / "pki" / "ca.crt")
 
         StatusReporter(c.server, token, ns, job, ca_file=ca).report(
-            step=3, total_steps=10, reward_mean=0.625, checkpoint=(2, "/checkpoints/step-2"))
+            step=3, total_steps=10, reward_mean=0.625, checkpoint=(2, "/checkpoints/step-2"),
+            evals={"gsm8k": {"reward": 0.5, "pass@8": 0.875, "maj@8": 0.625}})
         progress = w.status().get("progress", {})
         assert progress["step"] == 3 and progress["rewardMean"] == 0.625, progress
+        # (the CRD's status schema stores an eval set's scores as reported)
+        assert progress["evals"] == [{"name": "gsm8k", "step": 3, "scores": {
+            "reward": 0.5, "pass@8": 0.875, "maj@8": 0.625}}], progress
         assert progress["lastCheckpoint"] == {"step": 2, "path": "/checkpoints/step-2"}
         row = table_row(c.kubectl("get", "rljob", job, "-n", ns).stdout.splitlines())
         assert row["STEP"] == "3" and row["REWARD"] == "0.625", row

@@ -27,7 +27,7 @@ CONDITION_TYPES: tuple[ConditionType, ...] = ("Accepted", "SpecWarning", "Queued
 
 # What progress.trainerPhase holds (kuberl_trainer/report/heartbeat.py reports it).
 TrainerPhase = Literal["Starting", "Placing", "EnginesStarting", "Loading", "FirstStep",
-                       "Training"]
+                       "Training", "Evaluating"]
 STARTUP_PHASES: tuple[str, ...] = ("Starting", "Placing", "EnginesStarting", "Loading",
                                    "FirstStep")
 
@@ -48,6 +48,23 @@ class CheckpointRef(ApiModel):
     path: str = Field(max_length=1024)
 
 
+# Scores per eval set: its mean reward and avg@k, pass@k, maj@k for up to data.evalSets[].passK's
+# 8 values of k
+MAX_EVAL_SCORES = 32
+
+
+class EvalScore(ApiModel):
+    """An eval set's latest scores (the trainer reports them; docs/algorithms.md,
+    "Evaluation")."""
+
+    name: str = Field(max_length=63)
+    step: int = Field(ge=0, description="Training steps the evaluated weights had (mode eval: "
+                      "0, the model as given).")
+    scores: dict[str, float] = Field(
+        default_factory=dict, max_length=MAX_EVAL_SCORES,
+        description="By metric: reward (the mean reward), avg@k, pass@k, maj@k.")
+
+
 class Progress(ApiModel):
     """Filled by the trainer's heartbeat; the operator only reads it."""
 
@@ -59,10 +76,14 @@ class Progress(ApiModel):
     trainer_phase: TrainerPhase | None = Field(
         None, description="Where the trainer is: Starting (Ray, the engines' actors), Placing "
         "(the training ranks), EnginesStarting, Loading (the models), FirstStep, Training (per "
-        "step). During start-up it reports every 30 s; after the first step, once a step.")
+        "step), Evaluating (mode eval). During start-up and Evaluating it reports every 30 s; "
+        "after the first step, once a step.")
     engine_restarts: int | None = Field(
         None, ge=0, description="Engines replaced in this attempt (rollout.maxEngineRestarts "
         "bounds them).")
+    evals: list[EvalScore] = Field(
+        default_factory=list, max_length=16,
+        description="The latest scores of each of data.evalSets, as last evaluated.")
 
 
 class RLJobStatus(ApiModel):

@@ -9,6 +9,10 @@
   kuberl_rljob_last_heartbeat_timestamp_seconds, kuberl_rljob_last_checkpoint_step
   {namespace,name}: what the status says (the trainer's progress as it last reported it), so a
   fleet view needs no scrape of every Ray head; absent until there is a value
+- kuberl_rljob_eval_score{namespace,name,set,metric}: each eval set's latest scores as the
+  status holds them (progress.evals: metric is reward, avg@k, pass@k or maj@k), and
+  kuberl_rljob_eval_step{namespace,name,set}: the training steps the scored weights had; a
+  job of mode eval ends with its numbers here, long after its trainer's own endpoint is gone
 Series of a deleted RLJob are removed (`forget`), so dashboards don't show ghosts.
 """
 
@@ -59,6 +63,14 @@ class Metrics:
             ["namespace", "name", "type", "status"], registry=registry)
         self.progress = {name: Gauge(name, help_, ["namespace", "name"], registry=registry)
                          for name, help_, _ in PROGRESS_GAUGES}
+        self.eval_score = Gauge(
+            "kuberl_rljob_eval_score", "An eval set's latest score (progress.evals).",
+            ["namespace", "name", "set", "metric"], registry=registry)
+        self.eval_step = Gauge(
+            "kuberl_rljob_eval_step", "The training steps of the weights an eval set was last "
+            "scored on.", ["namespace", "name", "set"], registry=registry)
+        # the eval series each job has (set, metric), to remove the ones it no longer reports
+        self._evals: dict[tuple[str, str], set[tuple[str, str]]] = {}
         for result in ("success", "error"):
             self.reconcile_total.labels(result)
         self._lock = threading.Lock()
@@ -79,7 +91,37 @@ class Metrics:
                     self.condition.labels(namespace, name, t, s).set(
                         1 if conditions[t] == s else 0)
 
+    def _observe_evals(self, namespace: str, name: str, evals: Any) -> None:
+        seen: set[tuple[str, str]] = set()
+        for entry in evals if isinstance(evals, list) else []:
+            if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str):
+                continue
+            set_ = entry["name"]
+            if isinstance(step := entry.get("step"), int):
+                self.eval_step.labels(namespace, name, set_).set(step)
+            scores = entry.get("scores")
+            for metric, value in (scores.items() if isinstance(scores, Mapping) else ()):
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    self.eval_score.labels(namespace, name, set_, metric).set(value)
+                    seen.add((set_, metric))
+        self._drop_evals(namespace, name, keep=seen)
+
+    def _drop_evals(self, namespace: str, name: str, keep: set[tuple[str, str]]) -> None:
+        old = self._evals.pop((namespace, name), set())
+        for set_, metric in old - keep:
+            with contextlib.suppress(KeyError):
+                self.eval_score.remove(namespace, name, set_, metric)
+        for set_ in {s for s, _ in old} - {s for s, _ in keep}:
+            with contextlib.suppress(KeyError):
+                self.eval_step.remove(namespace, name, set_)
+        if keep:
+            self._evals[(namespace, name)] = keep
+
     def _observe_progress(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        progress = status.get("progress")
+        if isinstance(progress, Mapping) and "evals" in progress:
+            with self._lock:
+                self._observe_evals(namespace, name, progress["evals"])
         for gauge_name, _, path in PROGRESS_GAUGES:
             value: Any = status
             for key in path:
@@ -91,6 +133,7 @@ class Metrics:
 
     def forget(self, namespace: str, name: str) -> None:
         with self._lock:
+            self._drop_evals(namespace, name, keep=set())
             for gauge in self.progress.values():
                 with contextlib.suppress(KeyError):
                     gauge.remove(namespace, name)

@@ -213,9 +213,10 @@ def _rules(node: Schema, path: tuple[str, ...] = (),
     for name, prop in node.get("properties", {}).items():
         out += _rules(prop, (*path, name), item_of)
     if isinstance(node.get("items"), dict):
-        if item_of is not None:
+        if item_of is None:
+            out += _rules(node["items"], (), path)
+        elif _rules(node["items"]):  # (a nested list without rules, evalSets[].passK, is fine)
             raise ValueError(f"rules on items of nested lists are not supported: {path}")
-        out += _rules(node["items"], (), path)
     if isinstance(node.get("additionalProperties"), dict) and _rules(node["additionalProperties"]):
         raise ValueError(f"rules on map values are not supported: {path}")
     return out

@@ -78,6 +78,28 @@ ON_CPU = both(set_("training", {"backend": "fsdp", "gpusPerNode": 0}),
               set_("rollout.engine", "reference"))
 
 
+def eval_mode(*edits: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    """`edits` on a job of mode eval (one eval set, no prompts: it trains nothing)."""
+    def edit(spec: dict[str, Any]) -> None:
+        spec["mode"] = "eval"
+        spec["data"] = {"evalSets": [{"name": "a", "path": "/data/a.jsonl",
+                                      "nSamplesPerPrompt": 4, "passK": [1, 4]}]}
+        for e in edits:
+            e(spec)
+    return edit
+
+
+def drop(path: str) -> Callable[[dict[str, Any]], None]:
+    """Edit for spec: remove the field at a dotted path."""
+    def edit(spec: dict[str, Any]) -> None:
+        *parents, leaf = path.split(".")
+        node = spec
+        for p in parents:
+            node = node[p]
+        del node[leaf]
+    return edit
+
+
 def pool(*tolerations: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
     return set_("training.nodePool", {"tolerations": list(tolerations)})
 
@@ -355,6 +377,25 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("reference-engine-list-args", both(ON_CPU, set_("rollout.engineListArgs",
                                                      {"cuda-graph-bs": ["1"]})),
      "spec.rollout.engineListArgs", "no list flags"),
+    ("pass-k-above-samples", both(
+        set_("data.evalSets", [{"name": "a", "path": "/d/a.jsonl", "nSamplesPerPrompt": 4,
+                                "passK": [1, 8]}]), set_("schedule.evalInterval", 10)),
+     "spec.data.evalSets[0].passK", "nSamplesPerPrompt = 4"),
+    ("pass-k-repeated", both(
+        set_("data.evalSets", [{"name": "a", "path": "/d/a.jsonl", "nSamplesPerPrompt": 4,
+                                "passK": [2, 2]}]), set_("schedule.evalInterval", 10)),
+     "spec.data.evalSets[0].passK", "distinct"),
+    ("training-without-prompts", drop("data.prompts"), "spec.data.prompts", "required"),
+    ("eval-mode-without-sets", eval_mode(set_("data.evalSets", [])), "spec.data.evalSets",
+     "at least one eval set"),
+    ("eval-mode-with-prompts", eval_mode(set_("data.prompts", "/data/train.jsonl")),
+     "spec.data.prompts", "mode eval trains nothing"),
+    ("eval-mode-with-eval-interval", eval_mode(set_("schedule.evalInterval", 5)),
+     "spec.schedule.evalInterval", "mode eval trains nothing"),
+    ("eval-mode-with-save-interval", eval_mode(set_("schedule.saveInterval", 5)),
+     "spec.schedule.saveInterval", "mode eval trains nothing"),
+    ("eval-mode-with-sft", eval_mode(set_("data.sft", {"path": "/data/sft.jsonl"})),
+     "spec.data.sft", "mode eval trains nothing"),
     ("eval-interval-without-sets", set_("schedule.evalInterval", 10),
      "spec.schedule.evalInterval", "needs data.evalSets"),
     ("eval-sets-without-interval", set_("data.evalSets", [{"name": "a", "path": "/data/a.jsonl"}]),
@@ -802,6 +843,13 @@ GOOD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
     ("code-for-a-reward-function", both(set_("reward", {"type": "custom",
                                                         "function": "my_rewards:score"}),
                                         set_("code", {"pvc": "code"}))),
+    ("eval-mode", eval_mode()),
+    ("eval-mode-on-cpu-with-an-environment", eval_mode(
+        ON_CPU, set_("environment.class", "envs:Calculator"), set_("reward.type", "environment"))),
+    ("pass-k-up-to-the-samples", both(
+        set_("data.evalSets", [{"name": "a", "path": "/d/a.jsonl", "nSamplesPerPrompt": 8,
+                                "passK": [1, 4, 8], "passThreshold": 0.5}]),
+        set_("schedule.evalInterval", 10))),
     ("tolerations-kubernetes-accepts", pool(
         {"operator": "Exists"}, {"key": "gpu", "operator": "Exists", "value": ""},
         {"key": "gpu", "value": "a", "effect": "NoSchedule"},

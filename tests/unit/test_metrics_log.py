@@ -43,6 +43,34 @@ def test_running_totals_are_counters_and_per_step_numbers_gauges(tmp_path: Path)
     assert [r["engine_restarts_total"] for r in rows] == [0, 2, 2]
 
 
+def test_eval_scores_are_gauges_in_the_characters_prometheus_allows(tmp_path: Path) -> None:
+    """metrics.jsonl keeps the names a person reads (pass@8, the set's own name); the gauge
+    says @ as _at_ and a set name's - as _ (an invalid name would fail the step)."""
+    port = free_port()
+    log = MetricsLog(tmp_path, prometheus_port=port)
+    try:
+        log.write({"step": 3, "eval_math-500_pass@8": 0.75, "eval_math-500_reward": 0.5})
+        seen = scrape(port)
+    finally:
+        log.close()
+    assert seen["kuberl_train_eval_math_500_pass_at_8"] == 0.75
+    assert seen["kuberl_train_eval_math_500_reward"] == 0.5
+    (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert row["eval_math-500_pass@8"] == 0.75
+
+
+def test_mode_eval_appends_and_keeps_the_training_runs_rows(tmp_path: Path) -> None:
+    log = MetricsLog(tmp_path)
+    for step in (0, 1):
+        log.write({"step": step})
+    log.close()
+    log = MetricsLog(tmp_path, first_step=None)  # (a training run from step 0 would drop both)
+    log.write({"step": 2, "eval_a_reward": 1.0})
+    log.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+
+
 def test_engine_metric_names_keep_their_colons_for_an_openmetrics_scraper() -> None:
     """Prometheus 2.x asks for OpenMetrics first, where prometheus_client escapes SGLang's
     `sglang:` names; the endpoint answers in the text format, which keeps them."""

@@ -49,6 +49,38 @@ def test_report_patches_only_progress() -> None:
     assert progress.last_heartbeat_time and progress.last_heartbeat_time.endswith("Z")
 
 
+def test_each_eval_sets_latest_scores_stay_in_progress_evals() -> None:
+    """Every report that scores a set replaces that set's entry (with its step); the others
+    stay, as the list is patched whole."""
+    seen: list[dict[str, Any]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_PATCH(self) -> None:
+            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=lambda: [server.handle_request() for _ in range(3)],
+                     daemon=True).start()
+    reporter = StatusReporter(f"http://127.0.0.1:{server.server_port}", "tok", "team-a", "job")
+    reporter.report(step=10, total_steps=100, reward_mean=0.5,
+                    evals={"a": {"reward": 0.5, "pass@4": 0.75}, "b": {"reward": 0.25}})
+    reporter.report(step=11, total_steps=100, reward_mean=0.5)  # no evaluation this step
+    reporter.report(step=20, total_steps=100, reward_mean=0.5, evals={"a": {"reward": 0.625}})
+    server.server_close()
+
+    progress = [Progress.model_validate(body["status"]["progress"]) for body in seen]
+    assert progress[1].evals == []  # (a merge patch without the key leaves it as it was)
+    assert [(e.name, e.step, e.scores) for e in progress[2].evals] == [
+        ("a", 20, {"reward": 0.625}), ("b", 10, {"reward": 0.25})]
+    assert progress[0].evals[0].scores == {"reward": 0.5, "pass@4": 0.75}
+
+
 def test_event_names_the_rljob_by_uid_and_posts_a_core_event() -> None:
     """An engine replaced in a cluster: a Warning Event on the RLJob, which `kubectl describe
     rljob` finds by the RLJob's uid (read once with the Role's `get`)."""

@@ -57,7 +57,7 @@ class TableEngine(EngineClient):
 
 
 def setup(tmp_path: Path, ref_logprobs: Any = None, values: Any = None, sft: bool = False,
-          eval_samples: int = 1, max_prompt_len: int = 1024,
+          eval_samples: int = 1, max_prompt_len: int = 1024, pass_k: list[int] | None = None,
           **algorithm: Any) -> tuple[RolloutManager, TableEngine]:
     rows = [{"prompt": f"{a}+{a}=", "label": str(2 * a)} for a in range(10, 20)]
     data = tmp_path / "d.jsonl"
@@ -68,7 +68,8 @@ def setup(tmp_path: Path, ref_logprobs: Any = None, values: Any = None, sft: boo
                                     "nSamplesPerPrompt": 4, "maxResponseLen": 4,
                                     "maxPromptLen": max_prompt_len,
                                     "evalSets": [{"name": "add", "path": str(data),
-                                                  "nSamplesPerPrompt": eval_samples}],
+                                                  "nSamplesPerPrompt": eval_samples,
+                                                  "passK": pass_k or []}],
                                     **({"sft": {"path": str(data), "batchSize": 4}} if sft
                                        else {})},
                            "reward": {"type": "exact"}, "algorithm": algorithm,
@@ -150,6 +151,37 @@ def test_evaluate_samples_n_per_prompt_at_the_jobs_temperature(tmp_path: Path) -
     expected = sum(p["sampling_seed"] % 2 == 0 for p in params) / len(params)
     assert out == {"eval_add_reward": pytest.approx(expected)}
     assert 0.0 < expected < 1.0  # sampled, not greedy (greedy answers are all right)
+
+
+def test_evaluate_reports_pass_at_k_and_maj_at_k_from_each_problems_samples(
+        tmp_path: Path) -> None:
+    """passK [1, 4]: avg@k, pass@k (Chen et al.'s estimator over the 4 samples) and maj@k (the
+    exact reward's answer: the text) per problem, from the very samples the engine made."""
+    mgr, engine = setup(tmp_path, eval_samples=4, temperature=0.7, pass_k=[1, 4])
+    out = asyncio.run(mgr.evaluate(step=0))
+    seeds = [p["sampling_seed"] for call in engine.calls for p in call]
+    right = [[s % 2 == 0 for s in seeds[i:i + 4]] for i in range(0, 40, 4)]  # per problem
+    assert out["eval_add_pass@1"] == pytest.approx(sum(map(sum, right)) / 40)
+    assert out["eval_add_avg@1"] == pytest.approx(sum(r[0] for r in right) / 10)
+    assert out["eval_add_pass@4"] == pytest.approx(sum(any(r) for r in right) / 10)
+    # wrong answers are all "0": the majority is right only with 3 or 4 right, or 2 that came
+    # first (a tie goes to the answer that came first)
+    majority = [sum(r) > 2 or (sum(r) == 2 and r[0]) for r in right]
+    assert out["eval_add_maj@4"] == pytest.approx(sum(majority) / 10)
+    assert out["eval_add_reward"] == out["eval_add_avg@4"]
+
+
+def test_eval_seeds_do_not_depend_on_the_step(tmp_path: Path) -> None:
+    """The same weights score the same after any step: what lets mode eval reproduce a
+    training run's evaluation of a checkpoint."""
+    mgr, engine = setup(tmp_path, eval_samples=3, temperature=0.7, pass_k=[3])
+    first = asyncio.run(mgr.evaluate(step=0))
+    seeds = [p["sampling_seed"] for call in engine.calls for p in call]
+    engine.calls.clear()
+    assert asyncio.run(mgr.evaluate(step=41)) == first
+    assert [p["sampling_seed"] for call in engine.calls for p in call] == seeds
+    asyncio.run(mgr.generate(step=0))  # (a training rollout's seeds are the step's own)
+    assert not set(seeds) & {p["sampling_seed"] for p in engine.calls[-1]}
 
 
 def test_prompts_keep_their_last_max_prompt_len_tokens(tmp_path: Path) -> None:

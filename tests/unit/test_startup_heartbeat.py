@@ -24,7 +24,8 @@ class FakeClock:
 
 
 def test_every_start_up_phase_has_a_limit() -> None:
-    assert set(PHASE_LIMITS_S) == set(STARTUP_PHASES)
+    # (and mode eval's Evaluating, which beats the same way: nothing else reports then)
+    assert set(PHASE_LIMITS_S) == {*STARTUP_PHASES, "Evaluating"}
 
 
 def test_beats_while_a_phase_is_within_its_limit_then_goes_silent() -> None:

@@ -65,3 +65,29 @@ def test_flags_override_env_and_defaults() -> None:
     assert parse_args([], {}) == Config()
     assert Config(health_port=0).liveness_endpoint is None
     assert kopf_settings(Config(scanning=False)).scanning.disabled
+
+
+def test_eval_score_gauges_follow_progress_evals_then_forget() -> None:
+    """Each eval set's latest scores, as the trainer put them in progress.evals (a job of mode
+    eval ends with them here); a set or metric the status no longer has leaves."""
+    reg = CollectorRegistry()
+    m = Metrics(reg)
+    evals = [{"name": "gsm8k", "step": 40, "scores": {"reward": 0.5, "pass@8": 0.875}},
+             {"name": "math-500", "step": 40, "scores": {"maj@4": 0.25}}]
+    m.observe_status("ns", "a", {"phase": "Running"}, {"step": 40, "evals": evals})
+    text = _text(reg)
+    assert ('kuberl_rljob_eval_score{metric="pass@8",name="a",namespace="ns",set="gsm8k"} '
+            '0.875') in text
+    assert ('kuberl_rljob_eval_score{metric="maj@4",name="a",namespace="ns",set="math-500"} '
+            '0.25') in text
+    assert 'kuberl_rljob_eval_step{name="a",namespace="ns",set="gsm8k"} 40.0' in text
+    m.observe_status("ns", "a", {"phase": "Running"},
+                     {"step": 50, "evals": [{"name": "gsm8k", "step": 50,
+                                             "scores": {"reward": 0.625}}]})
+    text = _text(reg)
+    assert 'kuberl_rljob_eval_score{metric="reward",name="a",namespace="ns",set="gsm8k"} 0.625' \
+        in text
+    assert 'metric="pass@8"' not in text and 'set="math-500"' not in text
+    m.forget("ns", "a")
+    assert "kuberl_rljob_eval" not in _text(reg).replace("# HELP kuberl_rljob_eval", "").replace(
+        "# TYPE kuberl_rljob_eval", "")

@@ -50,7 +50,8 @@ def check_data(spec: RLJobSpec) -> None:
     d = spec.data
     # (the prompts and eval sets go through the rollout function or environment: they carry
     # data.metadataKeys; the SFT demonstrations do not)
-    paths = [("spec.data.prompts", d.prompts, d.metadata_keys)] + [
+    paths = [("spec.data.prompts", d.prompts, d.metadata_keys)] if d.prompts else []
+    paths += [
         (f"spec.data.evalSets[{i}].path", e.path, d.metadata_keys)
         for i, e in enumerate(d.eval_sets)]
     if d.sft is not None:

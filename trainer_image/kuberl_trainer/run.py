@@ -79,6 +79,9 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
             from kuberl_trainer.session import Session
 
             session = Session(job, opts, checked, beat=beat)
+            if job.spec.mode == "eval":  # the eval sets scored once; nothing trains
+                session.evaluate_only(head)
+                return 0
             session.start(head)
             stop.install()
             session.train(Progress(job.spec.schedule.num_rollouts), stop)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -29,6 +30,7 @@ from kuberl_trainer.preflight import Checked
 from kuberl_trainer.report.heartbeat import ENGINE_START_S
 from kuberl_trainer.report.metrics_log import DROPPED, MetricsLog
 from kuberl_trainer.report.progress import Progress
+from kuberl_trainer.rollout.evaluation import evaluator, scores_of
 from kuberl_trainer.rollout.manager import DataPosition, RolloutManager
 from kuberl_trainer.rollout.prompts import PromptSource
 from kuberl_trainer.startup import HeadStart
@@ -121,6 +123,7 @@ class Session:
             self.client.router_url = self.router.url
             self.fleet.router = self.router
         d = self.spec.data
+        assert d.prompts is not None  # (required to train: job_rules.py)
         self.source = PromptSource(d.prompts, d.input_key, d.label_key, seed=self.opts.seed,
                                    metadata_keys=d.metadata_keys)
         self.sft_source = (PromptSource(d.sft.path, d.input_key, d.label_key,
@@ -226,6 +229,56 @@ class Session:
             parts.log.close()
             progress.close()
 
+    def evaluate_only(self, head: HeadStart | None = None) -> dict[str, Any]:
+        """mode eval: the engines serve model.path, the eval sets are scored once (as a
+        training run scores them: rollout/evaluation.py), one row goes to metrics.jsonl and
+        the scores to the RLJob status; no training rank starts. Returns the row."""
+        head = head or HeadStart.begin(self.spec, self.opts)
+        self.engines = head.engines
+        self._phase("EnginesStarting")
+        self.client = EngineClient(self.engines.urls)
+        self._wait_for_engines()
+        head.clock.mark("engines ready")
+        if self.spec.rollout.router == "sglang":
+            logs = self.opts.log_dir
+            self.router = Router(self.client, log=None if logs is None else logs / "router.log")
+            self.aio.run_until_complete(self.router.start())
+            self.client.router_url = self.router.url
+        print(head.clock.line(), flush=True)
+        self._phase("Evaluating")
+        tokenizer = AutoTokenizer.from_pretrained(self.checked.tokenizer_path)
+        scoring = evaluator(self.spec, self.client, tokenizer, self.checked.reward_fn,
+                            seed=self.opts.seed,
+                            rollout_function=self.checked.rollout_function,
+                            environment_class=self.checked.environment_class)
+        seconds = time.perf_counter()
+        scores = self.aio.run_until_complete(scoring.evaluate())
+        step = ckpt.model_step(self.spec.model.path)
+        record: dict[str, Any] = {"step": step, **scores,
+                                  "time_eval_s": time.perf_counter() - seconds}
+        # (appended: the rows of a training run in the same output directory stay)
+        log = MetricsLog(self.opts.output_dir, first_step=None,
+                         prometheus_port=self.opts.prometheus_port,
+                         tensorboard_dir=self.opts.tensorboard,
+                         wandb_project=self.opts.wandb_project, run_name=self.job.name)
+        try:
+            log.write(record)
+        finally:
+            log.close()
+        if self.beat is not None:
+            self.beat.stop()
+            self.beat = None
+        if self.status is not None:
+            try:
+                self.status.report(step=step, total_steps=step, reward_mean=None,
+                                   evals=scores_of(self.spec.data.eval_sets, record),
+                                   phase="Evaluating")
+            except OSError as exc:
+                LOG.warning("could not report the scores to the RLJob status: %s", exc)
+        for key in sorted(scores):
+            print(f"{key} {scores[key]:.6g}", flush=True)
+        return record
+
     def _colocated_ranks(self) -> list[Ranks]:
         """The rank groups on the engines' GPUs: the trainers, and a shared critic."""
         assert self.trainers is not None
@@ -330,6 +383,7 @@ class _Watchers:
         try:
             reporter.report(step=step + 1, total_steps=self.session.spec.schedule.num_rollouts,
                             reward_mean=metrics.get("reward_mean"), checkpoint=checkpoint,
-                            engine_restarts=int(metrics.get("engine_restarts_total", 0)))
+                            engine_restarts=int(metrics.get("engine_restarts_total", 0)),
+                            evals=scores_of(self.session.spec.data.eval_sets, metrics))
         except OSError as exc:
             LOG.warning("could not report progress to the RLJob status: %s", exc)

@@ -21,12 +21,38 @@ from kuberl_api.spec.model import Storage
 _MOUNT = "self.storage.mountPath"
 
 
+MAX_PASS_K = 8  # k values per eval set
+
+
 class EvalSet(ApiModel):
+    """A held-out set: its score is the mean reward of `nSamplesPerPrompt` samples per problem
+    (`eval_<name>_reward`) and, for each k of `passK`, avg@k, pass@k and maj@k
+    (docs/algorithms.md, "Evaluation")."""
+
+    RULES = (
+        Rule("self.passK.all(k, k <= self.nSamplesPerPrompt)",
+             lambda e: all(k <= e.n_samples_per_prompt for k in e.pass_k),
+             "every passK value must be at most nSamplesPerPrompt (pass@k, maj@k and avg@k "
+             "are computed from the samples each problem has)", "passK",
+             detail=lambda e: f"nSamplesPerPrompt = {e.n_samples_per_prompt}"),
+        Rule("self.passK.all(k, self.passK.filter(j, j == k).size() == 1)",
+             lambda e: len(set(e.pass_k)) == len(e.pass_k),
+             "passK values must be distinct", "passK"),
+    )
+    model_config = {"json_schema_extra": rules_schema(RULES)}
+
     name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9_]*[a-z0-9])?$")
     path: str = Field(min_length=1, max_length=MAX_STR, description="JSONL or Parquet file.")
     n_samples_per_prompt: int = Field(1, ge=1, le=1024, description="Samples per problem: 1 "
                                       "is greedy, more sample at algorithm.temperature; the "
                                       "set's score is their mean reward.")
+    pass_k: list[Annotated[int, Field(ge=1, le=1024)]] = Field(
+        default_factory=list, max_length=MAX_PASS_K,
+        description="The k values to report avg@k, pass@k (unbiased, from all "
+        "nSamplesPerPrompt samples) and maj@k for; each at most nSamplesPerPrompt.")
+    pass_threshold: float = Field(
+        1.0, ge=-1e9, le=1e9, description="A sample passes (pass@k) when its reward is at "
+        "least this; 1.0 suits the built-in 0/1 rewards.")
 
 
 class SftData(ApiModel):
@@ -50,8 +76,9 @@ class DataSpec(ApiModel):
     """Where prompts come from and how many are generated per step."""
 
     RULES = (
-        Rule(f"!has(self.storage) || {under_cel('self.prompts', _MOUNT)}",
-             lambda d: d.storage is None or under(d.prompts, d.storage.mount_path),
+        Rule(f"!has(self.storage) || !has(self.prompts) || {under_cel('self.prompts', _MOUNT)}",
+             lambda d: (d.storage is None or d.prompts is None
+                        or under(d.prompts, d.storage.mount_path)),
              "prompts must lie under storage.mountPath when a PVC holds the data", "prompts",
              detail=lambda d: f"storage.mountPath = {d.storage.mount_path}"),
         # The other files the head reads from the data PVC: a typo is refused at apply, not
@@ -69,8 +96,9 @@ class DataSpec(ApiModel):
     )
     model_config = {"json_schema_extra": rules_schema(RULES)}
 
-    prompts: str = Field(min_length=1, max_length=MAX_STR,
-                         description="Prompt file (JSONL or Parquet) as seen from the head pod.")
+    prompts: str | None = Field(
+        None, min_length=1, max_length=MAX_STR, description="Prompt file (JSONL or Parquet) "
+        "as seen from the head pod. Required to train; mode eval reads none.")
     input_key: str = Field("prompt", min_length=1, max_length=253)
     label_key: str = Field("label", min_length=1, max_length=253)
     metadata_keys: list[Annotated[str, Field(min_length=1, max_length=253)]] = Field(
@@ -89,6 +117,7 @@ class DataSpec(ApiModel):
     storage: Storage | None = Field(None, description="PVC that holds the data.")
     eval_sets: list[EvalSet] = Field(default_factory=list, max_length=16,
                                      description="Held-out sets, evaluated every "
-                                     "schedule.evalInterval steps (both or neither).")
+                                     "schedule.evalInterval steps (both or neither), or once "
+                                     "by mode eval.")
     sft: SftData | None = Field(None, description="Demonstrations for algorithm.sftCoef's "
                                 "NLL term, trained on beside every RL step.")

@@ -44,10 +44,11 @@ class RLJobSpec(ApiModel):
     critic: CriticSpec = Field(default_factory=CriticSpec)
     code: CodeSpec = Field(default_factory=CodeSpec)
     placement: Placement = "colocate"
-    mode: Literal["sync", "async"] = Field(
+    mode: Literal["sync", "async", "eval"] = Field(
         "sync", description="sync: generate, then train, then push weights, each step; async: "
         "engines generate while the trainers train, within async.maxStaleness (disaggregated "
-        "only).")
+        "only); eval: evaluate model.path (a base model, or a checkpoint's model/ directory) "
+        "on data.evalSets once, train nothing, and exit.")
     async_: AsyncSpec = Field(default_factory=AsyncSpec, alias="async")
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)

@@ -118,6 +118,8 @@ SGLANG_NEEDS_GPUS = "engine sglang needs GPUs (rollout on CPU): use engine: refe
 ENGINES_ON_CPU_ONLY = ("rollout.engines applies only when rollout runs on CPU (no rollout "
                        "GPUs); with GPUs the engine count is rollout GPUs / gpusPerEngine")
 CRITIC_PPO_ONLY = "critic applies to advantageEstimator: ppo only"
+EVAL_MODE_NEEDS_SETS = ("mode: eval evaluates data.evalSets once and trains nothing: it needs "
+                        "at least one eval set")
 EVAL_NEEDS_BOTH = ("schedule.evalInterval needs data.evalSets, and data.evalSets are evaluated "
                    "only every schedule.evalInterval steps")
 NETWORK_NEEDS_GPUS = ("network settings apply to GPU pods; this job has none (training."
@@ -231,9 +233,29 @@ def _on_model_storage_rule(field: str, get: Callable[[RLJobSpec], str | None]) -
                 field, detail=lambda s: f"model.storage.mountPath = {s.model.storage.mount_path}")
 
 
+# Optional fields only training uses, which mode eval refuses rather than ignores (why each is
+# meaningless there)
+_TRAINING_ONLY: tuple[tuple[str, Callable[[RLJobSpec], object], str], ...] = (
+    ("schedule.evalInterval", lambda s: s.schedule.eval_interval,
+     "is for evaluations between training steps"),
+    ("schedule.saveInterval", lambda s: s.schedule.save_interval,
+     "is for checkpoints of training"),
+    ("data.prompts", lambda s: s.data.prompts, "is the prompts to train on"),
+    ("data.sft", lambda s: s.data.sft, "is demonstrations to train on"),
+)
+
+
+
+def _training_only_rule(field: str, get: Callable[[RLJobSpec], object], why: str) -> Rule:
+    return Rule(f"self.mode != 'eval' || !has(self.{field})",
+                lambda s: s.mode != "eval" or get(s) is None,
+                f"{field} {why}: mode eval trains nothing (it evaluates model.path once)",
+                field)
+
+
 JOB_RULES = (
-    Rule("self.mode == 'sync' || self.placement == 'disaggregated'",
-         lambda s: s.mode == "sync" or s.placement == "disaggregated", ASYNC_DISAGGREGATED,
+    Rule("self.mode != 'async' || self.placement == 'disaggregated'",
+         lambda s: s.mode != "async" or s.placement == "disaggregated", ASYNC_DISAGGREGATED,
          "mode"),
     Rule("self.mode == 'sync' || self.algorithm.oldLogprobs == 'trainer'",
          lambda s: s.mode == "sync" or s.algorithm.old_logprobs == "trainer", ASYNC_ENGINE_OLD,
@@ -286,9 +308,19 @@ JOB_RULES = (
     Rule("!has(self.schedule.evalInterval) || size(self.data.evalSets) > 0",
          lambda s: s.schedule.eval_interval is None or bool(s.data.eval_sets),
          EVAL_NEEDS_BOTH, "schedule.evalInterval"),
-    Rule("size(self.data.evalSets) == 0 || has(self.schedule.evalInterval)",
-         lambda s: not s.data.eval_sets or s.schedule.eval_interval is not None,
+    Rule("self.mode == 'eval' || size(self.data.evalSets) == 0 || "
+         "has(self.schedule.evalInterval)",
+         lambda s: s.mode == "eval" or not s.data.eval_sets or s.schedule.eval_interval is not None,
          EVAL_NEEDS_BOTH, "data.evalSets", value=lambda s: [e.name for e in s.data.eval_sets]),
+    # mode eval: the engines serve model.path, the eval sets are evaluated once, nothing trains
+    Rule("self.mode == 'eval' || has(self.data.prompts)",
+         lambda s: s.mode == "eval" or s.data.prompts is not None,
+         "data.prompts is required: the prompts to train on (only mode eval trains nothing)",
+         "data.prompts"),
+    Rule("self.mode != 'eval' || size(self.data.evalSets) > 0",
+         lambda s: s.mode != "eval" or bool(s.data.eval_sets), EVAL_MODE_NEEDS_SETS,
+         "data.evalSets"),
+    *(_training_only_rule(field, get, why) for field, get, why in _TRAINING_ONLY),
     *(_network_needs_gpus_rule(name) for name in NETWORK_FIELDS),
     Rule("self.placement == 'colocate' || "
          f"{_at_defaults('self.training.offload', OffloadSpec)}",

@@ -87,6 +87,16 @@ class TrainerState:
                    sft_data=dict(raw.get("sft_data", {})))
 
 
+def model_step(model_dir: str | Path) -> int:
+    """The training steps a model directory holds: N for a checkpoint's model/ (step_<N>/model,
+    by its trainer_state.json), 0 for any other (a base model): the step mode eval reports."""
+    parent = Path(model_dir).parent
+    try:
+        return TrainerState.read(parent).step if (parent / COMPLETE).exists() else 0
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
 class Position(Protocol):
     """Where the prompt sources stand (rollout.manager.DataPosition)."""
 

@@ -42,6 +42,7 @@ PHASE_LIMITS_S: dict[str, float] = {
     "EnginesStarting": ENGINE_START_S + 60,
     "Loading": 7200.0,                    # models built and loaded (a 70B from slow storage)
     "FirstStep": 3600.0,                  # the first weights, rollout and update
+    "Evaluating": 7200.0,                 # mode eval: the eval sets, sampled and graded
 }
 INTERVAL_S = 30.0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -25,14 +26,15 @@ DROPPED = "metrics.dropped.jsonl"
 
 class MetricsLog:
     """`first_step`: the step this run starts at; the rows of that step and later already in
-    metrics.jsonl are moved to metrics.dropped.jsonl first (`dropped`: how many)."""
+    metrics.jsonl are moved to metrics.dropped.jsonl first (`dropped`: how many). None (mode
+    eval, which trains nothing): every row stays, the new ones are appended."""
 
-    def __init__(self, out_dir: Path, *, first_step: int = 0, prometheus_port: int = 0,
+    def __init__(self, out_dir: Path, *, first_step: int | None = 0, prometheus_port: int = 0,
                  tensorboard_dir: Path | None = None, wandb_project: str | None = None,
                  run_name: str = "kuberl") -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / METRICS
-        self.dropped = drop_rows_from(self.path, first_step)
+        self.dropped = 0 if first_step is None else drop_rows_from(self.path, first_step)
         self._file = self.path.open("a")
         self._gauges: dict[str, Any] = {}
         self._counters: dict[str, tuple[Any, float]] = {}
@@ -93,7 +95,7 @@ class MetricsLog:
         if key not in self._gauges:
             from prometheus_client import Gauge
 
-            self._gauges[key] = Gauge(f"kuberl_train_{key}", key.replace("_", " "),
+            self._gauges[key] = Gauge(prometheus_name(key), key.replace("_", " "),
                                       registry=self._registry)
         return self._gauges[key]
 
@@ -120,6 +122,12 @@ class MetricsLog:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def prometheus_name(key: str) -> str:
+    """A metric's gauge, kuberl_train_<key>, in the characters Prometheus allows: pass@8 is
+    pass_at_8, an eval set's name's "-" is "_"."""
+    return "kuberl_train_" + re.sub(r"[^a-zA-Z0-9_:]", "_", key.replace("@", "_at_"))
 
 
 def drop_rows_from(path: Path, first_step: int) -> int:

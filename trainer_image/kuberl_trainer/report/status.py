@@ -66,13 +66,25 @@ class StatusReporter:
         self.core = client.CoreV1Api(api)
         self.namespace, self.name, self.timeout = namespace, name, timeout
         self._uid: str | None = None  # the RLJob's, which an Event names (see event)
+        self._evals: dict[str, dict[str, Any]] = {}  # each eval set's latest (see report)
 
     def report(self, *, step: int, total_steps: int, reward_mean: float | None,
-               checkpoint: tuple[int, str] | None = None, engine_restarts: int = 0) -> None:
+               checkpoint: tuple[int, str] | None = None, engine_restarts: int = 0,
+               evals: dict[str, dict[str, float]] | None = None,
+               phase: str = "Training") -> None:
+        """`evals`: the eval sets scored at this step (set -> metric -> value): each set's
+        latest scores stay in `progress.evals` (with the step they were taken at) until the
+        set is scored again."""
         progress: dict[str, Any] = {
             "step": step, "totalSteps": total_steps, "lastHeartbeatTime": _now(),
-            "engineRestarts": engine_restarts, "trainerPhase": "Training",
+            "engineRestarts": engine_restarts, "trainerPhase": phase,
         }
+        if evals:
+            for name, scores in evals.items():
+                self._evals[name] = {"name": name, "step": step, "scores": {
+                    metric: round(float(v), 6) for metric, v in scores.items()}}
+            # (a merge patch replaces a list whole: every set's latest, in the order first seen)
+            progress["evals"] = list(self._evals.values())
         if reward_mean is not None:
             progress["rewardMean"] = round(float(reward_mean), 6)
         if checkpoint is not None:

@@ -61,7 +61,7 @@ class AgentRollout:
         self.environment, self.environment_args = environment, dict(environment_args or {})
         self.rows, self.drop, self.env_reward = rows, drop, env_reward
 
-    async def __call__(self, step: int, samples: list[Sample], n: int, *,
+    async def __call__(self, step: int | str, samples: list[Sample], n: int, *,
                        greedy: bool = False,
                        held: Callable[[], int] | None = None) -> list[Response]:
         """`n` trajectories per sample, groups consecutive, each `rows` rows. `held`: the
@@ -73,7 +73,7 @@ class AgentRollout:
             for sample, ids in zip(samples, encoded, strict=True) for k in range(n)))
         return [row for rows in out for row in rows]
 
-    async def _one(self, step: int, sample: Sample, prompt_ids: list[int], k: int,
+    async def _one(self, step: int | str, sample: Sample, prompt_ids: list[int], k: int,
                    greedy: bool, held: Callable[[], int] | None = None) -> list[Response]:
         params = self.single.sampling_params(step, sample, k)
         if greedy:

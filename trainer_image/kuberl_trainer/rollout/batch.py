@@ -10,6 +10,7 @@ first with the error."""
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
 import torch
 
@@ -62,6 +63,19 @@ def graded_row(trajectory: list[Response]) -> Response | None:
     """The row its answer is read from: its last real row (None when its episode failed)."""
     real = [r for r in trajectory if not r.filler]
     return real[-1] if real else None
+
+
+def reward_of(trajectory: list[Response], reward_fn: Callable[[str, str], float], *,
+              environment: bool) -> float:
+    """Its reward: its environment's (reward.type environment) or the reward function's grade
+    of its graded row's answer; 0.0 for a failed one (a placeholder: its group is dropped)."""
+    row = graded_row(trajectory)
+    if row is None:
+        return 0.0
+    if environment:
+        assert row.env_reward is not None  # (AgentRollout sees to it)
+        return row.env_reward
+    return float(reward_fn(row.text, row.sample.label))
 
 
 def failed_groups(responses: list[Response], n: int, rows: int) -> torch.Tensor:

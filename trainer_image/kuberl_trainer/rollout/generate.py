@@ -86,10 +86,11 @@ class SingleTurn:
                  ) -> None:
         self.spec, self.client, self.tokenizer, self.seed = spec, client, tokenizer, seed
 
-    def sampling_params(self, step: int, sample: Sample, k: int) -> dict[str, Any]:
+    def sampling_params(self, step: int | str, sample: Sample, k: int) -> dict[str, Any]:
         """Each response gets its own seed, a function of (run seed, step, prompt, k): the same
         sample comes out whichever engine serves it, so a resumed run regenerates exactly what
-        an uninterrupted one would have."""
+        an uninterrupted one would have. An eval set's samples take the set's key in place of
+        the step (evaluation.seed_key): the same weights score the same at any step."""
         return {
             "temperature": self.spec.algorithm.temperature,
             "top_p": 1.0,
@@ -98,7 +99,7 @@ class SingleTurn:
             "sampling_seed": sample_seed(self.seed, step, sample, k),
         }
 
-    async def __call__(self, step: int, samples: list[Sample], n: int, *,
+    async def __call__(self, step: int | str, samples: list[Sample], n: int, *,
                        greedy: bool = False,
                        held: Callable[[], int] | None = None) -> list[Response]:
         """`n` responses per sample, groups consecutive, from one request per engine. `held`:
@@ -122,7 +123,7 @@ class SingleTurn:
                 for i, o in enumerate(outs)]
 
 
-def sample_seed(seed: int, step: int, sample: Sample, k: int) -> int:
+def sample_seed(seed: int, step: int | str, sample: Sample, k: int) -> int:
     digest = hashlib.sha256(f"{seed}:{step}:{sample.epoch}:{sample.index}:{k}".encode())
     return int.from_bytes(digest.digest()[:4], "little") & 0x7FFFFFFF
 

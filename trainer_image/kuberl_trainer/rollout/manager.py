@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -37,15 +36,16 @@ from kuberl_trainer.engines.client import EngineClient
 from kuberl_trainer.rollout.agentic import AgentRollout, agent_rollout
 from kuberl_trainer.rollout.batch import (
     engine_throughput,
-    failed,
     failed_groups,
-    graded_row,
     pack,
+    reward_of,
     step_metrics,
     trajectories,
 )
+from kuberl_trainer.rollout.evaluation import Evaluator, eval_source
 from kuberl_trainer.rollout.generate import Response, SingleTurn
 from kuberl_trainer.rollout.prompts import PromptSource, Sample
+from kuberl_trainer.rollout.rewards.answers import answer_fn
 
 # A step whose every group lost an episode (environment.onError drop) is rolled out again
 # with the next prompts, this many times at most; then the job fails with the last error.
@@ -113,11 +113,9 @@ class RolloutManager:
         self.sft_source = sft_source
         self._positions: dict[int, DataPosition] = {}  # see position_at
         self._held: Callable[[], int] | None = None  # generate's, for the rollout under way
-        self.eval_sets = [
-            (e.name, PromptSource(e.path, spec.data.input_key, spec.data.label_key,
-                                  seed=seed, metadata_keys=spec.data.metadata_keys).samples(),
-             e.n_samples_per_prompt)
-            for e in spec.data.eval_sets]
+        self.evaluator = Evaluator(
+            spec.data.eval_sets, lambda e: eval_source(spec, e, seed), self._sample,
+            self._reward, answer_fn(spec.reward, reward_fn), self.rows)
 
     def position_at(self, step: int) -> DataPosition:
         """Where the prompt sources stood when step `step`'s rollout began drawing, or stand
@@ -249,13 +247,8 @@ class RolloutManager:
         return responses
 
     def _reward(self, trajectory: list[Response]) -> float:
-        row = graded_row(trajectory)
-        if row is None:  # failed: a placeholder, never read (its group is dropped)
-            return 0.0
-        if self.spec.reward.type == "environment":
-            assert row.env_reward is not None  # (AgentRollout sees to it)
-            return row.env_reward
-        return float(self.reward_fn(row.text, row.sample.label))
+        return reward_of(trajectory, self.reward_fn,
+                         environment=self.spec.reward.type == "environment")
 
     async def _refill(self, step: int, responses: list[Response]
                       ) -> tuple[list[Response], list[Sample], int, int]:
@@ -303,19 +296,9 @@ class RolloutManager:
                                         algo.overlong_buffer, algo.overlong_penalty)
 
     async def evaluate(self, step: int) -> dict[str, float]:
-        """Mean reward on each eval set: `nSamplesPerPrompt` samples per problem at the job's
-        temperature, or greedy when that is 1 (the usual "accuracy" number). A failed episode
-        (environment.onError drop) is left out, and counted as eval_<name>_env_errors."""
-        out: dict[str, float] = {}
-        for name, samples, n in self.eval_sets:
-            trajs = trajectories(await self._sample(step, samples, n, greedy=n == 1),
-                                 self.rows)
-            rewards = [self._reward(t) for t in trajs if not failed(t)]
-            if rewards:
-                out[f"eval_{name}_reward"] = statistics.fmean(rewards)
-            if len(rewards) < len(trajs):
-                out[f"eval_{name}_env_errors"] = float(len(trajs) - len(rewards))
-        return out
+        """The eval sets' scores under the engines' weights after step `step` (evaluation.py:
+        their seeds do not depend on the step)."""
+        return await self.evaluator.evaluate()
 
 
 def _errors(responses: list[Response]) -> int:

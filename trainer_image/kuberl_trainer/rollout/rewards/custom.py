@@ -28,6 +28,9 @@ def import_reward(path: str) -> RewardFn:
         return float(fn(response, label))
 
     _, _, attr = path.partition(":")
+    # (its answer extractor, for maj@k: rewards/answers.py)
+    if callable(answer := getattr(fn, "answer", None)):
+        reward.answer = answer  # type: ignore[attr-defined]
     reward.__name__ = attr
     reward.__qualname__ = path
     return reward

@@ -41,6 +41,16 @@ def math_reward(response: str, label: str) -> float:
         return 0.0
 
 
+def math_answer(response: str) -> str | None:
+    """The response's final answer as math-verify extracts it (as math_reward does), printed
+    by SymPy, or None when none parses: maj@k's vote (rewards/answers.py)."""
+    try:
+        answer = parse(response, _RESPONSE_TARGETS, parsing_timeout=_timeout())
+    except (Exception, TimeoutException):
+        return None
+    return str(answer[0]) if answer else None
+
+
 @lru_cache(maxsize=4096)
 def _parse_label(label: str, timeout: int | None) -> tuple[Any, ...]:
     """Parsed label, cached: every label is graded once per response in its group.

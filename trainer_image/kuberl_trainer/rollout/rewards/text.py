@@ -17,7 +17,7 @@ def exact_match(response: str, label: str) -> float:
     punctuation stripping. A response that wraps the answer in prose scores 0; use ``math``
     or ``f1`` (or a custom function) when answers come embedded in text.
     """
-    return float(_squash(response) == _squash(label))
+    return float(squash(response) == squash(label))
 
 
 def token_f1(response: str, label: str) -> float:
@@ -27,7 +27,7 @@ def token_f1(response: str, label: str) -> float:
     split on whitespace. Overlap counts tokens with multiplicity. When either side has no
     tokens the score is 1.0 if both are empty, else 0.0 (F1 is undefined there).
     """
-    predicted, gold = _tokens(response), _tokens(label)
+    predicted, gold = normalised_tokens(response), normalised_tokens(label)
     if not predicted or not gold:
         return float(predicted == gold)
     common = sum((Counter(predicted) & Counter(gold)).values())
@@ -37,10 +37,10 @@ def token_f1(response: str, label: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def _squash(text: str) -> str:
+def squash(text: str) -> str:
     return " ".join(text.split()).casefold()
 
 
-def _tokens(text: str) -> list[str]:
+def normalised_tokens(text: str) -> list[str]:
     text = text.lower().translate(_PUNCTUATION)
     return _ARTICLES.sub(" ", text).split()
