@@ -1,7 +1,7 @@
 """The reference engine's model: batched generation with a KV cache, and weight management.
 
 Not thread-safe by design: every method that touches torch runs on the server's single worker
-thread (see server.py), which serialises generation batches and weight updates the way SGLang's
+thread (see server.py), which serialises generation steps and weight updates the way SGLang's
 scheduler does, with no locks here.
 
 Generation is continuous (token-level) batching, stepped by the batcher: each `step` gives

@@ -388,7 +388,7 @@ class Server:
         waiting queue: requests retracted by pause(retract) wait there and hold no KV cache,
         so kuberl's and slime's flush after pause(retract) succeeds; an in_place pause keeps
         them in the running batch, and the flush fails). There is no prefix cache
-        to flush here (every batch builds its KV cache afresh); what a client observes is
+        to flush here (every request's KV cache is built when it joins); what a client observes is
         whether the flush would succeed."""
         waiting = self.batcher.num_waiting() + self.batcher.num_held()
         # An in_place pause leaves SGLang's requests in the running batch (here: held), with
