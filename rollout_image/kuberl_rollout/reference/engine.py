@@ -305,13 +305,14 @@ class ReferenceEngine:
     def _prefill(self, reqs: list[GenRequest]) -> _Batch:
         """A batch of `reqs` with their first token (or their next: a retracted request
         resumes by recomputing its prompt and the tokens it already has)."""
-        ids, mask = kv_batch.prefill_inputs([r.input_ids + r.output_ids for r in reqs],
-                                            self.pad_id, self.device)
-        attention, positions = kv_batch.model_mask(mask)
+        prefixes = [r.input_ids + r.output_ids for r in reqs]
+        ids, mask = kv_batch.prefill_inputs(prefixes, self.pad_id, self.device)
+        lengths = [len(p) for p in prefixes]
+        attention, positions = kv_batch.model_mask(mask, min(lengths) != max(lengths))
         out = self.model(input_ids=ids, attention_mask=attention, position_ids=positions,
                          past_key_values=DynamicCache(config=self.model.config), use_cache=True,
                          logits_to_keep=1)
-        batch = _Batch(list(reqs), kv_batch.PaddedCache(out.past_key_values, mask))
+        batch = _Batch(list(reqs), kv_batch.PaddedCache(out.past_key_values, mask, lengths))
         self._sample(batch.reqs, out.logits[:, -1, :])
         return batch
 

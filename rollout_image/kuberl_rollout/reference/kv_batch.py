@@ -46,53 +46,59 @@ def prefill_inputs(prefixes: Sequence[Sequence[int]], pad_id: int, device: torch
     return ids, mask
 
 
-def model_mask(mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The attention mask and position ids to pass the model for the last `n` columns of
-    `mask` (the new tokens): None, None when nothing is padded, since the model's defaults
-    (causal attention, positions counted from the cache's width) are then the same numbers,
-    computed faster and exactly as a request alone gets them."""
-    if bool(mask.all()):
+def model_mask(mask: torch.Tensor, padded: bool
+               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The attention mask and position ids to pass the model: None, None when nothing is
+    padded, since the model's defaults (causal attention, positions counted from the cache's
+    width) are then the same numbers, computed faster and exactly as a request alone gets
+    them."""
+    if not padded:
         return None, None
     return mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 @dataclass
 class PaddedCache:
-    """A DynamicCache of left-padded rows and the mask of their real entries."""
+    """A DynamicCache of left-padded rows, the mask of their real entries and, on the host
+    (so that no step waits on the device to know), each row's count of them."""
 
     cache: DynamicCache
     mask: torch.Tensor  # [B, width] long, 1 where the cache holds a real token
+    lengths: list[int]  # per row: the real tokens in the cache
 
     @property
     def width(self) -> int:
         return int(self.mask.shape[1])
 
+    @property
+    def padded(self) -> bool:
+        return any(n != self.width for n in self.lengths)
+
     def decode_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Mask and position ids for one new token per row (mask now includes it)."""
+        """Mask and position ids for one new token per row (counted in from now on)."""
+        positions = self.lengths
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
-        mask, positions = model_mask(self.mask)
-        return mask, None if positions is None else positions[:, -1:]
+        self.lengths = [n + 1 for n in self.lengths]
+        if not self.padded:
+            return None, None
+        return self.mask, torch.tensor(positions, dtype=torch.long,
+                                       device=self.mask.device)[:, None]
 
     def select(self, rows: Sequence[int]) -> None:
-        """Keep only `rows` (in that order), then drop all-padding leading columns."""
-        if len(rows) == self.mask.shape[0]:
+        """Keep only `rows` (in that order), then drop the leading columns that are padding
+        in every row left."""
+        if len(rows) == len(self.lengths):
             return
         index = torch.tensor(list(rows), dtype=torch.long, device=self.mask.device)
         self.cache.batch_select_indices(index)
         self.mask = self.mask.index_select(0, index)
-        self._trim()
-
-    def _trim(self) -> None:
-        if self.mask.shape[0] == 0:
-            return
-        real = self.mask.any(dim=0)
-        first = int(real.int().argmax())  # the first column some row has a token in
-        if first == 0:
-            return
-        for layer in _layers(self.cache):
-            keys, values = _kv(layer)
-            layer.keys, layer.values = keys[:, :, first:, :], values[:, :, first:, :]
-        self.mask = self.mask[:, first:]
+        self.lengths = [self.lengths[i] for i in rows]
+        first = self.width - max(self.lengths, default=self.width)
+        if first > 0:
+            for layer in _layers(self.cache):
+                keys, values = _kv(layer)
+                layer.keys, layer.values = keys[:, :, first:, :], values[:, :, first:, :]
+            self.mask = self.mask[:, first:]
 
     def merge(self, other: PaddedCache) -> None:
         """Append `other`'s rows after these, both left-padded to the wider width."""
@@ -102,6 +108,7 @@ class PaddedCache:
             mine.keys = torch.cat([_left_pad(k1, width), _left_pad(k2, width)])
             mine.values = torch.cat([_left_pad(v1, width), _left_pad(v2, width)])
         self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(other.mask, width)])
+        self.lengths += other.lengths
 
 
 def _layers(cache: DynamicCache) -> list[DynamicLayer]:
