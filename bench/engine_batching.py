@@ -70,15 +70,16 @@ def workload(n: int, spread_s: float, seed: int) -> list[Request]:
 
 def build_model(path: Path, hidden: int, layers: int) -> Path:
     import torch
-    from transformers import Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from tests.integration.tiny_model import build_tokenizer, tiny_config
 
-    config = tiny_config()
     heads = max(4, hidden // 64)
-    config.update({"hidden_size": hidden, "intermediate_size": 4 * hidden,
-                   "num_hidden_layers": layers, "num_attention_heads": heads,
-                   "num_key_value_heads": max(1, heads // 2), "max_position_embeddings": 512})
+    fields = {k: v for k, v in tiny_config().to_dict().items() if k != "layer_types"}
+    config = Qwen2Config(**{**fields, "hidden_size": hidden, "intermediate_size": 4 * hidden,
+                            "num_hidden_layers": layers, "num_attention_heads": heads,
+                            "num_key_value_heads": max(1, heads // 2),
+                            "max_position_embeddings": 512})
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(path)
     build_tokenizer().save_pretrained(path)
@@ -152,7 +153,8 @@ def main() -> None:
                    help="seconds over which the requests arrive (Poisson)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--torch-threads", type=int, default=2)
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="(more than one thrashes on a busy machine)")
     p.add_argument("--rounds", type=int, default=1, help="runs per mode, alternating")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
