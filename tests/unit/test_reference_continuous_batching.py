@@ -115,3 +115,17 @@ def test_rows_leave_and_the_cache_shrinks_to_the_longest_row(engine: ReferenceEn
     while engine._batch is not None:
         engine.step()
 
+
+
+def test_a_dropped_request_leaves_and_the_others_go_on(engine: ReferenceEngine) -> None:
+    """A request whose caller went away leaves at the next step, unanswered."""
+    want = alone(engine, [6, 7], 10, SAMPLED, 5)
+    gone, stays = request(engine, [8], 30, SAMPLED, 4), request(engine, [6, 7], 10, SAMPLED, 5)
+    engine.step(join=[gone, stays])
+    out = engine.step(drop=[gone])
+    assert engine._batch is not None and engine._batch.reqs == [stays] and not out.finished
+    results = {}
+    while engine._batch is not None:
+        results.update((req.rid, res) for req, res in engine.step().finished)
+    assert list(results) == [stays.rid]
+    assert_same(results[stays.rid], want)

@@ -227,7 +227,8 @@ class ReferenceEngine:
         req.logprobs, to resume by recomputing prompt and tokens in a later step.
         An exception ends the running batch (the caller fails its requests)."""
         try:
-            return self._step(join, drop)
+            with torch.inference_mode():
+                return self._step(join, drop)
         except BaseException:
             self._batch = None
             raise
@@ -252,22 +253,21 @@ class ReferenceEngine:
                 req.finish = Finish("abort")
             elif len(req.output_ids) >= req.max_new_tokens:
                 req.finish = Finish("length")
-        with torch.inference_mode():
-            if batch is not None:
+        if batch is not None:
+            self._leave(batch, out)
+            if batch.reqs:
+                self._decode_step(batch)
                 self._leave(batch, out)
-                if batch.reqs:
-                    self._decode_step(batch)
-                    self._leave(batch, out)
-            newcomers = [r for r in join if r.finish is None]
-            out.finished += [(r, self._result(r)) for r in join if r.finish is not None]
-            if newcomers:
-                joined = self._prefill(newcomers)
-                self._leave(joined, out)
-                if joined.reqs:
-                    if batch is None or not batch.reqs:
-                        batch = joined
-                    else:
-                        batch.merge(joined)
+        newcomers = [r for r in join if r.finish is None]
+        out.finished += [(r, self._result(r)) for r in join if r.finish is not None]
+        if newcomers:
+            joined = self._prefill(newcomers)
+            self._leave(joined, out)
+            if joined.reqs:
+                if batch is None or not batch.reqs:
+                    batch = joined
+                else:
+                    batch.merge(joined)
         self._batch = batch if batch is not None and batch.reqs else None
         return out
 
