@@ -58,12 +58,12 @@ class Outcome:
     outputs: list[list[int]]
 
 
-def workload(n: int, spread_s: float, seed: int) -> list[Request]:
+def workload(n: int, spread_s: float, seed: int, max_new: int) -> list[Request]:
     rng = random.Random(seed)
     at, out = 0.0, []
     for i in range(n):
         out.append(Request(at, [rng.randrange(3, 40) for _ in range(rng.randint(4, 32))],
-                           rng.randint(16, 128), seed * 1000 + i))
+                           rng.randint(16, max_new), seed * 1000 + i))
         at += rng.expovariate(n / spread_s)
     return out
 
@@ -79,7 +79,7 @@ def build_model(path: Path, hidden: int, layers: int) -> Path:
     config = Qwen2Config(**{**fields, "hidden_size": hidden, "intermediate_size": 4 * hidden,
                             "num_hidden_layers": layers, "num_attention_heads": heads,
                             "num_key_value_heads": max(1, heads // 2),
-                            "max_position_embeddings": 512})
+                            "max_position_embeddings": 1024})
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(path)
     build_tokenizer().save_pretrained(path)
@@ -92,11 +92,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_engine(model: Path, mode: str, threads: int, log: Path) -> tuple[Any, str]:
+def start_engine(model: Path, mode: str, args: argparse.Namespace, log: Path
+                 ) -> tuple[Any, str]:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kuberl_rollout.reference", "--model-path", str(model),
-         "--port", str(port), "--torch-threads", str(threads), "--batching", mode],
+         "--port", str(port), "--torch-threads", str(args.torch_threads), "--batching", mode,
+         "--device", args.device, "--dtype", args.dtype,
+         "--max-batch-size", str(args.max_batch_size)],
         stdout=log.open("w"), stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}"
 
@@ -156,25 +159,31 @@ def main() -> None:
     p.add_argument("--torch-threads", type=int, default=1,
                    help="(more than one thrashes on a busy machine)")
     p.add_argument("--rounds", type=int, default=1, help="runs per mode, alternating")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--max-new", type=int, default=128,
+                   help="max_new_tokens is drawn from [16, this]")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    reqs = workload(args.requests, args.spread, args.seed)
+    reqs = workload(args.requests, args.spread, args.seed, args.max_new)
     outcomes: dict[str, list[Outcome]] = {"continuous": [], "batch": []}
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp) / "model", args.hidden, args.layers)
         for _ in range(args.rounds):
             for mode in outcomes:
                 log = Path(tmp) / f"{mode}.log"
-                proc, url = start_engine(model, mode, args.torch_threads, log)
+                proc, url = start_engine(model, mode, args, log)
                 try:
                     asyncio.run(wait_ready(url, proc, log))
                     outcomes[mode].append(asyncio.run(run(url, mode, reqs)))
                 finally:
                     proc.terminate()
                     proc.wait(30)
-    print(f"{args.requests} requests over ~{args.spread:.0f} s (Poisson), prompts 4-32 tokens, "
-          f"16-128 new tokens; Qwen2 hidden {args.hidden} x {args.layers} layers, CPU, "
-          f"{args.torch_threads} torch threads; {args.rounds} round(s) per mode")
+    print(f"{args.requests} requests over ~{args.spread:g} s (Poisson), prompts 4-32 tokens, "
+          f"16-{args.max_new} new tokens; Qwen2 hidden {args.hidden} x {args.layers} layers, "
+          f"{args.device} {args.dtype}, {args.torch_threads} torch thread(s); {args.rounds} "
+          f"round(s) per mode")
     print(f"{'batching':<11} {'total s':>8} {'p50 s':>7} {'p99 s':>7} {'mean s':>7} "
           f"{'tok/s':>7}")
     for mode, runs in outcomes.items():
