@@ -1,6 +1,7 @@
 """The reference engine's batching under staggered arrivals: continuous (token-level, SGLang's:
 a request joins the running batch at the next decode step) vs batch-level (a batch runs to
-completion before the next starts; the engine before issue 37), side by side in one run.
+completion before the next starts: the engine's scheduling before issue 37, with today's
+step code), side by side in one run.
 
 `--requests` requests (default 64) arrive as a Poisson process over about `--spread` seconds,
 each its own POST /generate (as SGLang's router sends them), with random prompts of 4-32
@@ -14,6 +15,7 @@ rule, tokens).
 
     .venv/bin/python bench/engine_batching.py
     .venv/bin/python bench/engine_batching.py --hidden 256 --layers 4 --rounds 2
+    .venv/bin/python bench/engine_batching.py --rounds 3 --baseline e5c9c87
 
 The model is a random Qwen2 (the tests' character tokenizer) of `--hidden` x `--layers`, on
 the CPU with `--torch-threads` threads. Timings on a shared machine are noisy: compare only
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import socket
 import statistics
@@ -92,15 +95,31 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_engine(model: Path, mode: str, args: argparse.Namespace, log: Path
-                 ) -> tuple[Any, str]:
+def checkout(ref: str, tmp: Path) -> str:
+    """`ref`'s engine packages (git archive, no worktree) and the PYTHONPATH that imports
+    them first."""
+    path = tmp / "baseline"
+    path.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "rollout_image", "wire"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(path)], input=archive, check=True)
+    return os.pathsep.join([str(path / "rollout_image"), str(path / "wire"),
+                            os.environ.get("PYTHONPATH", "")])
+
+
+def start_engine(model: Path, mode: str, args: argparse.Namespace, log: Path,
+                 baseline_path: str | None) -> tuple[Any, str]:
     port = free_port()
+    env = dict(os.environ)
+    flags = ["--batching", mode]
+    if mode.startswith("parent"):  # the engine of --baseline, with its own batching
+        env["PYTHONPATH"], flags = baseline_path or "", []
     proc = subprocess.Popen(
         [sys.executable, "-m", "kuberl_rollout.reference", "--model-path", str(model),
-         "--port", str(port), "--torch-threads", str(args.torch_threads), "--batching", mode,
+         "--port", str(port), "--torch-threads", str(args.torch_threads), *flags,
          "--device", args.device, "--dtype", args.dtype,
          "--max-batch-size", str(args.max_batch_size)],
-        stdout=log.open("w"), stderr=subprocess.STDOUT)
+        stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -159,6 +178,9 @@ def main() -> None:
     p.add_argument("--torch-threads", type=int, default=1,
                    help="(more than one thrashes on a busy machine)")
     p.add_argument("--rounds", type=int, default=1, help="runs per mode, alternating")
+    p.add_argument("--baseline", default=None,
+                   help="a commit whose engine runs the workload too, with its own batching "
+                        "(e5c9c87: batch-level, each batch one job on the worker thread)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-batch-size", type=int, default=256)
@@ -168,12 +190,15 @@ def main() -> None:
     args = p.parse_args()
     reqs = workload(args.requests, args.spread, args.seed, args.max_new)
     outcomes: dict[str, list[Outcome]] = {"continuous": [], "batch": []}
+    if args.baseline:
+        outcomes[f"parent {args.baseline}"] = []
     with tempfile.TemporaryDirectory() as tmp:
+        baseline_path = checkout(args.baseline, Path(tmp)) if args.baseline else None
         model = build_model(Path(tmp) / "model", args.hidden, args.layers)
         for _ in range(args.rounds):
             for mode in outcomes:
                 log = Path(tmp) / f"{mode}.log"
-                proc, url = start_engine(model, mode, args, log)
+                proc, url = start_engine(model, mode, args, log, baseline_path)
                 try:
                     asyncio.run(wait_ready(url, proc, log))
                     outcomes[mode].append(asyncio.run(run(url, mode, reqs)))
@@ -184,23 +209,26 @@ def main() -> None:
           f"16-{args.max_new} new tokens; Qwen2 hidden {args.hidden} x {args.layers} layers, "
           f"{args.device} {args.dtype}, {args.torch_threads} torch thread(s); {args.rounds} "
           f"round(s) per mode")
-    print(f"{'batching':<11} {'total s':>8} {'p50 s':>7} {'p99 s':>7} {'mean s':>7} "
+    print(f"{'batching':<15} {'total s':>8} {'p50 s':>7} {'p99 s':>7} {'mean s':>7} "
           f"{'tok/s':>7}")
     for mode, runs in outcomes.items():
         for o in runs:
-            print(f"{mode:<11} {o.total_s:8.2f} {pct(o.latencies, 0.5):7.2f} "
+            print(f"{mode:<15} {o.total_s:8.2f} {pct(o.latencies, 0.5):7.2f} "
                   f"{pct(o.latencies, 0.99):7.2f} {statistics.fmean(o.latencies):7.2f} "
                   f"{o.tokens / o.total_s:7.0f}")
-    cont, batch = outcomes["continuous"], outcomes["batch"]
-    def ratio(of: Any) -> float:
-        return statistics.median(map(of, cont)) / statistics.median(map(of, batch))
+    cont = outcomes["continuous"]
+    for mode, runs in outcomes.items():
+        if mode == "continuous":
+            continue
 
-    print(f"continuous / batch (medians): total {ratio(lambda o: o.total_s):.2f}x, "
-          f"p50 {ratio(lambda o: pct(o.latencies, 0.5)):.2f}x, "
-          f"p99 {ratio(lambda o: pct(o.latencies, 0.99)):.2f}x")
-    same = sum(a == b for a, b in zip(cont[0].outputs, batch[0].outputs, strict=True))
-    print(f"requests with the same tokens in both modes: {same} / {len(reqs)}")
+        def ratio(of: Any, runs: list[Outcome] = runs) -> float:
+            return statistics.median(map(of, cont)) / statistics.median(map(of, runs))
 
+        same = sum(a == b for a, b in zip(cont[0].outputs, runs[0].outputs, strict=True))
+        print(f"continuous / {mode} (medians): total {ratio(lambda o: o.total_s):.2f}x, "
+              f"p50 {ratio(lambda o: pct(o.latencies, 0.5)):.2f}x, "
+              f"p99 {ratio(lambda o: pct(o.latencies, 0.99)):.2f}x; "
+              f"requests with the same tokens: {same} / {len(reqs)}")
 
 if __name__ == "__main__":
     main()
