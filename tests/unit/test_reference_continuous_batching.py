@@ -5,6 +5,7 @@ In-process on the tiny model: the test decides at which step each request joins.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -129,3 +130,34 @@ def test_a_dropped_request_leaves_and_the_others_go_on(engine: ReferenceEngine) 
         results.update((req.rid, res) for req, res in engine.step().finished)
     assert list(results) == [stays.rid]
     assert_same(results[stays.rid], want)
+
+
+def test_a_sliding_window_model_batches_whole_batches(tmp_path: Path) -> None:
+    """A model with sliding-window layers cannot take rows mid-batch (kv_batch.joinable): its
+    engine admits only into an empty batch, and rows still leave it, each answering as alone."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tests.integration.tiny_model import build_tokenizer, tiny_config
+
+    fields = {k: v for k, v in tiny_config().to_dict().items() if k != "layer_types"}
+    config = Qwen2Config(**{**fields, "use_sliding_window": True, "sliding_window": 4,
+                            "max_window_layers": 1})
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(tmp_path)
+    build_tokenizer().save_pretrained(tmp_path)
+    engine = ReferenceEngine(str(tmp_path))
+    assert not engine.joins_running_batch
+    # (the longest row leaves first: the columns only it needed are left in place)
+    work = [([4, 5, 6, 7, 8, 9], 3), ([7], 12), ([9, 10], 8)]
+    want = [alone(engine, prompt, new, GREEDY, i) for i, (prompt, new) in enumerate(work)]
+    got = engine.run_alone([request(engine, prompt, new, GREEDY, i)
+                            for i, (prompt, new) in enumerate(work)])
+    for have, expect in zip(got, want, strict=True):
+        assert have is not None
+        assert_same(have, expect)

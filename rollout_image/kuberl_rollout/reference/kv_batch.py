@@ -13,9 +13,10 @@ masked out of attention, so a row's numbers are its own up to float rounding.
   left are dropped, so the width stays the longest row's length rather than growing with the
   time the batch has been running.
 
-Only caches whose every layer is a plain `DynamicLayer` can be merged this way (a sliding
-window layer keeps the last W entries of each row, which padding would shift): `joinable`
-tells; the engine then admits requests only into an empty batch.
+Only caches whose every layer is a plain `DynamicLayer` can be merged or trimmed this way (a
+sliding-window layer keeps the last W entries of each row, which padding would shift):
+`joinable` tells; the engine then admits requests only into an empty batch, and rows leave it
+without trimming.
 """
 
 from __future__ import annotations
@@ -94,7 +95,9 @@ class PaddedCache:
         self.mask = self.mask.index_select(0, index)
         self.lengths = [self.lengths[i] for i in rows]
         first = self.width - max(self.lengths, default=self.width)
-        if first > 0:
+        # (a sliding-window layer holds only its window: the mask stays as wide as the
+        # sequence, as HF's masks for such layers expect, and nothing is trimmed)
+        if first > 0 and joinable(self.cache):
             for layer in _layers(self.cache):
                 keys, values = _kv(layer)
                 layer.keys, layer.values = keys[:, :, first:, :], values[:, :, first:, :]
