@@ -63,8 +63,9 @@ ENGINE_FLAG_REFUSAL = {flag: reason for reason, flags in ENGINE_FLAGS_REFUSED.it
                        for flag in flags}
 # The reference engine's own flags (kuberl_rollout.reference's argparse) that kuberl leaves to
 # the user; it refuses any other flag at start.
-REFERENCE_ENGINE_FLAGS = ("dtype", "weight-version", "max-batch-size", "batch-wait-ms",
-                          "weight-sync-timeout", "enable-weights-cpu-backup", "enable-metrics")
+REFERENCE_ENGINE_FLAGS = ("dtype", "weight-version", "max-batch-size", "max-prefill-tokens",
+                          "batching", "batch-wait-ms", "weight-sync-timeout",
+                          "enable-weights-cpu-backup", "enable-metrics")
 ENGINE_ARG_NAMES = ("engineArgs keys are flag names without the leading '--': lowercase "
                     "letters, digits and '-' (e.g. chunked-prefill-size)")
 REFERENCE_ENGINE_ARGS = ("the reference engine takes only these engineArgs: "

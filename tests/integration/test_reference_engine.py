@@ -776,6 +776,24 @@ async def test_pause_holds_and_continue_resumes(pair: list[str], mode: str) -> N
         assert {r.finish_reason for r in got} == {"length"}
 
 
+async def test_a_request_arriving_mid_batch_joins_it_and_finishes_first(
+        pair: list[str]) -> None:
+    """Continuous batching, as SGLang's: a request that arrives while a long batch runs joins
+    it at the next decode step (two running), finishes while the long one still runs, and
+    answers what it answers alone."""
+    url = pair[0]
+    short = {"temperature": 0.8, "max_new_tokens": 8, "sampling_seed": 23}
+    async with EngineClient([url], request_timeout_s=60) as client:
+        want = await client.generate_one(PROMPTS[2], short)
+        long = asyncio.ensure_future(client.generate_one(PROMPTS[0], LONG))
+        await wait_running(client, url, 1)
+        got = await client.generate_one(PROMPTS[2], short)
+        assert not long.done()  # (answered while the long request still ran)
+        assert got.output_ids == want.output_ids
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+        assert (await long).completion_tokens == 240
+
+
 async def test_flush_cache_fails_while_generating(pair: list[str]) -> None:
     url = pair[1]
     async with EngineClient([url], request_timeout_s=60) as client:

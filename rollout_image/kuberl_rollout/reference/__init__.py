@@ -5,6 +5,8 @@ transformers, so local runs and tests drive the same trainer code as SGLang clus
         [--device cpu|cuda] [--dtype float32|bfloat16|float16]
 
 Modules: `sampling` (SGLang's sampling params, logprob semantics, stop rules), `engine` (the
-model: batched KV-cached decoding, weights by HF name), `batcher` (concurrent requests into
-batches), `weights` (weight-sync receive), `server` (aiohttp routes).
+model: the running batch stepped a token at a time, weights by HF name), `kv_batch` (the
+running batch's left-padded KV cache: rows join and leave), `batcher` (continuous batching:
+requests join the running batch at the next step), `update_gate` (weight updates wait for the
+requests in flight, as SGLang's), `weights` (weight-sync receive), `server` (aiohttp routes).
 """

@@ -59,9 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
                         f"needs `Authorization: Bearer <key>` (else 401). Default: "
                         f"${ENGINE_API_KEY_ENV}, which kuberl's launcher sets, so no command "
                         f"line shows the key")
-    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--max-batch-size", type=int, default=256,
+                   help="most requests in the running batch (SGLang: --max-running-requests)")
+    p.add_argument("--max-prefill-tokens", type=int, default=16384,
+                   help="most prompt tokens prefilled in one step, as SGLang's flag (a longer "
+                        "prompt still goes, alone)")
+    p.add_argument("--batching", choices=["continuous", "batch"], default="continuous",
+                   help="continuous: requests join the running batch at the next decode step "
+                        "(SGLang's); batch: a batch runs to completion before the next starts")
     p.add_argument("--batch-wait-ms", type=float, default=5.0,
-                   help="how long the first request of a batch waits for others to join")
+                   help="how long the first request to reach an idle engine waits for others "
+                        "to start with it")
     p.add_argument("--weight-sync-timeout", type=float, default=300.0,
                    help="seconds a weight-group rendezvous or broadcast may take")
     p.add_argument("--torch-threads", type=int, default=0,
@@ -120,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
                              weights_cpu_backup=args.enable_weights_cpu_backup)
     server = Server(engine, max_batch_size=args.max_batch_size,
                     batch_wait_s=args.batch_wait_ms / 1000,
+                    max_prefill_tokens=args.max_prefill_tokens,
+                    continuous=args.batching == "continuous",
                     weight_sync_timeout_s=args.weight_sync_timeout,
                     peers=peers if args.tp_size > 1 else None,
                     # /server_info reports them under SGLang's ServerArgs names

@@ -1,12 +1,24 @@
-"""Collects concurrent /generate requests into batches for the engine's worker thread.
+"""Feeds concurrent /generate requests to the engine's running batch, one step at a time.
 
-The first waiting request opens a batch; requests arriving within `max_wait_s` (or already
-queued while the previous batch ran) join it, up to `max_batch_size`. A batch runs to
-completion before the next starts: batch-level, not token-level (continuous) batching, which
-is enough for a reference engine and keeps the decode loop simple.
+Continuous (token-level) batching, as SGLang's scheduler does it: the engine's running batch
+advances one token per step (engine.step, on the worker thread), and before each step the
+batcher admits waiting requests into it, up to `max_batch_size` running and
+`max_prefill_tokens` prompt tokens a step (at least one request), in arrival order; finished
+requests leave after the step that finished them and their callers are answered then. A
+request arriving while a batch runs therefore starts at the next step, not when the batch in
+flight ends. When the engine is idle, the first request waits `max_wait_s` for others, so a
+burst of single requests starts as one prefill.
 
-A pause (server.py) suspends the loop: the running batch stops after its current step and its
-unfinished requests are held, with their progress, until the loop resumes them.
+Each step is a job of its own on the worker thread, so the other work queued there (weight
+updates, checksums, memory moves) runs between two steps, as SGLang's scheduler handles its
+requests between forward batches.
+
+`join_running=False` admits requests only into an empty batch: batch-level batching (every
+batch runs to completion before the next starts), kept for models whose cache cannot take
+rows mid-batch (kv_batch.joinable) and to compare against (bench/engine_batching.py).
+
+A pause (server.py) suspends the loop: the running requests stop after the current step and
+are held, with their progress, until the loop resumes them.
 """
 
 from __future__ import annotations
@@ -18,29 +30,36 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
-from kuberl_rollout.reference.engine import GenRequest
+from kuberl_rollout.reference.engine import GenRequest, Step
 
-RunBatch = Callable[[Sequence[GenRequest]], list[dict[str, Any] | None]]
+RunStep = Callable[[Sequence[GenRequest], Sequence[GenRequest]], Step]
 Item = tuple[GenRequest, "asyncio.Future[dict[str, Any]]"]
 
 
 class Batcher:
     """Also the engine's queues as SGLang's scheduler has them: `waiting` (not started, or
     retracted and due to resume first), `held` (suspended by a pause: they resume after
-    /continue_generation) and `running` (the batch on the worker thread)."""
+    /continue_generation) and `running` (in the engine's running batch)."""
 
-    def __init__(self, run: RunBatch, worker: Executor, *, max_batch_size: int = 256,
-                 max_wait_s: float = 0.005) -> None:
-        self.run = run
+    def __init__(self, step: RunStep, worker: Executor, *, max_batch_size: int = 256,
+                 max_wait_s: float = 0.005, max_prefill_tokens: int = 16384,
+                 join_running: bool = True) -> None:
+        self.step = step
         self.worker = worker
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
+        self.max_prefill_tokens = max_prefill_tokens
+        self.join_running = join_running
         self.waiting: deque[Item] = deque()
         self.held: list[Item] = []
-        self.running: list[GenRequest] = []
+        self._running: dict[int, Item] = {}  # id(req): the running requests, in join order
         self.suspended = False
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def running(self) -> list[GenRequest]:
+        return [req for req, _ in self._running.values()]
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="batcher")
@@ -65,14 +84,15 @@ class Batcher:
         self._wakeup.set()
         try:
             return list(await asyncio.gather(*futures))
-        finally:  # a client that went away: the batcher skips prompts whose future is done
+        finally:  # a client that went away: its prompts leave the batch at the next step
             for fut in futures:
                 fut.cancel()
 
     # ---- pause / continue -------------------------------------------------------------------
 
     def suspend(self) -> None:
-        """Start no batch until resume(); the running one hands back what it suspends."""
+        """Admit nothing until resume(); the running requests are handed back at the next
+        step (the engine's suspend flag, set with this)."""
         self.suspended = True
 
     def resume(self) -> None:
@@ -104,64 +124,65 @@ class Batcher:
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    async def _take(self, timeout: float | None) -> Item | None:
-        """The next waiting item once batches may start; None after `timeout` seconds."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
+    async def _wait_for_work(self) -> None:
+        """Until requests may start; then, the engine being idle, `max_wait_s` for more to
+        arrive (or until a full batch waits)."""
         while self.suspended or not self.waiting:
             self._wakeup.clear()
-            if deadline is None:
-                await self._wakeup.wait()
-                continue
-            left = deadline - loop.time()
-            if left <= 0:
-                return None
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), left)
-            except TimeoutError:
-                return None
-        return self.waiting.popleft()
-
-    async def _collect(self) -> list[Item]:
-        first = await self._take(None)
-        assert first is not None
-        batch = [first]
+            await self._wakeup.wait()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.max_wait_s
-        while len(batch) < self.max_batch_size:
-            item = await self._take(max(0.0, deadline - loop.time()))
-            if item is None:
+        while len(self.waiting) < self.max_batch_size and (left := deadline - loop.time()) > 0:
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), left)
+
+    def _admit(self) -> list[Item]:
+        """The waiting requests that join at the next step, in arrival order."""
+        if self.suspended or (self._running and not self.join_running):
+            return []
+        joining: list[Item] = []
+        tokens = 0
+        while self.waiting and len(self._running) + len(joining) < self.max_batch_size:
+            req, fut = self.waiting[0]
+            if fut.done():  # its caller went away: don't spend compute on it
+                self.waiting.popleft()
+                continue
+            size = len(req.input_ids) + len(req.output_ids)
+            if joining and tokens + size > self.max_prefill_tokens:
                 break
-            batch.append(item)
-        # A client that went away cancelled its future: don't spend compute on it.
-        return [(req, fut) for req, fut in batch if not fut.done()]
+            joining.append(self.waiting.popleft())
+            tokens += size
+        return joining
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            batch = await self._collect()
-            if not batch:
+            if not self._running:
+                await self._wait_for_work()
+            joining = self._admit()
+            if not joining and not self._running:
                 continue
-            self.running = [req for req, _ in batch]
+            gone = [req for req, fut in self._running.values() if fut.done()]
+            for req in gone:
+                del self._running[id(req)]
+            self._running.update((id(item[0]), item) for item in joining)
             try:
-                results = await loop.run_in_executor(self.worker, self.run, self.running)
-            except Exception as exc:  # the whole batch failed: every caller sees why
-                for _, fut in batch:
+                out = await loop.run_in_executor(self.worker, self.step,
+                                                 [req for req, _ in joining], gone)
+            except Exception as exc:  # the running batch failed: every caller in it sees why
+                for _, fut in self._running.values():
                     if not fut.done():
                         fut.set_exception(exc)
+                self._running.clear()
                 continue
-            finally:
-                self.running = []
-            suspended = []
-            for item, result in zip(batch, results, strict=True):
-                if item[1].done():
-                    continue
-                if result is None:
-                    suspended.append(item)
-                else:
-                    item[1].set_result(result)
+            for req, result in out.finished:
+                _, fut = self._running.pop(id(req))
+                if not fut.done():
+                    fut.set_result(result)
+            suspended = [self._running.pop(id(req)) for req in out.suspended]
+            suspended = [item for item in suspended if not item[1].done()]
             if self.suspended:
                 self.held.extend(suspended)
-            else:  # continued before the batch noticed the pause: run them again first
+            elif suspended:  # continued before the step noticed the pause: they go first
                 self.waiting.extendleft(reversed(suspended))
-                self._wakeup.set()

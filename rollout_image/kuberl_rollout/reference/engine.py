@@ -1,13 +1,16 @@
 """The reference engine's model: batched generation with a KV cache, and weight management.
 
 Not thread-safe by design: every method that touches torch runs on the server's single worker
-thread (see server.py), which serialises generation batches and weight updates the way SGLang's
+thread (see server.py), which serialises generation steps and weight updates the way SGLang's
 scheduler does, with no locks here.
 
-Generation: prompts are left-padded into one batch (position ids from the attention mask, so
-padding changes nothing), one prefill, then one decode step per token over a DynamicCache until
-every row has finished. Finished rows keep decoding a pad token (their output is ignored):
-simpler than compacting the cache, and the reference engine is for tests and local runs.
+Generation is continuous (token-level) batching, stepped by the batcher: each `step` gives
+every running request its next token (one decode forward over the batch's KV cache) and
+prefills the requests joining it (one forward of their own, merged into the batch's cache:
+kv_batch.py), and finished requests leave. Rows of different lengths are left-padded, with
+attention masks and per-row position ids, so a request's tokens and logprobs are what it gets
+alone, up to float rounding; its sampling draws come from its own seeded stream (sampling.py),
+never from the batch. Between steps the worker thread runs whatever else was queued on it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from kuberl_rollout.reference import kv_batch
 from kuberl_rollout.reference.sampling import (
     Finish,
     Sampling,
@@ -60,10 +64,11 @@ class GenRequest:
     return_logprob: bool
     draws: UniformDraws = field(repr=False)
     return_text_in_logprobs: bool = False
-    # Progress kept across a retraction (/pause_generation): generation resumes from here,
+    # Progress, kept across a retraction (/pause_generation): generation resumes from here,
     # recomputing the prompt and these tokens (SGLang's retract frees the KV cache too).
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    finish: Finish | None = None
 
     @property
     def max_new_tokens(self) -> int:
@@ -71,11 +76,27 @@ class GenRequest:
 
 
 @dataclass
-class _Row:
-    req: GenRequest
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: Finish | None = None
+class Step:
+    """What one step of the running batch gave back (ReferenceEngine.step)."""
+
+    finished: list[tuple[GenRequest, dict[str, Any]]] = field(default_factory=list)
+    suspended: list[GenRequest] = field(default_factory=list)
+
+
+@dataclass
+class _Batch:
+    """The running requests, in the order of their rows in `cache`."""
+
+    reqs: list[GenRequest]
+    cache: kv_batch.PaddedCache
+
+    def keep(self, rows: list[int]) -> None:
+        self.reqs = [self.reqs[i] for i in rows]
+        self.cache.select(rows)
+
+    def merge(self, other: _Batch) -> None:
+        self.reqs += other.reqs
+        self.cache.merge(other.cache)
 
 
 def static_pool_bytes(fraction: float, free_at_start: int, weights: int) -> int:
@@ -142,8 +163,9 @@ class ReferenceEngine:
         self.aborted_rids: set[str] = set()
         self.abort_all_upto = -1
         # Set by /pause_generation (retract, in_place): the running batch stops after its
-        # current step and hands its unfinished requests back (generate returns None for them).
+        # current step and hands its unfinished requests back (step's `suspended`).
         self.suspend = False
+        self._batch: _Batch | None = None  # the running batch between steps
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -196,90 +218,137 @@ class ReferenceEngine:
 
     # ---- generation (worker thread) ---------------------------------------------------------
 
-    def generate(self, reqs: Sequence[GenRequest]) -> list[dict[str, Any] | None]:
-        """One result per request, or None for a request suspended by a pause: it keeps its
-        progress (req.output_ids, req.logprobs) and continues in a later batch."""
-        if self.released:
+    def step(self, join: Sequence[GenRequest] = (), drop: Sequence[GenRequest] = ()) -> Step:
+        """One step of the running batch: every running request gets its next token and the
+        requests in `join` are prefilled and get their first, so each gains one token per
+        step whenever it joined; `drop` leave unanswered (their callers went away). Finished
+        requests leave with their results. While `suspend` is set nothing is computed: every
+        request running or joining is handed back, its progress in req.output_ids and
+        req.logprobs, to resume by recomputing prompt and tokens in a later step.
+        An exception ends the running batch (the caller fails its requests)."""
+        try:
+            with torch.inference_mode():
+                return self._step(join, drop)
+        except BaseException:
+            self._batch = None
+            raise
+
+    def _step(self, join: Sequence[GenRequest], drop: Sequence[GenRequest]) -> Step:
+        out = Step()
+        batch = self._batch
+        if batch is not None and drop:
+            gone = {id(r) for r in drop}
+            batch.keep([i for i, r in enumerate(batch.reqs) if id(r) not in gone])
+        running = batch.reqs if batch is not None else []
+        if self.suspend:  # (before the released check: a retract needs no weights)
+            out.suspended = [*running, *join]
+            self._batch = None
+            return out
+        if self.released and (running or join):
             raise EngineBusy(f"memory released ({sorted(self.released)}); "
                              "call /resume_memory_occupation first")
-        rows = [_Row(r, list(r.output_ids), list(r.logprobs)) for r in reqs]
-        for row in rows:
-            if self.is_aborted(row.req):
-                row.finish = Finish("abort")
-            elif len(row.output_ids) >= row.req.max_new_tokens:
-                row.finish = Finish("length")
-        if not self.suspend and any(row.finish is None for row in rows):
-            with torch.inference_mode():
-                self._decode(rows)
-        results: list[dict[str, Any] | None] = []
-        for row in rows:
-            if row.finish is None:  # suspended
-                row.req.output_ids, row.req.logprobs = row.output_ids, row.logprobs
-                results.append(None)
-            else:
-                results.append(self._result(row))
-        return results
+        # Finished before any model work: aborted while running or waiting, nothing to make.
+        for req in [*running, *join]:
+            if self.is_aborted(req):
+                req.finish = Finish("abort")
+            elif len(req.output_ids) >= req.max_new_tokens:
+                req.finish = Finish("length")
+        if batch is not None:
+            self._leave(batch, out)
+            if batch.reqs:
+                self._decode_step(batch)
+                self._leave(batch, out)
+        newcomers = [r for r in join if r.finish is None]
+        out.finished += [(r, self._result(r)) for r in join if r.finish is not None]
+        if newcomers:
+            joined = self._prefill(newcomers)
+            self._leave(joined, out)
+            if joined.reqs:
+                if batch is None or not batch.reqs:
+                    batch = joined
+                else:
+                    batch.merge(joined)
+        self._batch = batch if batch is not None and batch.reqs else None
+        return out
+
+    @property
+    def joins_running_batch(self) -> bool:
+        """Whether requests can join a running batch (kv_batch.joinable for this model)."""
+        return kv_batch.joinable(DynamicCache(config=self.model.config))
+
+    def run_alone(self, reqs: Sequence[GenRequest]) -> list[dict[str, Any] | None]:
+        """`reqs` as one batch of their own, stepped to completion (tests and scripts; the
+        server steps through the batcher). None for a request suspended by a pause."""
+        if self._batch is not None:
+            raise RuntimeError("a batch is running")
+        results: dict[int, dict[str, Any] | None] = {}
+        out = self.step(join=reqs)
+        while True:
+            results.update({id(r): res for r, res in out.finished})
+            results.update({id(r): None for r in out.suspended})
+            if self._batch is None:
+                return [results[id(r)] for r in reqs]
+            out = self.step()
 
     def abort_result(self, req: GenRequest) -> dict[str, Any]:
         """The answer for a request aborted while it waited (no model work)."""
-        return self._result(_Row(req, list(req.output_ids), list(req.logprobs),
-                                 Finish("abort")))
+        req.finish = Finish("abort")
+        return self._result(req)
 
-    def _decode(self, rows: list[_Row]) -> None:
-        # A retracted request resumes by recomputing its prompt and the tokens it already has.
-        prefixes = [r.req.input_ids + r.output_ids for r in rows]
-        width = max(len(p) for p in prefixes)
-        pads = [width - len(p) for p in prefixes]
-        ids = torch.tensor([[self.pad_id] * n + p for n, p in zip(pads, prefixes, strict=True)],
-                           dtype=torch.long, device=self.device)
-        # Equal-length prompts (a GRPO group, or any unpadded batch) need no mask: the model's
-        # default causal attention and positions are the same numbers, computed faster.
-        mask = positions = None
-        if any(pads):
-            mask = torch.tensor([[0] * p + [1] * (width - p) for p in pads], dtype=torch.long,
-                                device=self.device)
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+    def _leave(self, batch: _Batch, out: Step) -> None:
+        """Finished rows leave the batch with their results."""
+        done = [r for r in batch.reqs if r.finish is not None]
+        if done:
+            out.finished += [(r, self._result(r)) for r in done]
+            batch.keep([i for i, r in enumerate(batch.reqs) if r.finish is None])
+
+    def _prefill(self, reqs: list[GenRequest]) -> _Batch:
+        """A batch of `reqs` with their first token (or their next: a retracted request
+        resumes by recomputing its prompt and the tokens it already has)."""
+        prefixes = [r.input_ids + r.output_ids for r in reqs]
+        ids, mask = kv_batch.prefill_inputs(prefixes, self.pad_id, self.device)
+        lengths = [len(p) for p in prefixes]
+        attention, positions = kv_batch.model_mask(mask, min(lengths) != max(lengths))
+        out = self.model(input_ids=ids, attention_mask=attention, position_ids=positions,
                          past_key_values=DynamicCache(config=self.model.config), use_cache=True,
                          logits_to_keep=1)
-        params = [r.req.sampling for r in rows]
-        draws = [r.req.draws for r in rows]
-        while True:
-            logits = out.logits[:, -1, :].float()
-            tokens, logprobs = choose_tokens(logits, params, draws,
-                                             original_logprob=self.original_logprob)
-            token_list, lp_list = tokens.tolist(), logprobs.tolist()
-            self.last_output = time.monotonic()
-            for i, row in enumerate(rows):
-                if row.finish is None:
-                    self._append(row, token_list[i], lp_list[i])
-            if all(row.finish is not None for row in rows) or self.suspend:
-                return
-            feed = torch.tensor([[self.pad_id if r.finish else t]
-                                 for r, t in zip(rows, token_list, strict=True)],
-                                device=self.device)
-            if mask is not None and positions is not None:
-                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-                positions = positions[:, -1:] + 1
-            out = self.model(input_ids=feed, attention_mask=mask, position_ids=positions,
-                             past_key_values=out.past_key_values, use_cache=True)
+        batch = _Batch(list(reqs), kv_batch.PaddedCache(out.past_key_values, mask, lengths))
+        self._sample(batch.reqs, out.logits[:, -1, :])
+        return batch
 
-    def _append(self, row: _Row, token: int, logprob: float) -> None:
-        row.output_ids.append(token)
-        row.logprobs.append(logprob)
-        p = row.req.sampling
+    def _decode_step(self, batch: _Batch) -> None:
+        """Feed every row its last token (not yet in the cache) and sample the next."""
+        feed = torch.tensor([[r.output_ids[-1]] for r in batch.reqs], dtype=torch.long,
+                            device=self.device)
+        attention, positions = batch.cache.decode_inputs()
+        out = self.model(input_ids=feed, attention_mask=attention, position_ids=positions,
+                         past_key_values=batch.cache.cache, use_cache=True)
+        self._sample(batch.reqs, out.logits[:, -1, :])
+
+    def _sample(self, reqs: list[GenRequest], logits: torch.Tensor) -> None:
+        tokens, logprobs = choose_tokens(logits.float(), [r.sampling for r in reqs],
+                                         [r.draws for r in reqs],
+                                         original_logprob=self.original_logprob)
+        self.last_output = time.monotonic()
+        for req, token, logprob in zip(reqs, tokens.tolist(), logprobs.tolist(), strict=True):
+            self._append(req, token, logprob)
+
+    def _append(self, req: GenRequest, token: int, logprob: float) -> None:
+        req.output_ids.append(token)
+        req.logprobs.append(logprob)
+        p = req.sampling
         tail = ""
         if p.stop:
             window = max(len(s) for s in p.stop) + 2
-            tail = self._text(row.output_ids[-window:], p)
-        row.finish = check_finish(row.output_ids, p, self.eos_ids, tail)
-        if row.finish is None and self.is_aborted(row.req):
-            row.finish = Finish("abort")
+            tail = self._text(req.output_ids[-window:], p)
+        req.finish = check_finish(req.output_ids, p, self.eos_ids, tail)
+        if req.finish is None and self.is_aborted(req):
+            req.finish = Finish("abort")
 
-    def _result(self, row: _Row) -> dict[str, Any]:
-        req, finish = row.req, row.finish or Finish("abort")
+    def _result(self, req: GenRequest) -> dict[str, Any]:
+        finish = req.finish or Finish("abort")
         p = req.sampling
-        text_ids = row.output_ids
+        text_ids = req.output_ids
         # SGLang's detokenizer drops a matched stop token and cuts at a matched stop string;
         # output_ids and logprobs keep every generated token (what the trainer trains on).
         if isinstance(finish.matched, int) and not p.no_stop_trim:
@@ -292,7 +361,7 @@ class ReferenceEngine:
             "id": req.rid,
             "finish_reason": finish.to_json(req.max_new_tokens),
             "prompt_tokens": len(req.input_ids),
-            "completion_tokens": len(row.output_ids),
+            "completion_tokens": len(req.output_ids),
             "cached_tokens": 0,
             "weight_version": self.weight_version,
         }
@@ -300,9 +369,9 @@ class ReferenceEngine:
             # SGLang's third entry: the token's text with return_text_in_logprobs, else null.
             meta["output_token_logprobs"] = [
                 [lp, tok, self._text([tok], p) if req.return_text_in_logprobs else None]
-                for lp, tok in zip(row.logprobs, row.output_ids, strict=True)]
+                for lp, tok in zip(req.logprobs, req.output_ids, strict=True)]
         self.aborted_rids.discard(req.rid)
-        return {"text": text, "output_ids": list(row.output_ids), "meta_info": meta}
+        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
     def _text(self, ids: Sequence[int], p: Sampling) -> str:
         """Decode as SGLang's detokenizer does: both flags go to the tokenizer's decode."""

@@ -1,9 +1,11 @@
 """The reference engine's HTTP server: SGLang's native API subset (docs/engine-contract.md).
 
 Threads: aiohttp's event loop parses requests and answers /health at once; everything that
-touches torch (generation batches, weight updates, checksums, memory moves) runs on one worker
-thread, in submission order. A weight update therefore waits for the running batch and the
-next batch waits for the update, as in SGLang, without locks.
+touches torch (generation steps, weight updates, checksums, memory moves) runs on one worker
+thread, in submission order, so the other work runs between two steps of the running batch
+(batcher.py: continuous batching). A weight update or memory release while generation is not
+paused first waits for the /generate requests in flight, new ones waiting behind it, as
+SGLang's model_update_lock has it (update_gate.py).
 
 Errors: /generate and friends answer {"error": {"message"}} (SGLang's shape) with 400 for a bad
 request, 503 while memory is released, 500 for a bug; weight endpoints answer
@@ -39,6 +41,7 @@ from kuberl_rollout.reference.engine import EngineBusy, GenRequest, ReferenceEng
 from kuberl_rollout.reference.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, EngineMetrics
 from kuberl_rollout.reference.sampling import parse_sampling
 from kuberl_rollout.reference.tp import Peers
+from kuberl_rollout.reference.update_gate import UpdateGate
 from kuberl_wire.protocol import api_key_exempt
 
 LOG = logging.getLogger("kuberl.reference")
@@ -144,7 +147,8 @@ class Server:
                  batch_wait_s: float = 0.005, weight_sync_timeout_s: float = 300.0,
                  peers: Peers | None = None,
                  server_args: Mapping[str, Any] | None = None,
-                 enable_metrics: bool = False, api_key: str = "") -> None:
+                 enable_metrics: bool = False, api_key: str = "",
+                 max_prefill_tokens: int = 16384, continuous: bool = True) -> None:
         self.engine = engine
         self.api_key = api_key  # "" (SGLang's None): every request is served
         self.max_batch_size = max_batch_size
@@ -154,14 +158,16 @@ class Server:
         # them too, in step with rank 0's.
         self.peers = peers
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.batcher = Batcher(engine.generate, self.worker, max_batch_size=max_batch_size,
-                               max_wait_s=batch_wait_s)
+        self.batcher = Batcher(engine.step, self.worker, max_batch_size=max_batch_size,
+                               max_wait_s=batch_wait_s, max_prefill_tokens=max_prefill_tokens,
+                               join_running=continuous and engine.joins_running_batch)
         self.receiver = weights.Receiver(engine, timeout_s=weight_sync_timeout_s)
         self.seq = 0
         self.live: set[str] = set()
         self.pause_mode: str | None = None  # None: not paused
         self.unpaused = asyncio.Event()
         self.unpaused.set()
+        self.gate = UpdateGate(lambda: self.pause_mode is not None)
         self.die_at_next_bucket = False  # armed by fault.SIGNAL (__main__)
         # What the engine was asked to do, in order (GET /get_event_log, a kuberl extension):
         # tests check a run's sequence of generation, memory and weight operations against it.
@@ -265,19 +271,20 @@ class Server:
     async def generate(self, request: web.Request) -> web.Response:
         body = await _body(request)
         await self.unpaused.wait()  # SGLang: requests wait out a pause before tokenizing
-        if self.engine.released:
-            self.record("generate_refused", released=sorted(self.engine.released))
-            raise EngineBusy(f"memory released ({sorted(self.engine.released)}); "
-                             "call /resume_memory_occupation first")
-        reqs, single = self._requests(body)
-        self.record("generate", requests=len(reqs))
-        rids = [r.rid for r in reqs]
-        self.live.update(rids)
-        try:
-            results = await self.batcher.submit_many(reqs)
-        finally:
-            self.live.difference_update(rids)
-            self.engine.aborted_rids.difference_update(rids)
+        async with self.gate.generating():  # (and behind a weight update that waits)
+            if self.engine.released:
+                self.record("generate_refused", released=sorted(self.engine.released))
+                raise EngineBusy(f"memory released ({sorted(self.engine.released)}); "
+                                 "call /resume_memory_occupation first")
+            reqs, single = self._requests(body)
+            self.record("generate", requests=len(reqs))
+            rids = [r.rid for r in reqs]
+            self.live.update(rids)
+            try:
+                results = await self.batcher.submit_many(reqs)
+            finally:
+                self.live.difference_update(rids)
+                self.engine.aborted_rids.difference_update(rids)
         if self.metrics is not None:
             self.metrics.finished(results)
         return web.json_response(results[0] if single else results)
@@ -322,6 +329,7 @@ class Server:
         else:
             self.engine.suspend = True
             self.batcher.suspend()
+        await self.gate.paused()
         self.record("pause_generation", mode=mode)
         return web.json_response({"message": "Generation paused successfully.",
                                   "status": "ok"})
@@ -380,7 +388,7 @@ class Server:
         waiting queue: requests retracted by pause(retract) wait there and hold no KV cache,
         so kuberl's and slime's flush after pause(retract) succeeds; an in_place pause keeps
         them in the running batch, and the flush fails). There is no prefix cache
-        to flush here (every batch builds its KV cache afresh); what a client observes is
+        to flush here (every request's KV cache is built when it joins); what a client observes is
         whether the flush would succeed."""
         waiting = self.batcher.num_waiting() + self.batcher.num_held()
         # An in_place pause leaves SGLang's requests in the running batch (here: held), with
@@ -459,7 +467,8 @@ class Server:
 
     async def release_memory(self, request: web.Request) -> web.Response:
         tags = (await _body(request)).get("tags")
-        await self.on_worker(self._on_all_ranks, "release", self.engine.release, tags)
+        async with self.gate.updating():  # (SGLang asserts that no request is in flight)
+            await self.on_worker(self._on_all_ranks, "release", self.engine.release, tags)
         self.record("release_memory", tags=tags)
         return web.json_response({"success": True, "message": f"released {tags or 'all'}"})
 
@@ -473,7 +482,11 @@ class Server:
 
     async def _weight_op(self, op: str, fn: Callable[[Any], str], body: Any) -> web.Response:
         try:
-            message = await self.on_worker(self._on_all_ranks, op, fn, body)
+            if op.startswith("update_"):  # not beside requests in flight (update_gate.py)
+                async with self.gate.updating():
+                    message = await self.on_worker(self._on_all_ranks, op, fn, body)
+            else:
+                message = await self.on_worker(self._on_all_ranks, op, fn, body)
         except (ValueError, KeyError, EngineBusy, RuntimeError) as exc:
             LOG.warning("weight operation failed: %s", exc)
             self.record(f"{op}_failed")
