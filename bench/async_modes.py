@@ -68,14 +68,18 @@ def gpu_spec(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     # The reference engine decodes with HF eager, one forward per token: far slower per token
     # than SGLang, so a GPU shape is balanced by a wide batch (its --max-batch-size, SGLang's
     # --max-running-requests) and bf16, the dtype SGLang serves in (the trainer sends its
-    # weights in the engine's dtype). Its batches run to completion, and a batch
-    # takes only the requests that arrive within --batch-wait-ms of the first: a rollout's
-    # requests, sent over ~0.1 s, would be split into batches run one after the other (SGLang
-    # takes every request in at its next decode step), so the window is wide; a full batch
-    # starts at once.
+    # weights in the engine's dtype). With --batching continuous (the engine's default, as
+    # SGLang schedules) a rollout's requests join the running batch at its next decode step,
+    # up to --max-prefill-tokens of prompt per step: sized so that a whole rollout is taken in
+    # at once. --batching batch is the engine's old scheduling (a batch runs to completion and
+    # takes the requests that arrive within --batch-wait-ms of the first), for comparison.
     spec["rollout"]["engineArgs"] = {"dtype": args.engine_dtype,
                                      "max-batch-size": str(args.engine_batch),
-                                     "batch-wait-ms": "1000"}
+                                     "batching": args.batching}
+    if args.batching == "batch":
+        spec["rollout"]["engineArgs"]["batch-wait-ms"] = "1000"
+    else:
+        spec["rollout"]["engineArgs"]["max-prefill-tokens"] = str(args.engine_batch * 512)
     return spec
 
 
@@ -167,6 +171,8 @@ def main() -> int:
                    choices=["float32", "bfloat16"], help="(GPU) the reference engine's dtype")
     p.add_argument("--engine-batch", type=int, default=256,
                    help="(GPU) the most requests the reference engine decodes at once")
+    p.add_argument("--batching", default="continuous", choices=["continuous", "batch"],
+                   help="the reference engine's scheduling (GPU shapes)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--report", type=Path, default=None,
