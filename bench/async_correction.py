@@ -105,7 +105,7 @@ def run(arm: str, seed: int, steps: int, tiny: Path, root: Path,
     tmp = Path(tempfile.mkdtemp(prefix=f"{arm}-{seed}-", dir=root))
     started = time.monotonic()
     job = manifest(tiny, tmp, "job", **arm_spec(arm, steps))
-    res = kuberl_run(job, tmp / "out", "--seed", str(seed), env=env, timeout=3600)
+    res = kuberl_run(job, tmp / "out", "--seed", str(seed), env=env, timeout=900)
     if res.returncode != 0:
         return {"arm": arm, "seed": seed, "error": failed(res)[-2000:]}
     rows = learning.metrics(tmp / "out")

@@ -63,7 +63,7 @@ def gpu_spec(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     loop = argparse.Namespace(prompts=args.prompts, samples=args.samples,
                               response_len=args.response_len, micro_batch=args.micro_batch,
                               backend="fsdp", placement="disaggregated", steps=args.steps,
-                              engine_tp=1, engine_nodes=1)
+                              engine_tp=1, engine_nodes=1, turns=1, rows=1)
     spec: dict[str, Any] = manifest(out, loop)["spec"]
     # The reference engine decodes with HF eager, one forward per token: far slower per token
     # than SGLang, so a GPU shape is balanced by a wide batch (its --max-batch-size, SGLang's
