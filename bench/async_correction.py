@@ -46,9 +46,9 @@ from tests.integration.local_run import (  # noqa: E402
 ASYNC4 = {"mode": "async", "async": {"maxStaleness": 4}}
 ASYNC4P = {"mode": "async", "async": {"maxStaleness": 4, "partialRollout": True}}
 ASYNC1 = {"mode": "async", "async": {"maxStaleness": 1}}
-OFF = {"asyncCorrection": "none"}
-# The arms: (mode section, algorithm keys). "default" arms take what the release does by
-# default; the others set the correction explicitly.
+# The arms: (mode and async sections, algorithm keys). "default" arms take what the release
+# does by default (since issue 37: TIS at 2); "none" turns the correction off; the others set
+# it explicitly.
 # (tests/integration/conftest.py's RAY_HOST, sized for --parallel runs)
 RAY_HOST = """
 import sys, ray
@@ -63,8 +63,8 @@ ARMS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "async1-default": (ASYNC1, {}),
     "async4-default": (ASYNC4, {}),
     "async4p-default": (ASYNC4P, {}),
-    "async4-none": (ASYNC4, OFF),
-    "async4p-none": (ASYNC4P, OFF),
+    "async4-none": (learning.merge(ASYNC4, {"async": {"offPolicyCorrection": "none"}}), {}),
+    "async4p-none": (learning.merge(ASYNC4P, {"async": {"offPolicyCorrection": "none"}}), {}),
     "async4-tis2": (ASYNC4, {"tisCap": 2.0}),
     "async4p-tis2": (ASYNC4P, {"tisCap": 2.0}),
     # AReaL's decoupled PPO: weight pi_prox / pi_behav, tokens above the cap dropped
@@ -95,8 +95,6 @@ def arm_spec(arm: str, steps: int) -> dict[str, Any]:
     mode, algorithm = ARMS[arm]
     spec = learning.merge(demo_spec(), {**mode, "algorithm": algorithm,
                                         "schedule": {"numRollouts": steps}})
-    if "asyncCorrection" in algorithm and mode.get("mode") != "async":
-        raise ValueError(arm)
     return spec
 
 

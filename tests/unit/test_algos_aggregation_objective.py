@@ -91,6 +91,26 @@ def test_objective_from_spec_moves_kl_to_the_reward() -> None:
     assert obj.horizon == job.data.max_response_len
 
 
+@pytest.mark.parametrize(("mode", "async_", "algorithm", "cap"), [
+    ("sync", {}, {}, None),                                   # on-policy: nothing to correct
+    ("async", {}, {}, 2.0),                                   # async: TIS at 2 by default
+    ("async", {"offPolicyCorrection": "none"}, {}, None),     # turned off
+    ("async", {}, {"tisCap": 5.0}, 5.0),                      # the user's own cap
+    ("async", {}, {"importanceMask": {}}, None),              # the user's own correction
+    ("sync", {}, {"tisCap": 3.0}, 3.0),                       # engine mismatch in sync mode
+], ids=["sync", "async-default", "async-off", "async-own-cap", "async-own-mask", "sync-tis"])
+def test_async_corrects_stale_samples_with_tis_by_default(
+        mode: str, async_: dict[str, object], algorithm: dict[str, object],
+        cap: float | None) -> None:
+    from kuberl_api.spec import RLJobSpec
+
+    job = RLJobSpec.model_validate({
+        "model": {"path": "/m"}, "data": {"prompts": "/p"}, "placement": "disaggregated",
+        "rollout": {"engine": "reference", "gpus": 0}, "mode": mode, "async": async_,
+        "algorithm": algorithm})
+    assert Objective.from_spec(job).tis_cap == cap
+
+
 def test_objective_needs_its_inputs() -> None:
     mask = torch.ones(1, 2)
     with pytest.raises(ValueError, match="rollout_logp"):

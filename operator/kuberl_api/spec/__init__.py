@@ -84,6 +84,7 @@ from kuberl_api.spec.data import (
 from kuberl_api.spec.environment import EnvironmentSpec
 from kuberl_api.spec.job import Placement, RLJobSpec
 from kuberl_api.spec.job_rules import (
+    ASYNC_CORRECTION_NONE_UNUSED,
     ASYNC_DISAGGREGATED,
     ASYNC_ENGINE_OLD,
     ASYNC_SETTINGS_ASYNC_ONLY,
@@ -131,6 +132,7 @@ from kuberl_api.spec.schedule import (
     ScheduleSpec,
 )
 from kuberl_api.spec.scheduling import (
+    ASYNC_DEFAULT_TIS_CAP,
     DEFAULT_GRACE_SECONDS,
     DNS_LABEL_PATTERN,
     KUEUE_PRIORITY_LABEL,
@@ -149,6 +151,8 @@ from kuberl_api.spec.training import (
 )
 
 __all__ = [
+    "ASYNC_CORRECTION_NONE_UNUSED",
+    "ASYNC_DEFAULT_TIS_CAP",
     "ASYNC_DISAGGREGATED",
     "ASYNC_ENGINE_OLD",
     "ASYNC_SETTINGS_ASYNC_ONLY",

@@ -112,6 +112,10 @@ ASYNC_DISAGGREGATED = ("mode: async needs placement: disaggregated (colocated en
 ASYNC_ENGINE_OLD = ("algorithm.oldLogprobs: engine cannot go with mode: async: decoupled PPO "
                     "clips around the trainer's proximal policy, which the engines' log-probs "
                     "of older weights are not (use oldLogprobs: trainer)")
+ASYNC_CORRECTION_NONE_UNUSED = (
+    "async.offPolicyCorrection: none has no effect while algorithm.tisCap or "
+    "algorithm.importanceMask is set (they are the correction, in either setting): unset them "
+    "for no correction, or leave offPolicyCorrection at truncated")
 ASYNC_SETTINGS_ASYNC_ONLY = ("async settings apply to mode: async only: leave them at their "
                              "defaults")
 SGLANG_NEEDS_GPUS = "engine sglang needs GPUs (rollout on CPU): use engine: reference"
@@ -263,6 +267,11 @@ JOB_RULES = (
     Rule(f"self.mode == 'async' || {_at_defaults('self.async', AsyncSpec)}",
          lambda s: s.mode == "async" or s.async_ == AsyncSpec(), ASYNC_SETTINGS_ASYNC_ONLY,
          "async"),
+    Rule("self.async.offPolicyCorrection != 'none' || "
+         "(!has(self.algorithm.tisCap) && !has(self.algorithm.importanceMask))",
+         lambda s: (s.async_.off_policy_correction != "none"
+                    or (s.algorithm.tis_cap is None and s.algorithm.importance_mask is None)),
+         ASYNC_CORRECTION_NONE_UNUSED, "async.offPolicyCorrection"),
     Rule("self.placement == 'disaggregated' || !has(self.rollout.maxEngineRestarts) || "
          "self.rollout.maxEngineRestarts == 0",
          lambda s: s.placement == "disaggregated" or not s.rollout.max_engine_restarts,

@@ -3,10 +3,17 @@ the job waits for and holds its GPUs on a shared cluster (Kueue, priorities, gra
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from kuberl_api.base import ApiModel
 from kuberl_api.spec.common import PVC_NAME_PATTERN
+
+# The truncation async training applies by default (AsyncSpec.off_policy_correction): the
+# cap of Yao et al.'s TIS, and the arm that kept the most of sync's gain on the addition task
+# at maxStaleness 4 (bench/async_correction.py, bench/RESULTS.md).
+ASYNC_DEFAULT_TIS_CAP = 2.0
 
 
 class AsyncSpec(ApiModel):
@@ -22,6 +29,13 @@ class AsyncSpec(ApiModel):
         False, description="A weight update pauses generation only for the transfer and the "
         "requests in flight finish under the new weights; false: the update waits for the "
         "rollout in flight.")
+    off_policy_correction: Literal["truncated", "none"] = Field(
+        "truncated", description="How a step corrects for samples the engines drew under older "
+        "weights (docs/algorithms.md). truncated: each token's policy loss is weighted by "
+        "min(pi_old / pi_rollout, algorithm.tisCap), with tisCap 2 when the algorithm section "
+        "sets neither tisCap nor importanceMask (those, when set, are the correction); none: "
+        "the samples are treated as drawn from pi_old (no weights unless tisCap or "
+        "importanceMask is set).")
 
 
 # Kueue's labels on a job (sigs.k8s.io/kueue): the LocalQueue it waits in, and the

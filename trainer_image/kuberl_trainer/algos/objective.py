@@ -29,7 +29,14 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from kuberl_api.spec import ImportanceMaskSpec, KlType, LossAggregation, OldLogprobs, RLJobSpec
+from kuberl_api.spec import (
+    ASYNC_DEFAULT_TIS_CAP,
+    ImportanceMaskSpec,
+    KlType,
+    LossAggregation,
+    OldLogprobs,
+    RLJobSpec,
+)
 from kuberl_trainer.algos import aggregation, importance, kl as kl_estimators, policy_loss
 
 
@@ -54,8 +61,8 @@ class Objective:
         return cls(policy_loss=a.policy_loss, eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high,
                    clip_c=a.eps_clip_c,
                    kl_coef=a.kl_coef if a.kl_penalty == "loss" else 0.0,
-                   kl_type=a.kl_loss_type, entropy_coef=a.entropy_coef, tis_cap=a.tis_cap,
-                   importance_mask=a.importance_mask,
+                   kl_type=a.kl_loss_type, entropy_coef=a.entropy_coef,
+                   tis_cap=effective_tis_cap(spec), importance_mask=a.importance_mask,
                    aggregation=a.loss_aggregation, horizon=spec.data.max_response_len,
                    old_logprobs=a.old_logprobs)
 
@@ -150,6 +157,21 @@ class Objective:
         if old_logp is None:
             raise ValueError("oldLogprobs: trainer needs the trainer's log-probs (old_logp)")
         return old_logp
+
+
+def effective_tis_cap(spec: RLJobSpec) -> float | None:
+    """The TIS cap a job trains with: the algorithm section's, or in mode async with the
+    default off-policy correction and no correction of the user's own, the async default.
+
+    Async samples come from weights up to maxStaleness versions old; treating them as drawn
+    from pi_old lost all of sync's gain on the addition task at maxStaleness 4 (the reward
+    fell), where truncating pi_old / pi_rollout at 2 kept most of it (bench/RESULTS.md,
+    "Async off-policy correction")."""
+    a = spec.algorithm
+    if (spec.mode == "async" and spec.async_.off_policy_correction == "truncated"
+            and a.tis_cap is None and a.importance_mask is None):
+        return ASYNC_DEFAULT_TIS_CAP
+    return a.tis_cap
 
 
 @torch.no_grad()
