@@ -80,20 +80,9 @@ ARMS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
-def demo_spec() -> dict[str, Any]:
-    """examples/tiny-grpo.yaml's spec, disaggregated on one CPU engine (async's placement;
-    sync runs the same so the arms differ in the mode only)."""
-    spec = learning._example_job("tiny-grpo.yaml")
-    spec["data"] = {k: v for k, v in spec["data"].items() if k != "evalSets"}
-    spec["placement"] = "disaggregated"
-    spec["rollout"] = {**spec["rollout"], "gpus": 0, "engines": 1}
-    spec.pop("mode", None)
-    return spec
-
-
 def arm_spec(arm: str, steps: int) -> dict[str, Any]:
     mode, algorithm = ARMS[arm]
-    spec = learning.merge(demo_spec(), {**mode, "algorithm": algorithm,
+    spec = learning.merge(learning.demo_job(), {**mode, "algorithm": algorithm,
                                         "schedule": {"numRollouts": steps}})
     return spec
 

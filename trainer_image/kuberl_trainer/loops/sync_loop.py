@@ -43,6 +43,9 @@ def train(parts: Parts, start: int, total: int, weight_version: int) -> int:
         record = {"step": step, **rollout.metrics, **stats, "weight_version": weight_version,
                   "time_generate_s": t1 - t0, "time_train_s": t2 - t1 - saved_s,
                   "time_sync_s": t3 - t2, "time_step_s": t3 - t0 - saved_s, **handoff,
+                  # every sample drawn by the weights trained on (what lets the train-inference
+                  # gap alert tell a sync job's gap, all numerics, from an async job's)
+                  "staleness_mean": 0.0, "staleness_max": 0.0,
                   **sync_bytes(parts, synced), "engine_restarts_total": parts.fleet.restarts,
                   **({"time_save_s": saved_s} if staged else {})}
         if evaluation_due(parts, step):  # under the weights just sent
