@@ -108,7 +108,7 @@ def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps_high: f
                          f"and {eps_low}")
     ratio = torch.exp(_log_ratio(logp, old_logp, mask)).detach()
     weight = ratio.clamp(min=None if eps_low is None else 1.0 - eps_low, max=1.0 + eps_high)
-    per_token = -weight * adv * _on_mask(logp, mask)
+    per_token = -weight * adv * logp
     return _masked(per_token, mask), {"clipped": weight != ratio, "ratio": ratio}
 
 
@@ -155,7 +155,7 @@ def gpg(logp: Tensor, old_logp: Tensor, adv: Tensor,
         metrics only).
     """
     ratio = torch.exp(_log_ratio(logp, old_logp, mask)).detach()
-    per_token = -adv * _on_mask(logp, mask)
+    per_token = -adv * logp
     return _masked(per_token, mask), {"clipped": torch.zeros_like(mask, dtype=torch.bool),
                                       "ratio": ratio}
 
@@ -174,10 +174,7 @@ def _log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask.bool(), logp - old_logp, torch.zeros_like(logp))
 
 
-def _on_mask(logp: Tensor, mask: Tensor) -> Tensor:
-    # Losses that multiply by logp itself: padding may hold -inf, and 0 * -inf is NaN.
-    return torch.where(mask.bool(), logp, torch.zeros_like(logp))
-
-
 def _masked(per_token: Tensor, mask: Tensor) -> Tensor:
+    # A select, not a product: padding's loss may be NaN (0 * -inf where a loss multiplies by
+    # logp itself), and the select passes neither it nor a gradient through.
     return torch.where(mask.bool(), per_token, torch.zeros_like(per_token))
