@@ -290,6 +290,14 @@ ALGORITHMS: dict[str, Scenario] = {
         {"advantageEstimator": "reinforce_plus_plus_baseline"}),
     "gspo": _algorithm({"policyLoss": "gspo", "lossAggregation": "seq-mean-token-mean",
                         "epsClip": 3e-4, "epsClipHigh": 4e-4}),
+    # CISPO with its defaults: the weight at most 1.28, no lower bound (MiniMax-M1's practice).
+    "cispo": _algorithm({"policyLoss": "cispo"}),
+    # SAPO as the paper trains it: the soft gate, each response's tokens averaged first.
+    "sapo": _algorithm({"policyLoss": "sapo", "lossAggregation": "seq-mean-token-mean"}),
+    # GPG as its paper defines it (docs/algorithms.md): r - mean(group) without the std, and
+    # groups without spread out of the token mean (the paper's alpha = B / (B - M)).
+    "gpg": _algorithm({"policyLoss": "gpg", "advantageEstimator": "dr_grpo",
+                       "dropConstantGroups": True}),
     "ppo-shared-critic": _algorithm({"advantageEstimator": "ppo", "gamma": 1.0,
                                      "gaeLambda": 0.95}, critic={"lr": 1e-3}),
     # its own CPU "node", started from the policy's weights

@@ -1,7 +1,7 @@
 """The training objective of one micro-batch, from per-token pieces to the number a backend
-backpropagates: policy loss (PPO clip, GSPO, CISPO, SAPO or GPG), optionally reweighted by truncated or masked
-importance sampling, plus the KL and entropy terms, aggregated by the job's loss-aggregation
-mode.
+backpropagates: policy loss (PPO clip, GSPO, CISPO, SAPO or GPG), optionally reweighted by
+truncated or masked importance sampling, plus the KL and entropy terms, aggregated by the job's
+loss-aggregation mode.
 
 Backends compute log-probs and entropies (model forwards); everything about how they combine
 lives here, so every backend trains on the same objective::
