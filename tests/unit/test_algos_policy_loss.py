@@ -231,3 +231,29 @@ def test_parameters_checked() -> None:
         policy_loss.sapo(z, z, z, m, 1.0, 0.0)
     with pytest.raises(ValueError, match="shape"):
         policy_loss.gpg(z, torch.zeros(1, 3), z, m)
+
+
+@pytest.mark.parametrize(("algorithm", "settings"), [
+    ({"policyLoss": "cispo", "cispoEpsHigh": 5.0, "cispoEpsLow": 1.0},
+     {"cispo_eps_high": 5.0, "cispo_eps_low": 1.0}),
+    ({"policyLoss": "sapo", "sapoTauPos": 2.0, "sapoTauNeg": 3.0},
+     {"sapo_tau_pos": 2.0, "sapo_tau_neg": 3.0}),
+])
+def test_objective_from_spec_takes_each_loss_settings(algorithm: dict[str, object],
+                                                      settings: dict[str, float]) -> None:
+    from kuberl_api.spec import RLJobSpec
+
+    job = RLJobSpec.model_validate({"model": {"path": "/m"}, "data": {"prompts": "/p"},
+                                    "algorithm": algorithm})
+    obj = Objective.from_spec(job)
+    assert obj.policy_loss == algorithm["policyLoss"]
+    assert {k: getattr(obj, k) for k in settings} == settings
+
+
+def test_every_policy_loss_has_a_function() -> None:
+    from typing import get_args
+
+    from kuberl_api.spec import PolicyLoss
+    from kuberl_trainer.algos.objective import POLICY_LOSSES
+
+    assert set(POLICY_LOSSES) == set(get_args(PolicyLoss))

@@ -93,7 +93,7 @@ class Objective:
             step's metrics back in one transfer (``backends.step_metrics``) instead of
             stalling the GPU once per micro-batch.
         """
-        pg, flags = _POLICY_LOSSES[self.policy_loss](self, logp, old_logp, adv, mask)
+        pg, flags = POLICY_LOSSES[self.policy_loss](self, logp, old_logp, adv, mask)
         metrics: dict[str, Tensor] = {}
         if self.tis_cap is not None:
             if rollout_logp is None:
@@ -129,7 +129,7 @@ _LossFn = Callable[[Objective, Tensor, Tensor, Tensor, Tensor],
                    tuple[Tensor, dict[str, Tensor]]]
 
 # Each policyLoss value and the settings it reads: (objective, logp, old_logp, adv, mask).
-_POLICY_LOSSES: dict[str, _LossFn] = {
+POLICY_LOSSES: dict[str, _LossFn] = {
     "ppo": lambda o, lp, old, adv, m: policy_loss.ppo_clip(
         lp, old, adv, m, o.eps_clip, o.eps_clip_high, clip_c=o.clip_c),
     "gspo": lambda o, lp, old, adv, m: policy_loss.gspo(
