@@ -290,6 +290,7 @@ ALGORITHMS: dict[str, Scenario] = {
         {"advantageEstimator": "reinforce_plus_plus_baseline"}),
     "gspo": _algorithm({"policyLoss": "gspo", "lossAggregation": "seq-mean-token-mean",
                         "epsClip": 3e-4, "epsClipHigh": 4e-4}),
+    # The three losses of issue 37, 6 seeds each (bench/RESULTS.md): gains 0.4005-0.4037.
     # CISPO with its defaults: the weight at most 1.28, no lower bound (MiniMax-M1's practice).
     "cispo": _algorithm({"policyLoss": "cispo"}),
     # SAPO as the paper trains it: the soft gate, each response's tokens averaged first.
