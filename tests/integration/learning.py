@@ -296,6 +296,7 @@ ALGORITHMS: dict[str, Scenario] = {
     # optimizer step per rollout every ratio is 1 and each is the plain policy gradient. So
     # they take two steps per rollout (globalBatchSize half of the 16 x 8 samples): the second
     # trains on ratios of 0.01-8, where CISPO clips some weights and SAPO's gate fades.
+    # Over 6 seeds each gained 0.4024-0.4041 (bench/RESULTS.md).
     # CISPO with its defaults: the weight at most 1.28, no lower bound (MiniMax-M1's practice).
     "cispo": _algorithm({"policyLoss": "cispo"}, training=TWO_STEPS_PER_ROLLOUT),
     # SAPO as the paper trains it: the soft gate, each response's tokens averaged first.
