@@ -29,11 +29,17 @@ EXTRA_KEYS: dict[str, tuple[str, ...]] = {
     "reinforce_plus_plus-kl_in_reward": ("kl_ref",),
     "reinforce_plus_plus_baseline": (),
     "gspo": (),
+    "cispo": (),
+    "sapo": (),
+    "gpg": ("kept_group_fraction",),
     "ppo-shared-critic": ("value_loss", "vf_clipfrac", "critic_grad_norm"),
     "ppo-dedicated-critic": ("value_loss", "critic_lr", "kl_ref"),
     "dapo": ("dynamic_sampling_rounds", "kept_group_fraction", "score_mean",
              "tis_weight_mean", "rollout_logp_diff", "kl_ref"),
 }
+# The scenarios that take two optimizer steps per rollout: their second step trains off-policy,
+# and those whose loss clips report it.
+OFF_POLICY = {"cispo": True, "sapo": False, "gpg": False}  # name: whether pg_clipfrac > 0
 COMMON = ("reward_mean", "advantage_mean", "advantage_std", "pg_loss", "pg_clipfrac",
           "approx_kl", "entropy", "ratio_mean", "ratio_max", "ratio_min",
           "response_length_min", "truncated_fraction", "loss")
@@ -47,6 +53,9 @@ def test_algorithm_trains_and_raises_reward(tiny: Path, tmp_path: Path, name: st
     missing = {k for k in (*COMMON, *EXTRA_KEYS[name]) for r in outcome.rows if k not in r}
     assert not missing, missing
     assert not scenario.failures(outcome), (scenario.failures(outcome), name)
+    if name in OFF_POLICY:
+        assert max(r["ratio_max"] for r in outcome.rows) > 1.5, outcome.rows
+        assert (max(r["pg_clipfrac"] for r in outcome.rows) > 0) == OFF_POLICY[name], name
 
 
 def test_on_policy_distillation_moves_the_student_to_the_teacher(

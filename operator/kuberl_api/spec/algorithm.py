@@ -18,7 +18,10 @@ AdvantageEstimator = Literal[
 # penalty folded into the rewards needs.
 TOKEN_LEVEL_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 KlType = Literal["k1", "k2", "k3", "low_var_kl"]
-PolicyLoss = Literal["ppo", "gspo"]
+PolicyLoss = Literal["ppo", "gspo", "cispo", "sapo", "gpg"]
+# The losses that clip the ratio with epsClip / epsClipHigh (cispo clips its importance weight
+# with keys of its own; sapo and gpg clip nothing).
+CLIPPED_LOSSES = ("ppo", "gspo")
 LossAggregation = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
 ]
@@ -37,6 +40,11 @@ KL_TYPE_NEEDS_COEF = ("klLossType applies only with klCoef > 0 (it picks the est
                       "KL term klCoef weighs)")
 DUAL_CLIP_PPO_ONLY = ("epsClipC (dual clip) applies to policyLoss: ppo only (gspo clips the "
                       "sequence ratio)")
+EPS_CLIP_APPLIES = ("epsClip and epsClipHigh apply to policyLoss " + " or ".join(CLIPPED_LOSSES)
+                    + " only (cispo clips its weight with cispoEpsHigh and cispoEpsLow; sapo "
+                    "and gpg clip nothing)")
+CISPO_ONLY = "cispoEpsHigh and cispoEpsLow apply to policyLoss: cispo only"
+SAPO_ONLY = "sapoTauPos and sapoTauNeg apply to policyLoss: sapo only"
 GAMMA_APPLIES = ("gamma applies to advantageEstimator " + " or ".join(DISCOUNTED_ESTIMATORS)
                  + " only (the discount of their token returns)")
 GAE_LAMBDA_APPLIES = "gaeLambda applies to advantageEstimator: ppo only (GAE's lambda)"
@@ -86,6 +94,25 @@ class AlgorithmSpec(ApiModel):
         Rule("!has(self.epsClipC) || self.policyLoss == 'ppo'",
              lambda a: a.eps_clip_c is None or a.policy_loss == "ppo", DUAL_CLIP_PPO_ONLY,
              "epsClipC"),
+        Rule(f"self.epsClip == 0.2 || self.policyLoss in {list(CLIPPED_LOSSES)}",
+             lambda a: a.eps_clip == 0.2 or a.policy_loss in CLIPPED_LOSSES,
+             EPS_CLIP_APPLIES, "epsClip", detail=lambda a: f"policyLoss = {a.policy_loss}"),
+        Rule(f"!has(self.epsClipHigh) || self.policyLoss in {list(CLIPPED_LOSSES)}",
+             lambda a: a.eps_clip_high is None or a.policy_loss in CLIPPED_LOSSES,
+             EPS_CLIP_APPLIES, "epsClipHigh",
+             detail=lambda a: f"policyLoss = {a.policy_loss}"),
+        Rule("self.cispoEpsHigh == 0.28 || self.policyLoss == 'cispo'",
+             lambda a: a.cispo_eps_high == 0.28 or a.policy_loss == "cispo",
+             CISPO_ONLY, "cispoEpsHigh", detail=lambda a: f"policyLoss = {a.policy_loss}"),
+        Rule("!has(self.cispoEpsLow) || self.policyLoss == 'cispo'",
+             lambda a: a.cispo_eps_low is None or a.policy_loss == "cispo",
+             CISPO_ONLY, "cispoEpsLow", detail=lambda a: f"policyLoss = {a.policy_loss}"),
+        Rule("self.sapoTauPos == 1.0 || self.policyLoss == 'sapo'",
+             lambda a: a.sapo_tau_pos == 1.0 or a.policy_loss == "sapo",
+             SAPO_ONLY, "sapoTauPos", detail=lambda a: f"policyLoss = {a.policy_loss}"),
+        Rule("self.sapoTauNeg == 1.05 || self.policyLoss == 'sapo'",
+             lambda a: a.sapo_tau_neg == 1.05 or a.policy_loss == "sapo",
+             SAPO_ONLY, "sapoTauNeg", detail=lambda a: f"policyLoss = {a.policy_loss}"),
         Rule(f"self.gamma == 1.0 || self.advantageEstimator in {list(DISCOUNTED_ESTIMATORS)}",
              lambda a: a.gamma == 1.0 or a.advantage_estimator in DISCOUNTED_ESTIMATORS,
              GAMMA_APPLIES, "gamma"),
@@ -118,7 +145,10 @@ class AlgorithmSpec(ApiModel):
     policy_loss: PolicyLoss = Field(
         "ppo", description="ppo: the clipped per-token ratio; gspo: the clipped sequence "
         "ratio (geometric mean of a response's token ratios; use small clip ranges, e.g. "
-        "epsClip 3e-4, epsClipHigh 4e-4).")
+        "epsClip 3e-4, epsClipHigh 4e-4); cispo: REINFORCE weighted by the clipped ratio "
+        "under stop-gradient, no token dropped (cispoEpsHigh, cispoEpsLow); sapo: a soft "
+        "sigmoid gate of the ratio instead of the clip (sapoTauPos, sapoTauNeg); gpg: the "
+        "plain policy gradient -A * log-prob, no ratio and no clip.")
     loss_aggregation: LossAggregation = Field(
         "token-mean", description="How token losses become the loss: token-mean, "
         "seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm (Dr.GRPO: divided "
@@ -132,12 +162,27 @@ class AlgorithmSpec(ApiModel):
         "lr * minLrRatio at the run's last optimizer step.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR as a fraction of lr "
                                 "when lrDecayStyle decays (linear or cosine only).")
-    eps_clip: float = Field(0.2, gt=0, le=10, description="PPO clip range (lower side).")
-    eps_clip_high: float | None = Field(None, gt=0, le=10,
-                                        description="Upper clip range (clip-higher); = epsClip.")
+    eps_clip: float = Field(0.2, gt=0, le=10, description="PPO clip range (lower side; "
+                            "policyLoss ppo or gspo only).")
+    eps_clip_high: float | None = Field(None, gt=0, le=10, description="Upper clip range "
+                                        "(clip-higher); = epsClip (policyLoss ppo or gspo "
+                                        "only).")
     eps_clip_c: float | None = Field(None, gt=1, le=100, description="Dual-clip constant "
                                      "(policyLoss ppo): for negative advantages the loss is "
                                      "also capped at -A * epsClipC; unset: off.")
+    cispo_eps_high: float = Field(
+        0.28, gt=0, le=100, description="cispo: the importance weight is at most "
+        "1 + cispoEpsHigh (policyLoss cispo only).")
+    cispo_eps_low: float | None = Field(
+        None, gt=0, le=1, description="cispo: the importance weight is at least "
+        "1 - cispoEpsLow; unset: no lower bound, as in MiniMax-M1 (policyLoss cispo only).")
+    sapo_tau_pos: float = Field(
+        1.0, gt=0, le=100, description="sapo: the gate's temperature for tokens with a "
+        "positive advantage; larger fades their gradient faster as the ratio leaves 1 "
+        "(policyLoss sapo only).")
+    sapo_tau_neg: float = Field(
+        1.05, gt=0, le=100, description="sapo: the gate's temperature for tokens with a "
+        "zero or negative advantage (policyLoss sapo only).")
     tis_cap: float | None = Field(
         None, gt=0, le=100, description="Truncated importance sampling: weight each token's "
         "policy loss by min(pi_old / pi_rollout, tisCap), correcting for the engines' own "

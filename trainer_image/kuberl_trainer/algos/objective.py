@@ -1,7 +1,7 @@
 """The training objective of one micro-batch, from per-token pieces to the number a backend
-backpropagates: policy loss (PPO clip or GSPO), optionally reweighted by truncated or masked
-importance sampling, plus the KL and entropy terms, aggregated by the job's loss-aggregation
-mode.
+backpropagates: policy loss (PPO clip, GSPO, CISPO, SAPO or GPG), optionally reweighted by
+truncated or masked importance sampling, plus the KL and entropy terms, aggregated by the job's
+loss-aggregation mode.
 
 Backends compute log-probs and entropies (model forwards); everything about how they combine
 lives here, so every backend trains on the same objective::
@@ -23,8 +23,8 @@ whole global batch (``units``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -35,6 +35,7 @@ from kuberl_api.spec import (
     KlType,
     LossAggregation,
     OldLogprobs,
+    PolicyLoss,
     RLJobSpec,
 )
 from kuberl_trainer.algos import aggregation, importance, kl as kl_estimators, policy_loss
@@ -42,10 +43,14 @@ from kuberl_trainer.algos import aggregation, importance, kl as kl_estimators, p
 
 @dataclass(frozen=True)
 class Objective:
-    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    policy_loss: PolicyLoss = "ppo"
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
     clip_c: float | None = None
+    cispo_eps_high: float = 0.28
+    cispo_eps_low: float | None = None
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
     kl_coef: float = 0.0          # the loss term's weight (0 when the KL is in the reward)
     kl_type: KlType = "low_var_kl"
     entropy_coef: float = 0.0
@@ -59,7 +64,9 @@ class Objective:
     def from_spec(cls, spec: RLJobSpec) -> Objective:
         a = spec.algorithm
         return cls(policy_loss=a.policy_loss, eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high,
-                   clip_c=a.eps_clip_c,
+                   clip_c=a.eps_clip_c, cispo_eps_high=a.cispo_eps_high,
+                   cispo_eps_low=a.cispo_eps_low, sapo_tau_pos=a.sapo_tau_pos,
+                   sapo_tau_neg=a.sapo_tau_neg,
                    kl_coef=a.kl_coef if a.kl_penalty == "loss" else 0.0,
                    kl_type=a.kl_loss_type, entropy_coef=a.entropy_coef,
                    tis_cap=effective_tis_cap(spec), importance_mask=a.importance_mask,
@@ -106,12 +113,7 @@ class Objective:
             stalling the GPU once per micro-batch.
         """
         pi_old = self._pi_old(old_logp, rollout_logp)
-        if self.policy_loss == "gspo":
-            pg, flags = policy_loss.gspo(logp, pi_old, adv, mask, self.eps_clip,
-                                         self.eps_clip_high)
-        else:
-            pg, flags = policy_loss.ppo_clip(logp, pi_old, adv, mask, self.eps_clip,
-                                             self.eps_clip_high, clip_c=self.clip_c)
+        pg, flags = POLICY_LOSSES[self.policy_loss](self, logp, pi_old, adv, mask)
         metrics: dict[str, Tensor] = {}
         if old_logp is not None and rollout_logp is not None:
             metrics.update(importance.gap_metrics(old_logp, rollout_logp, mask))
@@ -172,6 +174,23 @@ def effective_tis_cap(spec: RLJobSpec) -> float | None:
             and a.tis_cap is None and a.importance_mask is None):
         return ASYNC_DEFAULT_TIS_CAP
     return a.tis_cap
+
+
+_LossFn = Callable[[Objective, Tensor, Tensor, Tensor, Tensor],
+                   tuple[Tensor, dict[str, Tensor]]]
+
+# Each policyLoss value and the settings it reads: (objective, logp, old_logp, adv, mask).
+POLICY_LOSSES: dict[str, _LossFn] = {
+    "ppo": lambda o, lp, old, adv, m: policy_loss.ppo_clip(
+        lp, old, adv, m, o.eps_clip, o.eps_clip_high, clip_c=o.clip_c),
+    "gspo": lambda o, lp, old, adv, m: policy_loss.gspo(
+        lp, old, adv, m, o.eps_clip, o.eps_clip_high),
+    "cispo": lambda o, lp, old, adv, m: policy_loss.cispo(
+        lp, old, adv, m, o.cispo_eps_high, o.cispo_eps_low),
+    "sapo": lambda o, lp, old, adv, m: policy_loss.sapo(
+        lp, old, adv, m, o.sapo_tau_pos, o.sapo_tau_neg),
+    "gpg": lambda o, lp, old, adv, m: policy_loss.gpg(lp, old, adv, m),
+}
 
 
 @torch.no_grad()

@@ -1,5 +1,6 @@
-"""Per-token policy-gradient losses: PPO's clipped surrogate (with clip-higher and dual clip)
-and GSPO's sequence-level variant. Aggregation into one number is ``aggregation``'s job.
+"""Per-token policy-gradient losses: PPO's clipped surrogate (with clip-higher and dual clip),
+GSPO's sequence-level variant, CISPO's clipped importance weights, SAPO's soft gate and GPG's
+plain policy gradient. Aggregation into one number is ``aggregation``'s job.
 
 Shapes: ``[B, T]`` everywhere, ``mask`` 1 on response tokens. ``old_logp`` is the policy that
 generated the samples (no gradient flows into it); ``adv`` per token (0 off the mask).
@@ -15,6 +16,9 @@ from torch import Tensor
 # GSPO clamps the sequence log-ratio before exp (a sequence whose likelihood moved by more
 # than e^10 is clipped anyway; the clamp keeps exp finite).
 GSPO_LOG_RATIO_MAX = 10.0
+# SAPO's gate reads the ratio itself: a token whose log-ratio overflowed exp would make its
+# gradient 0 * inf = NaN. Beyond |20| the gate is flat (sigmoid saturated) either way.
+SAPO_LOG_RATIO_MAX = 20.0
 
 
 def ppo_clip(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps_clip: float,
@@ -83,6 +87,79 @@ def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps_clip: fl
     return _masked(per_token, mask), {"clipped": clipped > unclipped, "ratio": ratio.detach()}
 
 
+def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps_high: float,
+          eps_low: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585): REINFORCE weighted by the clipped importance
+    ratio, the weight under stop-gradient::
+
+        loss = -sg(clamp(ratio, 1 - eps_low, 1 + eps_high)) * adv * logp
+
+    Unlike PPO's clip, no token leaves the gradient: a token whose ratio left the range keeps
+    its ``adv * grad logp``, only with the weight held at the edge. This is what keeps the rare
+    "fork" tokens (low probability, large ratio after one update) learning. ``eps_low`` None
+    is the paper's practice: no lower bound on the weight (it tuned only the upper one).
+
+    Returns:
+        ``(per_token [B, T], flags)``: ``clipped`` marks tokens whose weight was held at an
+        edge (they still carry gradient), ``ratio`` the unclipped ratio (detached).
+    """
+    if eps_high <= 0 or (eps_low is not None and not 0 < eps_low <= 1):
+        raise ValueError(f"CISPO needs eps_high > 0 and eps_low in (0, 1], got {eps_high} "
+                         f"and {eps_low}")
+    ratio = torch.exp(_log_ratio(logp, old_logp, mask)).detach()
+    weight = ratio.clamp(min=None if eps_low is None else 1.0 - eps_low, max=1.0 + eps_high)
+    per_token = -weight * adv * logp
+    return _masked(per_token, mask), {"clipped": weight != ratio, "ratio": ratio}
+
+
+def sapo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, tau_pos: float,
+         tau_neg: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO (Qwen, arXiv:2511.20347): PPO's hard clip replaced by a smooth gate of the ratio::
+
+        f(r) = sigmoid(tau * (r - 1)) * 4 / tau,     loss = -f(ratio) * adv
+
+    with ``tau = tau_pos`` where ``adv > 0`` and ``tau_neg`` elsewhere. Its gradient is
+    ``4 s (1 - s) * ratio * grad logp * adv`` with ``s = sigmoid(tau (ratio - 1))``: at
+    ``ratio = 1`` exactly the plain policy gradient, fading smoothly (never cut) as the ratio
+    moves away, faster for a larger ``tau``. A larger ``tau_neg`` damps negative updates more,
+    which the paper found steadier (they spread probability over the whole vocabulary).
+
+    Returns:
+        ``(per_token [B, T], flags)``: ``clipped`` is all False (nothing is clipped),
+        ``ratio`` (detached).
+    """
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"SAPO's temperatures must be positive, got {tau_pos} and {tau_neg}")
+    log_ratio = _log_ratio(logp, old_logp, mask).clamp(-SAPO_LOG_RATIO_MAX, SAPO_LOG_RATIO_MAX)
+    ratio = torch.exp(log_ratio)
+    tau = torch.where(adv > 0, tau_pos, tau_neg).to(logp.dtype)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    per_token = -gate * adv
+    return _masked(per_token, mask), {"clipped": torch.zeros_like(mask, dtype=torch.bool),
+                                      "ratio": ratio.detach()}
+
+
+def gpg(logp: Tensor, old_logp: Tensor, adv: Tensor,
+        mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """GPG (Chu et al. 2025, arXiv:2504.02546): the plain policy gradient, no ratio and no
+    clip::
+
+        loss = -adv * logp
+
+    Its gradient is ``-adv * grad logp`` at the current policy, whatever ``old_logp`` is, so
+    it is exact on the first optimizer step of a rollout and uncorrected on later ones. GPG's
+    normalisation is in the advantages and the aggregation, not here (docs/algorithms.md).
+
+    Returns:
+        ``(per_token [B, T], flags)``: ``clipped`` all False, ``ratio`` (detached, for the
+        metrics only).
+    """
+    ratio = torch.exp(_log_ratio(logp, old_logp, mask)).detach()
+    per_token = -adv * logp
+    return _masked(per_token, mask), {"clipped": torch.zeros_like(mask, dtype=torch.bool),
+                                      "ratio": ratio}
+
+
 def _check_clip(eps_clip: float, eps_clip_high: float | None) -> float:
     high = eps_clip if eps_clip_high is None else eps_clip_high
     if eps_clip <= 0 or high <= 0:
@@ -98,4 +175,6 @@ def _log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
 
 
 def _masked(per_token: Tensor, mask: Tensor) -> Tensor:
+    # A select, not a product: padding's loss may be NaN (0 * -inf where a loss multiplies by
+    # logp itself), and the select passes neither it nor a gradient through.
     return torch.where(mask.bool(), per_token, torch.zeros_like(per_token))
