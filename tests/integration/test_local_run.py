@@ -108,13 +108,15 @@ def test_async_one_step_off_learns_on_samples_one_version_old(tiny: Path,
 @pytest.mark.parametrize("partial", [False, True], ids=["whole-rollouts", "partial-rollouts"])
 def test_fully_async_learns_within_the_staleness_bound(tiny: Path, tmp_path: Path,
                                                         partial: bool) -> None:
-    """maxStaleness 4: the engines run ahead of the trainers (here generating is quicker than
-    training), never so far that a sample's oldest token lags the policy training on it by
-    more than 4 versions; the job learns."""
+    """maxStaleness 4 on the demo's task (addition, exact reward), with the defaults: the
+    engines run ahead of the trainers (here generating is quicker than training), never so
+    far that a sample's oldest token lags the policy training on it by more than 4 versions;
+    the default off-policy correction (TIS at 2) weights every step; and the job keeps most of
+    what sync mode learns in as many steps (learning.ASYNC_MIN_EXACT_GAIN)."""
     scenario = learning.ASYNC_STALENESS_4[partial]
     outcome = scenario.run(tiny, tmp_path)
     rows = outcome.rows
-    assert [r["step"] for r in rows] == list(range(8))
+    assert [r["step"] for r in rows] == list(range(learning.ADDITION_STEPS))
     assert all(0 <= r["staleness_max"] <= 4 for r in rows), [r["staleness_max"] for r in rows]
     # where generating is quicker than training (this job on CPU), the engines run ahead
     if (statistics.fmean(r["time_generate_s"] for r in rows[1:])
@@ -122,6 +124,9 @@ def test_fully_async_learns_within_the_staleness_bound(tiny: Path, tmp_path: Pat
         assert max(r["staleness_max"] for r in rows) > 1
     assert all(r["dropped_stale_samples"] == 0 for r in rows)
     assert all(0 <= r["partial_rollout_fraction"] <= (1 if partial else 0) for r in rows)
+    # the correction is on without being asked for: TIS's weights are in every step
+    assert all(0 < r["tis_weight_mean"] <= 2 for r in rows)
+    assert any(r["rollout_logp_abs_diff_mean"] > 1e-3 for r in rows)  # stale samples
     failures = scenario.failures(outcome)
     assert not failures, failures
 
