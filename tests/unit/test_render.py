@@ -4,6 +4,7 @@ these say which parts are promises)."""
 from __future__ import annotations
 
 import base64
+import copy
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -203,6 +204,25 @@ def test_attempt_in_name_labels_and_env(make_rljob: MakeJob) -> None:
 def test_worker_groups_have_fixed_size(make_rljob: MakeJob) -> None:
     for g in groups(make_rljob(spec=DISAGG)).values():
         assert g["replicas"] == g["minReplicas"] == g["maxReplicas"] > 0
+
+
+def test_an_eval_only_job_asks_for_no_training_pods_where_engines_have_their_own(
+        make_rljob: MakeJob) -> None:
+    """mode eval trains nothing: disaggregated, only the engines' pods are rendered (the
+    training group's GPUs would sit idle); colocated, the engines run on the training pods."""
+    from kuberl_api.load import parse
+    from tests.conftest import BASE_RLJOB
+
+    def eval_job(placement: Obj) -> RLJob:
+        manifest = copy.deepcopy(BASE_RLJOB)
+        manifest["spec"] = {**manifest["spec"], **copy.deepcopy(placement), "mode": "eval"}
+        manifest["spec"]["data"] = {
+            k: v for k, v in manifest["spec"]["data"].items() if k != "prompts"}
+        manifest["spec"]["data"]["evalSets"] = [{"name": "held-out", "path": "/data/e.jsonl"}]
+        return parse(manifest)
+
+    assert set(groups(eval_job(DISAGG))) == set(groups(make_rljob(spec=DISAGG))) - {"train"}
+    assert set(groups(eval_job({}))) == set(groups(make_rljob())) == {"train"}
 
 
 # --- head ----------------------------------------------------------------------------------

@@ -81,7 +81,10 @@ def critic_group(spec: RLJobSpec) -> WorkerGroup:
 
 
 def worker_groups(spec: RLJobSpec) -> list[WorkerGroup]:
-    groups = [train_group(spec)]
+    # mode eval trains nothing: disaggregated, it needs only the engines' pods (colocated
+    # engines run on the training pods, which it keeps)
+    evaluates_only = spec.mode == "eval" and spec.placement == "disaggregated"
+    groups = [] if evaluates_only else [train_group(spec)]
     if spec.placement == "disaggregated":
         groups.append(rollout_group(spec))
     if spec.has_critic and spec.critic.placement == "dedicated":
