@@ -26,3 +26,15 @@ def test_node_pools(k8s_cluster: Cluster) -> None:
 @pytest.mark.kuberay
 def test_raycluster_on_the_pools(k8s_cluster: Cluster) -> None:
     check_raycluster(k8s_cluster, name="harness-smoke", say=lambda _line: None)
+
+
+def test_free_ports_stay_out_of_the_range_outgoing_connections_take() -> None:
+    """A port picked for a component is listened on seconds later; meanwhile the cluster's own
+    client connections take local ports from the kernel's ephemeral range, so picks from that
+    range can be gone by then (KubeRay once failed to bind one in CI)."""
+    from controlplane.procs import ephemeral_range, free_ports
+
+    low, high = ephemeral_range()
+    ports = free_ports(24)
+    assert len(set(ports)) == 24
+    assert not [p for p in ports if low <= p <= high], (ports, (low, high))
