@@ -39,6 +39,7 @@ from tests.integration.local_run import (  # noqa: E402
     failed,
     kuberl_run,
     manifest,
+    ray_host_script,
     run_env,
     tiny_job,
 )
@@ -49,15 +50,6 @@ ASYNC1 = {"mode": "async", "async": {"maxStaleness": 1}}
 # The arms: (mode and async sections, algorithm keys). "default" arms take what the release
 # does by default (since issue 37: TIS at 2); "none" turns the correction off; the others set
 # it explicitly.
-# (tests/integration/conftest.py's RAY_HOST, sized for --parallel runs)
-RAY_HOST = """
-import sys, ray
-ctx = ray.init(address="local", num_cpus={cpus}, include_dashboard=False, logging_level="ERROR",
-               resources={{"kuberl_train": 256, "kuberl_rollout": 256}})
-print(ctx.address_info["gcs_address"], flush=True)
-sys.stdin.read()
-ray.shutdown()
-"""
 ARMS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "sync": ({"mode": "sync"}, {}),
     "async1-default": (ASYNC1, {}),
@@ -107,9 +99,9 @@ def start_ray(cpus: int) -> subprocess.Popen[str]:
     """A Ray the runs join, as the integration tests' shared one (tests/integration/
     conftest.py) with `cpus` CPUs; its address is the process's first line."""
     ray_auth.enable_for_local_ray()  # one token, in the environment every run copies
-    script = RAY_HOST.format(cpus=cpus)
-    return subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=run_env())
+    return subprocess.Popen([sys.executable, "-c", ray_host_script(cpus, 256)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=run_env())
 
 
 def main() -> int:

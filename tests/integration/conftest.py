@@ -102,18 +102,6 @@ def shared_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str
     return get
 
 
-# The shared Ray's host: a process of its own, so that the test process can still start (and
-# shut down) Sessions that join it. Custom resources enough for any test job's actors.
-RAY_HOST = """
-import sys, ray
-ctx = ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="ERROR",
-               resources={"kuberl_train": 16, "kuberl_rollout": 16, "kuberl_critic": 16})
-print(ctx.address_info["gcs_address"], flush=True)
-sys.stdin.read()  # until the test process closes it
-ray.shutdown()
-"""
-
-
 @pytest.fixture(scope="session", autouse=True)
 def shared_ray() -> Iterator[str]:
     """One Ray per test process that its local runs join (`kuberl run --address`, and the
@@ -122,10 +110,10 @@ def shared_ray() -> Iterator[str]:
     a local run (log files, cores shared, free ports: options.Options.one_machine). The runs that
     test what only a run's own Ray does (its process tree, `make demo`) start theirs. It checks
     the session's Ray token (set above), which the runs that join it pass on."""
-    from tests.integration.local_run import ENV, SHARED_RAY
+    from tests.integration.local_run import ENV, SHARED_RAY, ray_host_script
 
     env = {**ENV, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    host = subprocess.Popen([sys.executable, "-c", RAY_HOST], stdin=subprocess.PIPE,
+    host = subprocess.Popen([sys.executable, "-c", ray_host_script()], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env)
     assert host.stdout is not None and host.stdin is not None
     address = host.stdout.readline().strip()

@@ -127,24 +127,14 @@ def expected_exact_reward(model_dir: Path, tiny: Path) -> float:
     the probability of writing the label's digits and then EOS at temperature 1 (each digit
     is one token of the tiny tokenizer, so this is the exact reward's expectation, with no
     sampling)."""
+    from kuberl_trainer.tiny.evaluate import sequence_logprob
+
     model, tokenizer = _load(model_dir)
     lines = (tiny / "data" / "eval.jsonl").read_text().splitlines()
     problems = [json.loads(line) for line in lines if line.strip()]
-    rows = [(tokenizer.encode(p["prompt"], add_special_tokens=False),
-             [*tokenizer.encode(p["label"], add_special_tokens=False), tokenizer.eos_token_id])
-            for p in problems]
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, (prompt, answer) in enumerate(rows):
-        groups.setdefault((len(prompt), len(answer)), []).append(i)
-    total = 0.0
-    with torch.no_grad():
-        for (width, n), index in groups.items():
-            ids = torch.tensor([rows[i][0] + rows[i][1] for i in index])
-            logp = torch.log_softmax(model(ids).logits.float(), dim=-1)
-            # position t predicts token t + 1: the answer is scored from width - 1 on
-            scored = logp[:, width - 1:width - 1 + n].gather(-1, ids[:, width:, None])
-            total += float(scored.squeeze(-1).sum(-1).exp().sum())
-    return total / len(rows)
+    logp = sequence_logprob(model, tokenizer, [p["prompt"] for p in problems],
+                            [p["label"] + tokenizer.eos_token for p in problems])
+    return float(logp.exp().mean())
 
 
 # ----------------------------------------------------------------------------- scenarios

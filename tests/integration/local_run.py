@@ -106,6 +106,22 @@ ENV = run_env()  # as the test session started
 SHARED_RAY = "KUBERL_TEST_RAY"
 
 
+def ray_host_script(cpus: int = 8, units: int = 16) -> str:
+    """The shared Ray's host (conftest.shared_ray; bench/async_correction.py's runs side by
+    side): a process of its own, so that the process that starts it can still start (and shut
+    down) Sessions that join it, printing its address, up until its stdin closes. Custom
+    resources: `units` of each kind, enough for any test job's actors."""
+    return f"""
+import sys, ray
+ctx = ray.init(address="local", num_cpus={cpus}, include_dashboard=False, logging_level="ERROR",
+               resources={{"kuberl_train": {units}, "kuberl_rollout": {units},
+                          "kuberl_critic": {units}}})
+print(ctx.address_info["gcs_address"], flush=True)
+sys.stdin.read()  # until the starting process closes it
+ray.shutdown()
+"""
+
+
 def kuberl_run(job: Path, out: Path, *extra: str, timeout: float = 600,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`kuberl run job --output-dir out`, joining the test process's shared Ray when there is

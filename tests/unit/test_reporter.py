@@ -13,6 +13,7 @@ import pytest
 
 from kuberl_api.status import Progress
 from kuberl_trainer.report.status import ReportError, StatusReporter
+from tests.unit.status_api import patch_recorder
 
 
 def test_report_patches_only_progress() -> None:
@@ -52,27 +53,13 @@ def test_report_patches_only_progress() -> None:
 def test_each_eval_sets_latest_scores_stay_in_progress_evals() -> None:
     """Every report that scores a set replaces that set's entry (with its step); the others
     stay, as the list is patched whole."""
-    seen: list[dict[str, Any]] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_PATCH(self) -> None:
-            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b"{}")
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=lambda: [server.handle_request() for _ in range(3)],
-                     daemon=True).start()
-    reporter = StatusReporter(f"http://127.0.0.1:{server.server_port}", "tok", "team-a", "job")
-    reporter.report(step=10, total_steps=100, reward_mean=0.5,
-                    evals={"a": {"reward": 0.5, "pass@4": 0.75}, "b": {"reward": 0.25}})
-    reporter.report(step=11, total_steps=100, reward_mean=0.5)  # no evaluation this step
-    reporter.report(step=20, total_steps=100, reward_mean=0.5, evals={"a": {"reward": 0.625}})
-    server.server_close()
+    with patch_recorder(requests=3) as (url, seen):
+        reporter = StatusReporter(url, "tok", "team-a", "job")
+        reporter.report(step=10, total_steps=100, reward_mean=0.5,
+                        evals={"a": {"reward": 0.5, "pass@4": 0.75}, "b": {"reward": 0.25}})
+        reporter.report(step=11, total_steps=100, reward_mean=0.5)  # no evaluation this step
+        reporter.report(step=20, total_steps=100, reward_mean=0.5,
+                        evals={"a": {"reward": 0.625}})
 
     progress = [Progress.model_validate(body["status"]["progress"]) for body in seen]
     assert progress[1].evals == []  # (a merge patch without the key leaves it as it was)

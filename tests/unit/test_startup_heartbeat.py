@@ -4,15 +4,12 @@ outlives its own limit (so a hung start-up is still caught as Stalled) and once 
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Any
 
 from kuberl_api.status import STARTUP_PHASES, Progress
 from kuberl_trainer.report.heartbeat import PHASE_LIMITS_S, StartupHeartbeat
 from kuberl_trainer.report.status import StatusReporter
+from tests.unit.status_api import patch_recorder
 
 
 class FakeClock:
@@ -69,23 +66,8 @@ def test_the_thread_beats_while_the_caller_blocks_and_survives_errors() -> None:
 
 
 def test_reporter_beat_patches_only_the_time_and_the_phase() -> None:
-    seen: list[dict[str, Any]] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_PATCH(self) -> None:
-            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b"{}")
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.handle_request, daemon=True).start()
-    reporter = StatusReporter(f"http://127.0.0.1:{server.server_port}", "tok", "team-a", "job")
-    reporter.beat("Placing", total_steps=100)
-    server.server_close()
+    with patch_recorder() as (url, seen):
+        StatusReporter(url, "tok", "team-a", "job").beat("Placing", total_steps=100)
     (body,) = seen
     progress = body["status"]["progress"]
     # the step (and reward) an earlier attempt reported stay as they were
