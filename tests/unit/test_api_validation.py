@@ -427,6 +427,10 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
         set_("data.evalSets", [{"name": "a", "path": "/d/a.jsonl", "nSamplesPerPrompt": 4,
                                 "passK": [2, 2]}]), set_("schedule.evalInterval", 10)),
      "spec.data.evalSets[0].passK", "distinct"),
+    ("pass-threshold-without-pass-k", both(
+        set_("data.evalSets", [{"name": "a", "path": "/d/a.jsonl", "passThreshold": 0.5}]),
+        set_("schedule.evalInterval", 10)),
+     "spec.data.evalSets[0].passThreshold", "only with passK"),
     ("training-without-prompts", drop("data.prompts"), "spec.data.prompts", "required"),
     ("eval-mode-without-sets", eval_mode(set_("data.evalSets", [])), "spec.data.evalSets",
      "at least one eval set"),

@@ -38,6 +38,10 @@ class EvalSet(ApiModel):
         Rule("self.passK.all(k, self.passK.filter(j, j == k).size() == 1)",
              lambda e: len(set(e.pass_k)) == len(e.pass_k),
              "passK values must be distinct", "passK"),
+        Rule("self.passThreshold == 1.0 || size(self.passK) > 0",
+             lambda e: e.pass_threshold == 1.0 or bool(e.pass_k),
+             "passThreshold applies only with passK (it decides which samples pass@k counts)",
+             "passThreshold"),
     )
     model_config = {"json_schema_extra": rules_schema(RULES)}
 
