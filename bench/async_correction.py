@@ -58,6 +58,11 @@ ARMS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "async4-none": (learning.merge(ASYNC4, {"async": {"offPolicyCorrection": "none"}}), {}),
     "async4p-none": (learning.merge(ASYNC4P, {"async": {"offPolicyCorrection": "none"}}), {}),
     "async4-tis2": (ASYNC4, {"tisCap": 2.0}),
+    "async4-tis5": (ASYNC4, {"tisCap": 5.0}),
+    # the engines always as far ahead as the bound allows (async.runAhead bound; before it
+    # existed, the only behaviour): every sample 4 versions old on CPU
+    "async4-bound": (learning.merge(ASYNC4, {"async": {"runAhead": "bound"}}), {}),
+    "async4p-bound": (learning.merge(ASYNC4P, {"async": {"runAhead": "bound"}}), {}),
     "async4p-tis2": (ASYNC4P, {"tisCap": 2.0}),
     # AReaL's decoupled PPO: weight pi_prox / pi_behav, tokens above the cap dropped
     "async4-decoupled5": (ASYNC4, {"tisCap": 5.0, "importanceMask": {"low": 1e-6,

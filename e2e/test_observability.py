@@ -157,6 +157,7 @@ def step_record(step: int, engine: str) -> dict[str, Any]:
     return {"step": step, **rollout, **stats.summary(), "weight_version": step + 1,
             **staleness_metrics(step, [(str(step - 1), str(step - 1))], step - 1),
             "time_generate_s": 2.0, "engine_restarts_total": min(step, ENGINE_RESTARTS),
+            "run_ahead_depth": 1,
             "weight_sync_bytes": SYNC_BYTES, "weight_sync_bytes_total": SYNC_BYTES * (step + 2),
             **overlap_times(train_s=1.5, sync_s=0.3, step_s=2.2, trainers_idle_s=0.4,
                             engines_idle_s=0.1, generating_s=2.0),

@@ -219,7 +219,8 @@ class Session:
             self.weight_version = (
                 async_loop.train(parts, self.step, total, self.weight_version,
                                  max_staleness=a.max_staleness,
-                                 partial_rollout=a.partial_rollout)
+                                 partial_rollout=a.partial_rollout,
+                                 run_ahead=a.run_ahead)
                 if self.spec.mode == "async" else
                 sync_loop.train(parts, self.step, total, self.weight_version))
             self.step = self.spec.schedule.num_rollouts

@@ -138,6 +138,7 @@ from kuberl_api.spec.scheduling import (
     KUEUE_PRIORITY_LABEL,
     KUEUE_QUEUE_LABEL,
     AsyncSpec,
+    RunAhead,
     SchedulingSpec,
 )
 from kuberl_api.spec.training import (
@@ -257,6 +258,7 @@ __all__ = [
     "Resources",
     "RewardSpec",
     "RolloutSpec",
+    "RunAhead",
     "ScheduleSpec",
     "SchedulingSpec",
     "SftData",

@@ -16,6 +16,9 @@ from kuberl_api.spec.common import PVC_NAME_PATTERN
 ASYNC_DEFAULT_TIS_CAP = 2.0
 
 
+RunAhead = Literal["adaptive", "bound"]
+
+
 class AsyncSpec(ApiModel):
     """mode: async (trainer_image/kuberl_trainer/loops/async_loop.py): the engines generate
     continuously, at most maxStaleness policy versions ahead of the trainers."""
@@ -29,6 +32,13 @@ class AsyncSpec(ApiModel):
         False, description="A weight update pauses generation only for the transfer and the "
         "requests in flight finish under the new weights; false: the update waits for the "
         "rollout in flight.")
+    run_ahead: RunAhead = Field(
+        "adaptive", description="How far ahead of the trainers the engines generate, within "
+        "maxStaleness. adaptive: only as far as keeps the trainers fed (one rollout ahead "
+        "while generation is the faster side, deeper when the trainers wait for it, up to "
+        "maxStaleness), so samples are no staler than throughput needs; bound: always as far "
+        "as maxStaleness allows (the deepest buffer against bursty generation, every sample "
+        "maxStaleness versions old when the engines are faster).")
     off_policy_correction: Literal["truncated", "none"] = Field(
         "truncated", description="How a step corrects for samples the engines drew under older "
         "weights (docs/algorithms.md). truncated: each token's policy loss is weighted by "

@@ -12,6 +12,10 @@ After each step the trainers send the new weights:
 - with it, at once: the weight sender pauses generation (retract), updates and continues it
   (`weight_sync.sender.paused`), and the requests in flight finish under the new weights.
 
+How far ahead the engines run within the bound is `async.runAhead` (loops/run_ahead.py):
+`adaptive` (the default) only as far as keeps the trainers fed, `bound` as far as the bound
+allows.
+
 A row's oldest token is at least of the version the engines held when its rollout was
 submitted (the loop records it, and tells the rollout the version they hold as each request
 goes, `held`: an engine reports only the newest, with the response); staleness counts the
@@ -27,6 +31,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from kuberl_api.spec import RunAhead
 from kuberl_trainer.loops.parts import (
     Parts,
     evaluation_due,
@@ -35,6 +40,7 @@ from kuberl_trainer.loops.parts import (
     sync_bytes,
     train_on,
 )
+from kuberl_trainer.loops.run_ahead import RunAheadDepth
 from kuberl_trainer.loops.staleness import overlap_times, staleness_metrics
 from kuberl_trainer.rollout.manager import Rollout
 
@@ -44,9 +50,11 @@ class _Engines:
     """What the loop knows of the engines: the weight version they hold, and what they did."""
 
     version: int
+    ahead: RunAheadDepth
+    # (notified on a new weight version, a rollout taken by the trainers, a new depth)
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     busy: asyncio.Lock = field(default_factory=asyncio.Lock)  # a rollout or an update
-    idle_s: float = 0.0  # waiting for the bound or for an update since the last step ended
+    idle_s: float = 0.0  # held back (bound, depth) or by an update since the last step ended
     generating_s: float = 0.0  # generating since the last step ended
 
     async def hold(self, version: int) -> None:
@@ -54,18 +62,22 @@ class _Engines:
             self.version = version
             self.changed.notify_all()
 
+    async def notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
 
 def train(parts: Parts, start: int, total: int, weight_version: int, *, max_staleness: int,
-          partial_rollout: bool) -> int:
+          partial_rollout: bool, run_ahead: RunAhead = "adaptive") -> int:
     """Steps start..total-1; returns the weight version reached. Raises on engine death
     past the restart budget."""
     return parts.aio.run_until_complete(_run(parts, start, total, weight_version,
-                                             max_staleness, partial_rollout))
+                                             max_staleness, partial_rollout, run_ahead))
 
 
 async def _run(parts: Parts, start: int, total: int, weight_version: int, max_staleness: int,
-               partial: bool) -> int:
-    engines = _Engines(version=weight_version)
+               partial: bool, run_ahead: RunAhead) -> int:
+    engines = _Engines(version=weight_version, ahead=RunAheadDepth(max_staleness, run_ahead))
     ready: asyncio.Queue[tuple[Rollout, int]] = asyncio.Queue()
     producer = asyncio.ensure_future(_produce(parts, engines, ready, start, total,
                                               weight_version, max_staleness, partial))
@@ -78,6 +90,8 @@ async def _run(parts: Parts, start: int, total: int, weight_version: int, max_st
             parts.stop.check()  # (told to stop: the rollouts not trained on are redrawn)
             t0 = time.perf_counter()
             rollout, submitted = await _next(ready, producer)
+            waiting_after = ready.qsize()
+            await engines.notify()  # (room for the next rollout, if the depth allows)
             t1 = time.perf_counter()
             parts.stop.check()
             trained_from = weight_version
@@ -98,13 +112,19 @@ async def _run(parts: Parts, start: int, total: int, weight_version: int, max_st
                 await engines.hold(weight_version)
             t3 = time.perf_counter()
             step_s = t3 - t0 - saved_s
+            trainers_idle_s = (t1 - t0) + (t_sync - t2)
+            if step > start:  # (the first step waits for the first rollout whatever the depth)
+                engines.ahead.observe(trainers_idle_s=trainers_idle_s,
+                                      train_s=t2 - t1 - saved_s, waiting_after=waiting_after)
+                await engines.notify()
             record = {
                 "step": step, **rollout.metrics, **stats, "weight_version": weight_version,
                 **staleness_metrics(trained_from, rollout.versions, submitted, max_staleness),
                 "time_generate_s": rollout.seconds, **sync_bytes(parts, synced),
                 "engine_restarts_total": parts.fleet.restarts,
+                "run_ahead_depth": engines.ahead.depth,
                 **overlap_times(train_s=t2 - t1 - saved_s, sync_s=t3 - t_sync,
-                                step_s=step_s, trainers_idle_s=(t1 - t0) + (t_sync - t2),
+                                step_s=step_s, trainers_idle_s=trainers_idle_s,
                                 engines_idle_s=min(engines.idle_s, step_s),
                                 generating_s=min(engines.generating_s, step_s)),
                 **({"time_save_s": saved_s} if staged else {})}
@@ -125,12 +145,14 @@ async def _run(parts: Parts, start: int, total: int, weight_version: int, max_st
 async def _produce(parts: Parts, engines: _Engines, ready: asyncio.Queue[tuple[Rollout, int]],
                    start: int, total: int, first_version: int, max_staleness: int,
                    partial: bool) -> None:
-    """Generate every step's rollout in order, each as soon as the bound allows."""
+    """Generate every step's rollout in order, each as soon as the bound and the run-ahead
+    depth allow."""
     for step in range(start, total):
         oldest_allowed = first_version + (step - start) - max_staleness
         waited = time.perf_counter()
         async with engines.changed:
-            while engines.version < oldest_allowed:
+            while (engines.version < oldest_allowed
+                   or not engines.ahead.room(ready.qsize())):
                 await engines.changed.wait()
         async with _between_rollouts(engines, partial):  # (held: updates wait for it)
             began = time.perf_counter()
