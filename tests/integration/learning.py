@@ -308,7 +308,7 @@ def demo_job() -> dict[str, Any]:
 # Run by run the spread is wider than one seed's: the tests' seed 0 is the weakest seed for
 # sync (0.092) and for partial rollouts (0.053-0.092 in six runs, mean 0.076, sd 0.014:
 # timing decides which responses span an update), so the line a test can hold is half of 60%:
-# 0.035, 2.9 sd below seed 0's partial runs and 5.7 below the pooled mean. What it tells
+# 0.035, 2.8 sd below seed 0's partial runs and 5.7 below the pooled mean. What it tells
 # apart: with the engines always 4 ahead and no correction, async lost reward at every seed
 # measured (-0.02 to -0.13).
 ASYNC_MIN_EXACT_GAIN = 0.035
