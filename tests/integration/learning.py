@@ -376,7 +376,7 @@ ALGORITHMS: dict[str, Scenario] = {
 # policyLoss: custom (test_algorithms.py): a user's copy of PPO clip (tests/user_losses.py,
 # written from the formula), two optimizer steps per rollout like the losses above, so that
 # its second step trains off-policy and clips; it must learn like the built-ins, to the same
-# line: over seeds 0-3 it gained 0.4026-0.4040 (sd 0.0007), where cispo, sapo and gpg gained
+# line: over seeds 0-3 it gained 0.4026-0.4040 (sd 0.0006), where cispo, sapo and gpg gained
 # 0.4024-0.4041. The same copy with its sign flipped pushes down what earns reward: the
 # reward must FALL, which only a loss that is really called can make it do. In 4 steps it
 # fell from 0.595 to 0.0005-0.0014 (gain -0.5939 to -0.5947 over seeds 1-3, sd 0.0004; 8
