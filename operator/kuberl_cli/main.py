@@ -74,8 +74,19 @@ def code_notice(job: RLJob) -> str | None:
     if source is None:
         return None
     return (f"notice: spec.code ({source}) is mounted only in a cluster; kuberl run imports "
-            "rollout.function, environment.class and reward.function from the current "
-            "directory and PYTHONPATH")
+            "rollout.function, environment.class, reward.function and "
+            "algorithm.lossFunction from the current directory and PYTHONPATH")
+
+
+def importable_from_cwd() -> None:
+    """The current directory first on this process's import path, as `python -m` and
+    `python -c` put it but a console script (`kuberl`, whose sys.path starts with its own
+    bin directory) does not: `kuberl run` imports the job's own modules from where it runs.
+    Ray adds the driver's current directory to its workers' path too (ray.init), so the
+    training ranks import a loss function from there as the head does."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -91,6 +102,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     notice = None if args.in_cluster else code_notice(job)
     if notice:
         print(notice, file=sys.stderr)
+    if not args.in_cluster:
+        importable_from_cwd()
     try:
         from kuberl_trainer import ray_auth
     except ImportError as exc:

@@ -374,6 +374,26 @@ ALGORITHMS: dict[str, Scenario] = {
                         "klLossType": "k3"}),
 }
 
+# policyLoss: custom (test_algorithms.py): a user's copy of PPO clip (tests/user_losses.py,
+# written from the formula), two optimizer steps per rollout like the losses above, so that
+# its second step trains off-policy and clips; it must learn like the built-ins, to the same
+# line: over seeds 0-3 it gained 0.4026-0.4040 (sd 0.0006), where cispo, sapo and gpg gained
+# 0.4024-0.4041. The same copy with its sign flipped pushes down what earns reward: the
+# reward must FALL, which only a loss that is really called can make it do. In 4 steps it
+# fell from 0.595 to 0.0005-0.0014 (gain -0.5939 to -0.5947 over seeds 1-3, sd 0.0004; 8
+# steps at seed 0: -0.5951); the line, -0.2, mirrors MIN_REWARD_GAIN, ~1000 sd away, and a
+# loss that is not called would gain about +0.4 instead (the built-in's).
+CUSTOM_PPO = {"policyLoss": "custom", "lossFunction": "tests.user_losses:ppo_clip"}
+CUSTOM_PPO_FLIPPED = {**CUSTOM_PPO, "lossFunction": "tests.user_losses:ppo_clip_flipped"}
+MAX_FLIPPED_GAIN = -0.2
+CUSTOM_LOSSES: dict[str, Scenario] = {
+    "custom-ppo": _algorithm(CUSTOM_PPO, training=TWO_STEPS_PER_ROLLOUT),
+    "custom-ppo-sign-flipped": Scenario(
+        reward_gain, {"reward": LEARNABLE, "algorithm": CUSTOM_PPO_FLIPPED,
+                      "training": TWO_STEPS_PER_ROLLOUT},
+        steps=4, ceilings={"reward_gain": MAX_FLIPPED_GAIN}),
+}
+
 # The same job in sync mode and the async scenarios' placement: the baseline
 # bench/learning_margins.py compares them with (the sync path itself is covered above).
 SYNC_DISAGGREGATED = _algorithm({}, placement="disaggregated", rollout={"gpus": 0})
@@ -474,7 +494,8 @@ TOOL_ARMS: dict[str, Scenario] = {
         env={"KUBERL_TEST_TRAIN_ENV_TOKENS": "1"}),
 }
 
-SCENARIOS: dict[str, Scenario] = {**TOOL_ARMS, **ALGORITHMS, "on_policy_distillation": DISTILLATION,
+SCENARIOS: dict[str, Scenario] = {**TOOL_ARMS, **ALGORITHMS, **CUSTOM_LOSSES,
+                                  "on_policy_distillation": DISTILLATION,
                                   "mixed-sft": MIXED_SFT,
                                   "sync-disaggregated": SYNC_DISAGGREGATED,
                                   "async-one-step-off": ASYNC_ONE_STEP_OFF,

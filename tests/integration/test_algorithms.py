@@ -58,6 +58,35 @@ def test_algorithm_trains_and_raises_reward(tiny: Path, tmp_path: Path, name: st
         assert (max(r["pg_clipfrac"] for r in outcome.rows) > 0) == OFF_POLICY[name], name
 
 
+@pytest.mark.parametrize("name", learning.CUSTOM_LOSSES)
+def test_a_custom_loss_is_what_trains(tiny: Path, tmp_path: Path, name: str) -> None:
+    """policyLoss: custom, a user's copy of PPO clip imported by the training ranks
+    (tests/user_losses.py, on the runs' PYTHONPATH as spec.code puts it in a cluster): it
+    raises the reward past the built-ins' line, its sign-flipped copy makes it fall; both
+    report the copy's own clip fraction (the second optimizer step of each rollout clips),
+    never kuberl's."""
+    scenario = learning.CUSTOM_LOSSES[name]
+    outcome = scenario.run(tiny, tmp_path)
+    assert [r["step"] for r in outcome.rows] == list(range(scenario.steps))
+    assert not scenario.failures(outcome), (scenario.failures(outcome), name)
+    assert all("loss_clipfrac" in r and "pg_clipfrac" not in r for r in outcome.rows)
+    assert max(r["loss_clipfrac"] for r in outcome.rows) > 0, outcome.rows
+
+
+def test_a_broken_custom_loss_is_refused_before_anything_starts(tiny: Path,
+                                                                tmp_path: Path) -> None:
+    """`kuberl run` calls the function once on a synthetic batch before Ray starts: one
+    whose loss is detached from the log-probs fails at once, naming the field."""
+    job = manifest(tiny, tmp_path, "detached", algorithm={
+        "policyLoss": "custom", "lossFunction": "tests.user_losses:detached"})
+    res = kuberl_run(job, tmp_path / "out")
+    assert res.returncode == 1, failed(res)
+    assert res.stderr.strip().splitlines()[-1].startswith(
+        "error: spec.algorithm.lossFunction: loss function 'tests.user_losses:detached': no "
+        "gradient reaches inp.logp"), res.stderr
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
 def test_on_policy_distillation_moves_the_student_to_the_teacher(
         tiny: Path, tmp_path: Path) -> None:
     """A teacher that answers with a leading "1" far more often than the student (the student

@@ -251,9 +251,25 @@ def test_objective_from_spec_takes_each_loss_settings(algorithm: dict[str, objec
 
 
 def test_every_policy_loss_has_a_function() -> None:
+    """Every built-in one in the table; custom is the job's own (its lossFunction)."""
     from typing import get_args
 
     from kuberl_api.spec import PolicyLoss
     from kuberl_trainer.algos.objective import POLICY_LOSSES
 
-    assert set(POLICY_LOSSES) == set(get_args(PolicyLoss))
+    assert set(POLICY_LOSSES) | {"custom"} == set(get_args(PolicyLoss))
+
+
+def test_objective_from_spec_imports_a_custom_loss_with_its_args() -> None:
+    from kuberl_api.spec import RLJobSpec
+    from tests import user_losses
+
+    job = RLJobSpec.model_validate({"model": {"path": "/m"}, "data": {"prompts": "/p"},
+                                    "algorithm": {"policyLoss": "custom",
+                                                  "lossFunction": "tests.user_losses:ppo_clip",
+                                                  "lossArgs": {"eps_high": 0.3}}})
+    obj = Objective.from_spec(job)
+    assert obj.custom_loss is not None and obj.custom_loss.fn is user_losses.ppo_clip
+    assert obj.custom_loss.args == {"eps_high": 0.3}
+    with pytest.raises(ValueError, match="policyLoss custom needs its loss function"):
+        Objective(policy_loss="custom")

@@ -73,6 +73,10 @@ def ppo(*edits: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], 
     return both(set_("algorithm.advantageEstimator", "ppo"), *edits)
 
 
+# A job's own policy loss (algorithm.policyLoss: custom).
+CUSTOM_LOSS = both(set_("algorithm.policyLoss", "custom"),
+                   set_("algorithm.lossFunction", "my_losses:ppo_clip"))
+
 # Training and rollout on CPU (a job without a GPU pod).
 ON_CPU = both(set_("training", {"backend": "fsdp", "gpusPerNode": 0}),
               set_("rollout.engine", "reference"))
@@ -157,7 +161,7 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
           ("configmap-name", {"configMap": "My_Agent"}, "configMap", ""),
           ("pvc-name", {"pvc": "-agent"}, "pvc", ""))),
     ("code-without-user-code", set_("code", {"configMap": "agent"}), "spec.code",
-     "only the head imports"),
+     "only the job's own functions import"),
     ("code-for-an-environment-image", both(
         set_("environment", {"class": "envs:Calculator", "image": "envs:1"}),
         set_("code", {"pvc": "agent"})), "spec.code", "an image serves its own class"),
@@ -260,6 +264,29 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("sapo-tau-zero", both(set_("algorithm.policyLoss", "sapo"),
                            set_("algorithm.sapoTauPos", 0)),
      "spec.algorithm.sapoTauPos", ""),
+    ("custom-loss-without-function", set_("algorithm.policyLoss", "custom"),
+     "spec.algorithm.lossFunction", "required by policyLoss custom"),
+    ("loss-function-without-custom", set_("algorithm.lossFunction", "my_losses:ppo"),
+     "spec.algorithm.lossFunction", "only used by it"),
+    ("loss-function-not-an-import-path", both(CUSTOM_LOSS,
+                                              set_("algorithm.lossFunction", "my_losses.ppo")),
+     "spec.algorithm.lossFunction", ""),
+    ("loss-args-without-custom", set_("algorithm.lossArgs", {"eps": 0.2}),
+     "spec.algorithm.lossArgs", "policyLoss: custom only"),
+    ("loss-args-not-a-number", both(CUSTOM_LOSS, set_("algorithm.lossArgs", {"eps": "0.2"})),
+     "spec.algorithm.lossArgs", ""),
+    ("loss-args-a-boolean", both(CUSTOM_LOSS, set_("algorithm.lossArgs", {"on": True})),
+     "spec.algorithm.lossArgs", ""),
+    ("eps-clip-with-custom", both(CUSTOM_LOSS, set_("algorithm.epsClip", 0.1)),
+     "spec.algorithm.epsClip", "a custom loss takes its settings in lossArgs"),
+    ("eps-clip-high-with-custom", both(CUSTOM_LOSS, set_("algorithm.epsClipHigh", 0.28)),
+     "spec.algorithm.epsClipHigh", "lossArgs"),
+    ("dual-clip-with-custom", both(CUSTOM_LOSS, set_("algorithm.epsClipC", 3)),
+     "spec.algorithm.epsClipC", "policyLoss: ppo only"),
+    ("cispo-eps-high-with-custom", both(CUSTOM_LOSS, set_("algorithm.cispoEpsHigh", 5)),
+     "spec.algorithm.cispoEpsHigh", "policyLoss: cispo only"),
+    ("sapo-tau-neg-with-custom", both(CUSTOM_LOSS, set_("algorithm.sapoTauNeg", 2)),
+     "spec.algorithm.sapoTauNeg", "policyLoss: sapo only"),
     ("gamma-without-discounted-returns", set_("algorithm.gamma", 0.99), "spec.algorithm.gamma",
      "reinforce_plus_plus or ppo only"),
     ("gae-lambda-without-ppo", both(set_("algorithm.advantageEstimator", "reinforce_plus_plus"),
@@ -848,6 +875,12 @@ GOOD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
                                            set_("algorithm.epsClip", 0.2),
                                            set_("algorithm.sapoTauPos", 1.0),
                                            set_("algorithm.cispoEpsHigh", 0.28))),
+    ("custom-loss-with-its-args-and-kuberls-terms", both(
+        CUSTOM_LOSS, set_("algorithm.lossArgs", {"eps_low": 0.2, "eps_high": 1, "big": 1e30}),
+        set_("algorithm.tisCap", 2), set_("algorithm.klCoef", 0.01),
+        set_("algorithm.entropyCoef", 0.001), set_("algorithm.epsClip", 0.2),
+        set_("algorithm.cispoEpsHigh", 0.28))),
+    ("code-for-a-loss-function", both(CUSTOM_LOSS, set_("code", {"configMap": "my-losses"}))),
     ("gspo-keeps-its-clip", both(set_("algorithm.policyLoss", "gspo"),
                                  set_("algorithm.epsClip", 3e-4),
                                  set_("algorithm.epsClipHigh", 4e-4))),

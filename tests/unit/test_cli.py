@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import types
@@ -100,6 +101,29 @@ def test_run_says_that_code_is_mounted_only_in_a_cluster(
     err = capsys.readouterr().err
     assert ("spec.code (ConfigMap my-agent) is mounted only in a cluster" in err) == noticed
     assert ("current directory and PYTHONPATH" in err) == noticed
+
+
+@pytest.mark.parametrize(("in_cluster", "imports"), [(False, True), (True, False)])
+def test_run_imports_the_jobs_modules_from_the_current_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_cluster: bool,
+        imports: bool) -> None:
+    """The `kuberl` console script's import path starts with its bin directory, not the
+    current one: `kuberl run` puts the current directory first, so a loss function (or any
+    of the job's functions) beside the manifest imports, on the head and (Ray adds the
+    driver's current directory to its workers') in the training ranks. On the head in a
+    cluster the code comes from spec.code's mount instead."""
+    (tmp_path / "my_losses_beside.py").write_text("def loss(inp):\n    return None\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_losses_beside", raising=False)
+    found: list[bool] = []
+    fake = types.ModuleType("kuberl_trainer.run")
+    fake.run = lambda job, args: found.append(  # type: ignore[attr-defined]
+        importlib.util.find_spec("my_losses_beside") is not None) or 0
+    monkeypatch.setitem(sys.modules, "kuberl_trainer.run", fake)
+    (tmp_path / "job.yaml").write_text(GOOD)
+    assert main(["run", "job.yaml", *(["--in-cluster"] if in_cluster else [])]) == 0
+    assert found == [imports]
 
 
 def fake_run(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, str | None]]:

@@ -27,6 +27,7 @@ from kuberl_trainer.backends.base import Backend, TrainBatch
 from kuberl_trainer.backends.factory import make_backend
 from kuberl_trainer.backends.fsdp import FSDPBackend
 from kuberl_trainer.backends.optim import OptimConfig, clip_gradients
+from kuberl_trainer.backends.step_metrics import combine_ranks
 from tests.unit.tiny_lm import VOCAB, save_tiny_qwen2
 
 B, T = 8, 12
@@ -393,13 +394,14 @@ def test_megatron_backend_refuses_cpu_before_touching_megatron(model_dir: str) -
 # -- DDP over gloo -----------------------------------------------------------------------
 
 
-def _ddp_worker(rank: int, world_size: int, init_file: str, model_dir: str, out: str) -> None:
+def _ddp_worker(rank: int, world_size: int, init_file: str, model_dir: str, out: str,
+                algorithm: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size)
     try:
-        backend = make_backend(make_spec(model_dir), rank=rank, world_size=world_size,
-                               device="cpu")
+        backend = make_backend(make_spec(model_dir, **algorithm), rank=rank,
+                               world_size=world_size, device="cpu")
         shard = make_batch().split(world_size)[rank]
         metrics = backend.train_step(with_old(backend, shard))
         names = [n for bucket in backend.named_tensor_buckets(1 << 20, tied_aliases=True)
@@ -411,16 +413,24 @@ def _ddp_worker(rank: int, world_size: int, init_file: str, model_dir: str, out:
         dist.destroy_process_group()
 
 
-def test_ddp_two_ranks_over_gloo_match_single_process(model_dir: str, tmp_path: Path) -> None:
-    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), model_dir, str(tmp_path)),
-             nprocs=2, join=True)
+# The built-in loss, and a job's own (policyLoss: custom; its module imported by each rank).
+DDP_LOSSES = {"ppo": {}, "custom": {"policyLoss": "custom",
+                                    "lossFunction": "tests.user_losses:ppo_clip"}}
+
+
+@pytest.mark.parametrize("algorithm", DDP_LOSSES.values(), ids=DDP_LOSSES.keys())
+def test_ddp_two_ranks_over_gloo_match_single_process(model_dir: str, tmp_path: Path,
+                                                      algorithm: dict[str, Any]) -> None:
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), model_dir, str(tmp_path),
+                                algorithm), nprocs=2, join=True)
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     for name, value in rank0["params"].items():
         assert torch.equal(rank1["params"][name], value), name
     assert rank0["names"] == list(rank0["params"])  # HF names: no DDP "module." prefix
 
     # Same global batch in one process: the token-mean is global, so the update matches.
-    single = make_backend(make_spec(model_dir), rank=0, world_size=1, device="cpu")
+    single = make_backend(make_spec(model_dir, **algorithm), rank=0, world_size=1,
+                          device="cpu")
     assert isinstance(single, FSDPBackend)
     metrics = single.train_step(with_old(single, make_batch()))
     # The pre-clip gradient norm pins the scale (DDP averages; the loss pre-multiplies by
@@ -428,6 +438,10 @@ def test_ddp_two_ranks_over_gloo_match_single_process(model_dir: str, tmp_path: 
     assert rank0["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
     for name, value in params(single).items():
         torch.testing.assert_close(rank0["params"][name], value, rtol=0, atol=1e-5)
+    # The ranks' token-means (a custom loss's own metrics too) combine into the whole batch's.
+    combined = combine_ranks([rank0["metrics"], rank1["metrics"]])
+    for key in [k for k in metrics if k == "pg_loss" or k.startswith("loss_")]:
+        assert combined[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), key
 
 
 def test_distillation_loads_the_teacher_as_the_frozen_model(model_dir: str,

@@ -148,8 +148,28 @@ def check(spec: RLJobSpec) -> Checked:
     except (ImportError, AttributeError, TypeError, ValueError) as exc:
         raise PreflightError(f"spec.reward: {exc}") from None
     function, environment = check_agent(spec)
+    check_loss(spec)
     return Checked(tokenizer_path=tokenizer, reward_fn=reward_fn, rollout_function=function,
                    environment_class=environment)
+
+
+def check_loss(spec: RLJobSpec) -> None:
+    """algorithm.lossFunction imported and called once on a small synthetic batch
+    (algos.custom_loss.check), so a function that does not import, raises, returns the wrong
+    shape or non-finite values, or passes no gradient to the log-probs fails the job now,
+    naming the field, rather than in the training ranks after the first rollout. (Only such a
+    job imports torch here, before Ray: the check runs the function.)"""
+    a = spec.algorithm
+    if a.policy_loss != "custom" or a.loss_function is None:
+        return
+    from kuberl_trainer.algos.custom_loss import CustomLoss, LossFunctionError, check
+    from kuberl_trainer.user_code import UserCodeError
+
+    try:
+        check(CustomLoss.load(a.loss_function, a.loss_args),
+              with_ref=a.kl_coef > 0 or a.teacher_path is not None)
+    except (UserCodeError, LossFunctionError) as exc:
+        raise PreflightError(f"spec.algorithm.lossFunction: {exc}") from None
 
 
 def check_agent(spec: RLJobSpec) -> tuple[Callable[..., Any] | None, Callable[[], Any] | None]:

@@ -3,12 +3,12 @@ importance correction, the LR schedule and DAPO's shaping; and the rules between
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import AllowInfNan, Field, Strict
 
 from kuberl_api.base import ApiModel, Rule, rules_schema
-from kuberl_api.spec.common import MAX_STR
+from kuberl_api.spec.common import IMPORT_PATH_PATTERN, MAX_STR
 
 AdvantageEstimator = Literal[
     "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo",
@@ -18,10 +18,14 @@ AdvantageEstimator = Literal[
 # penalty folded into the rewards needs.
 TOKEN_LEVEL_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 KlType = Literal["k1", "k2", "k3", "low_var_kl"]
-PolicyLoss = Literal["ppo", "gspo", "cispo", "sapo", "gpg"]
+PolicyLoss = Literal["ppo", "gspo", "cispo", "sapo", "gpg", "custom"]
 # The losses that clip the ratio with epsClip / epsClipHigh (cispo clips its importance weight
-# with keys of its own; sapo and gpg clip nothing).
+# with keys of its own; sapo and gpg clip nothing; a custom loss takes its own in lossArgs).
 CLIPPED_LOSSES = ("ppo", "gspo")
+# lossArgs: a custom loss's settings, numbers only (its keyword arguments; a number in YAML is
+# a number here, never a string that happens to parse as one).
+LossArgs = dict[str, Annotated[float, Strict(), AllowInfNan(False)]]
+MAX_LOSS_ARGS = 64
 LossAggregation = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
 ]
@@ -42,9 +46,13 @@ DUAL_CLIP_PPO_ONLY = ("epsClipC (dual clip) applies to policyLoss: ppo only (gsp
                       "sequence ratio)")
 EPS_CLIP_APPLIES = ("epsClip and epsClipHigh apply to policyLoss " + " or ".join(CLIPPED_LOSSES)
                     + " only (cispo clips its weight with cispoEpsHigh and cispoEpsLow; sapo "
-                    "and gpg clip nothing)")
+                    "and gpg clip nothing; a custom loss takes its settings in lossArgs)")
 CISPO_ONLY = "cispoEpsHigh and cispoEpsLow apply to policyLoss: cispo only"
 SAPO_ONLY = "sapoTauPos and sapoTauNeg apply to policyLoss: sapo only"
+LOSS_FUNCTION_CUSTOM_ONLY = ("lossFunction is required by policyLoss custom, and only used by "
+                             "it")
+LOSS_ARGS_CUSTOM_ONLY = ("lossArgs applies to policyLoss: custom only (the keyword arguments "
+                         "of lossFunction)")
 GAMMA_APPLIES = ("gamma applies to advantageEstimator " + " or ".join(DISCOUNTED_ESTIMATORS)
                  + " only (the discount of their token returns)")
 GAE_LAMBDA_APPLIES = "gaeLambda applies to advantageEstimator: ppo only (GAE's lambda)"
@@ -85,6 +93,13 @@ class AlgorithmSpec(ApiModel):
                         == (a.teacher_path is not None)),
              "teacherPath is required by advantageEstimator on_policy_distillation, and "
              "only used by it", "teacherPath"),
+        Rule("(self.policyLoss == 'custom') == has(self.lossFunction)",
+             lambda a: (a.policy_loss == "custom") == (a.loss_function is not None),
+             LOSS_FUNCTION_CUSTOM_ONLY, "lossFunction",
+             detail=lambda a: f"policyLoss = {a.policy_loss}"),
+        Rule("size(self.lossArgs) == 0 || self.policyLoss == 'custom'",
+             lambda a: not a.loss_args or a.policy_loss == "custom", LOSS_ARGS_CUSTOM_ONLY,
+             "lossArgs", detail=lambda a: f"policyLoss = {a.policy_loss}"),
         Rule("self.klPenalty != 'reward' || self.klCoef > 0.0",
              lambda a: a.kl_penalty != "reward" or a.kl_coef > 0, KL_REWARD_NEEDS_COEF,
              "klPenalty"),
@@ -148,7 +163,19 @@ class AlgorithmSpec(ApiModel):
         "epsClip 3e-4, epsClipHigh 4e-4); cispo: REINFORCE weighted by the clipped ratio "
         "under stop-gradient, no token dropped (cispoEpsHigh, cispoEpsLow); sapo: a soft "
         "sigmoid gate of the ratio instead of the clip (sapoTauPos, sapoTauNeg); gpg: the "
-        "plain policy gradient -A * log-prob, no ratio and no clip.")
+        "plain policy gradient -A * log-prob, no ratio and no clip; custom: the job's own "
+        "per-token term, lossFunction (docs/algorithms.md, \"Your own loss\").")
+    loss_function: str | None = Field(
+        None, max_length=MAX_STR, pattern=IMPORT_PATH_PATTERN,
+        description="policyLoss custom: `module:function`, `fn(inp, **lossArgs) -> (loss, "
+        "metrics)`, the per-token policy loss [B, T] from inp's logp (with gradient), old_logp "
+        "(pi_old), rollout_logp, ref_logp, advantages, mask and entropy; kuberl keeps the "
+        "importance weights, the KL and entropy terms and the aggregation. Imported by every "
+        "training rank (in a cluster: from spec.code or the image) and called once on a "
+        "synthetic batch before the job starts.")
+    loss_args: LossArgs = Field(
+        default_factory=dict, max_length=MAX_LOSS_ARGS,
+        description="policyLoss custom: numbers passed to lossFunction as keyword arguments.")
     loss_aggregation: LossAggregation = Field(
         "token-mean", description="How token losses become the loss: token-mean, "
         "seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm (Dr.GRPO: divided "

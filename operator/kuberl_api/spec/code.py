@@ -1,5 +1,6 @@
 """The code section: the user's own Python modules (rollout.function, environment.class,
-reward.function) mounted into every Ray pod of the job at CODE_DIR and put on its PYTHONPATH,
+reward.function on the head; algorithm.lossFunction in every training rank) mounted into every
+Ray pod of the job at CODE_DIR and put on its PYTHONPATH,
 from a ConfigMap or a directory of a PVC: the Kubernetes-native alternative to an image built
 on kuberl's trainer image (docs/agents.md, "Your code in a cluster")."""
 

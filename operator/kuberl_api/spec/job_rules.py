@@ -208,9 +208,9 @@ METADATA_NEEDS_EPISODES = ("data.metadataKeys needs rollout.function or environm
 ROWS_NEED_FUNCTION = ("rollout.maxRowsPerSample above 1 needs rollout.function (the built-in "
                       "loop and a single turn make one row per sample)")
 CODE_NEEDS_USER_CODE = (
-    "code mounts modules that only the head imports: it needs rollout.function, "
-    "environment.class without environment.image (an image serves its own class) or "
-    "reward.function")
+    "code mounts modules that only the job's own functions import: it needs "
+    "rollout.function, environment.class without environment.image (an image serves its own "
+    "class), reward.function or algorithm.lossFunction")
 # The estimators that give a sample's rows its one advantage: group-relative, per sequence.
 ROW_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 ROWS_NEED_SEQUENCE_ESTIMATOR = (
@@ -491,9 +491,10 @@ JOB_RULES = (
     # environment.image, which lives in that image and never sees this mount).
     Rule("!(has(self.code.configMap) || has(self.code.pvc)) || has(self.rollout.function) || "
          "(has(self.environment.class) && !has(self.environment.image)) || "
-         "has(self.reward.function)",
+         "has(self.reward.function) || has(self.algorithm.lossFunction)",
          lambda s: (s.code.source is None or s.rollout.function is not None
                     or (s.environment.class_ is not None and s.environment.image is None)
-                    or s.reward.function is not None),
+                    or s.reward.function is not None
+                    or s.algorithm.loss_function is not None),
          CODE_NEEDS_USER_CODE, "code"),
 )

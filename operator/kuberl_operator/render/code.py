@@ -2,7 +2,8 @@
 mounted read-only at CODE_DIR in the head and every worker group, and CODE_DIR put first on the
 Ray container's PYTHONPATH, so the driver and every Ray worker process import them.
 
-Why every Ray pod, not only the head that imports them: Ray unpickles what it ships between
+Why every Ray pod, not only the head that imports them: the training ranks import
+algorithm.lossFunction themselves (on the train pods), and Ray unpickles what it ships between
 processes on whichever pod a task or actor lands (as the images install the whole
 distribution for that reason); a mount costs nothing where it is not read. Not the pods of
 environment.image: its class lives in its own image (a rule refuses code that only such a

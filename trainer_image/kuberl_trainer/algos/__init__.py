@@ -5,5 +5,6 @@ tensors so it can be tested against hand-computed values.
 """
 
 from kuberl_trainer.algos import advantages, filters, kl
+from kuberl_trainer.algos.custom_loss import LossInputs  # what a job's own loss receives
 
-__all__ = ["advantages", "filters", "kl"]
+__all__ = ["LossInputs", "advantages", "filters", "kl"]

@@ -1,5 +1,6 @@
 """The training objective of one micro-batch, from per-token pieces to the number a backend
-backpropagates: policy loss (PPO clip, GSPO, CISPO, SAPO or GPG), optionally reweighted by
+backpropagates: policy loss (PPO clip, GSPO, CISPO, SAPO, GPG or the job's own,
+``algos.custom_loss``), optionally reweighted by
 truncated or masked importance sampling, plus the KL and entropy terms, aggregated by the job's
 loss-aggregation mode.
 
@@ -39,6 +40,7 @@ from kuberl_api.spec import (
     RLJobSpec,
 )
 from kuberl_trainer.algos import aggregation, importance, kl as kl_estimators, policy_loss
+from kuberl_trainer.algos.custom_loss import CustomLoss, LossInputs
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,12 @@ class Objective:
     aggregation: LossAggregation = "token-mean"
     horizon: int | None = None    # the generation budget, for seq-mean-token-sum-norm
     old_logprobs: OldLogprobs = "trainer"  # whose log-probs are pi_old
+    custom_loss: CustomLoss | None = None  # policyLoss custom: lossFunction, imported
+
+    def __post_init__(self) -> None:
+        if (self.policy_loss == "custom") != (self.custom_loss is not None):
+            raise ValueError("policyLoss custom needs its loss function (custom_loss), and "
+                             "only it takes one")
 
     @classmethod
     def from_spec(cls, spec: RLJobSpec) -> Objective:
@@ -71,7 +79,11 @@ class Objective:
                    kl_type=a.kl_loss_type, entropy_coef=a.entropy_coef,
                    tis_cap=effective_tis_cap(spec), importance_mask=a.importance_mask,
                    aggregation=a.loss_aggregation, horizon=spec.data.max_response_len,
-                   old_logprobs=a.old_logprobs)
+                   old_logprobs=a.old_logprobs,
+                   # (imported here, where the ranks build their backends: every training
+                   # process imports the user's module, as preflight did on the head)
+                   custom_loss=(CustomLoss.load(a.loss_function, a.loss_args)
+                                if a.policy_loss == "custom" and a.loss_function else None))
 
     @property
     def needs_entropy_grad(self) -> bool:
@@ -103,7 +115,8 @@ class Objective:
 
         Returns:
             ``(partial_sum, metrics)``; metrics are token-means over this micro-batch:
-            ``pg_loss``, ``pg_clipfrac`` (and ``pg_clipfrac_lower`` with dual clip),
+            ``pg_loss``, ``pg_clipfrac`` (and ``pg_clipfrac_lower`` with dual clip; neither
+            with a custom loss, which reports its own as ``loss_<name>``),
             ``ratio_mean``/``ratio_max``/``ratio_min``, ``approx_kl`` (k1 of KL(old || policy)),
             ``entropy``, ``kl_ref`` (when a reference is given), TIS metrics with tisCap, the
             train-inference gap (``importance.gap_metrics``) whenever both the trainer's and
@@ -113,8 +126,13 @@ class Objective:
             stalling the GPU once per micro-batch.
         """
         pi_old = self._pi_old(old_logp, rollout_logp)
-        pg, flags = POLICY_LOSSES[self.policy_loss](self, logp, pi_old, adv, mask)
         metrics: dict[str, Tensor] = {}
+        if self.custom_loss is not None:
+            pg, flags, own = self._custom_term(logp, pi_old, adv, mask, entropy=entropy,
+                                               rollout_logp=rollout_logp, ref_logp=ref_logp)
+            metrics.update(own)
+        else:
+            pg, flags = POLICY_LOSSES[self.policy_loss](self, logp, pi_old, adv, mask)
         if old_logp is not None and rollout_logp is not None:
             metrics.update(importance.gap_metrics(old_logp, rollout_logp, mask))
         if self.tis_cap is not None:
@@ -148,6 +166,23 @@ class Objective:
                                       old_logp=pi_old, entropy=entropy, kl_ref=kl_ref))
         return partial, metrics
 
+    def _custom_term(self, logp: Tensor, pi_old: Tensor, adv: Tensor, mask: Tensor, *,
+                     entropy: Tensor, rollout_logp: Tensor | None, ref_logp: Tensor | None
+                     ) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+        """The job's own per-token term, its ratio (for the ratio metrics, as the built-in
+        losses report it) and its own metrics (``loss_<name>``). Off the mask the result is
+        0 whatever the function put there."""
+        assert self.custom_loss is not None
+        if rollout_logp is None:
+            raise ValueError("policyLoss custom needs the engines' log-probs (rollout_logp)")
+        inp = LossInputs.of(logp=logp, old_logp=pi_old, rollout_logp=rollout_logp,
+                            ref_logp=ref_logp, advantages=adv, mask=mask, entropy=entropy)
+        per_token, own = self.custom_loss(inp)
+        on = mask.bool()
+        pg = torch.where(on, per_token, torch.zeros_like(per_token))
+        ratio = torch.exp(torch.where(on, logp.detach() - pi_old, torch.zeros_like(logp)))
+        return pg, {"ratio": ratio}, own
+
     def _pi_old(self, old_logp: Tensor | None, rollout_logp: Tensor | None) -> Tensor:
         """The ratio's denominator: the engines' log-probs with ``oldLogprobs: engine``,
         else the trainer's."""
@@ -179,7 +214,8 @@ def effective_tis_cap(spec: RLJobSpec) -> float | None:
 _LossFn = Callable[[Objective, Tensor, Tensor, Tensor, Tensor],
                    tuple[Tensor, dict[str, Tensor]]]
 
-# Each policyLoss value and the settings it reads: (objective, logp, old_logp, adv, mask).
+# Each built-in policyLoss value and the settings it reads: (objective, logp, old_logp, adv,
+# mask). (custom is the job's own: Objective._custom_term.)
 POLICY_LOSSES: dict[str, _LossFn] = {
     "ppo": lambda o, lp, old, adv, m: policy_loss.ppo_clip(
         lp, old, adv, m, o.eps_clip, o.eps_clip_high, clip_c=o.clip_c),
@@ -214,13 +250,14 @@ def _token_metrics(on: Tensor, *, pg: Tensor, flags: dict[str, Tensor], logp: Te
 
     values = {
         "pg_loss": mean(pg),
-        "pg_clipfrac": (flags["clipped"] & on).sum() / denom,
         "ratio_mean": mean(ratio),
         "ratio_max": extreme(torch.where(on, ratio, -math.inf).max()),
         "ratio_min": extreme(torch.where(on, ratio, math.inf).min()),
         "approx_kl": mean(old_logp - logp),
         "entropy": mean(entropy),
     }
+    if "clipped" in flags:  # (a custom loss reports what it clips itself)
+        values["pg_clipfrac"] = (flags["clipped"] & on).sum() / denom
     if "clipped_lower" in flags:
         values["pg_clipfrac_lower"] = (flags["clipped_lower"] & on).sum() / denom
     if kl_ref is not None:
