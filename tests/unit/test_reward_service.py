@@ -265,7 +265,7 @@ def test_a_batch_failing_past_its_retries_fails_the_job_quoting_the_last_answer(
             with pytest.raises(RewardError) as info:
                 await scorer(server.url, max_retries=2).score(items(9))
         assert str(info.value) == (
-            f"reward.url {server.url}: a batch of 3 samples failed 3 times "
+            f"reward.url {server.url}: a batch of 3 samples failed after 3 attempts "
             "(reward.maxRetries 2); the last: HTTP 500: grader crashed on 3:0:3:0: boom")
         assert [len(r.ids) for r in server.requests if r.status == 500] == [3, 3, 3]
     asyncio.run(run())

@@ -122,7 +122,8 @@ class RemoteScorer:
                 raise RewardError(f"reward.url {url} refused a batch of {len(batch)} samples "
                                   f"(HTTP {status}, not retried): {trimmed(text)}")
             last, wait = f"HTTP {status}: {trimmed(text)}", after or 0.0
-        error = (f"reward.url {url}: a batch of {len(batch)} samples failed {tries} times "
+        attempts = "1 attempt" if tries == 1 else f"{tries} attempts"
+        error = (f"reward.url {url}: a batch of {len(batch)} samples failed after {attempts} "
                  f"(reward.maxRetries {self.max_retries}); the last: {last}")
         if not self.drop:
             raise RewardError(error)
