@@ -36,9 +36,9 @@ async def run(lr: float, steps: int, every: int) -> list[tuple[int, float, float
     from kuberl_api.spec import RLJobSpec
     from kuberl_trainer.backends.fsdp import FSDPBackend
     from kuberl_trainer.engines.client import EngineClient
+    from kuberl_trainer.rollout.grading import load_grader
     from kuberl_trainer.rollout.manager import RolloutManager
     from kuberl_trainer.rollout.prompts import PromptSource
-    from kuberl_trainer.rollout.grading import load_grader
     from kuberl_trainer.weight_sync.sender import send_tensors
     from tests.integration.local_run import TEACHER_SFT_STEPS, tiny_job
 

@@ -8,6 +8,8 @@ is retried (with the same ids: cache by id if grading is costly); any other erro
 job with this server's text, so answer 400 with a reason for a request you cannot grade.
 """
 
+import json
+
 from aiohttp import web
 
 
@@ -16,11 +18,10 @@ def grade(prompt: str, response: str, label: str, metadata: dict) -> float:
 
 
 async def score(request: web.Request) -> web.Response:
-    body = await request.json()
     try:
         rewards = [grade(i["prompt"], i["response"], i["label"], i["metadata"])
-                   for i in body["items"]]
-    except (KeyError, TypeError) as exc:
+                   for i in json.loads(await request.read())["items"]]
+    except (KeyError, TypeError, ValueError) as exc:
         return web.Response(status=400, text=f"malformed request: {exc!r}")
     return web.json_response({"rewards": rewards})
 

@@ -19,9 +19,9 @@ from kuberl_api import parse
 from kuberl_trainer.agents import EnvironmentFailure, RolloutContext, Trajectory
 from kuberl_trainer.engines.client import GenerateResult
 from kuberl_trainer.rollout.generate import sample_seed
+from kuberl_trainer.rollout.grading import load_grader
 from kuberl_trainer.rollout.manager import RolloutError, RolloutManager
 from kuberl_trainer.rollout.prompts import PromptSource
-from kuberl_trainer.rollout.grading import load_grader
 from tests.integration.tiny_model import build_tokenizer
 
 TOK = build_tokenizer()

@@ -27,7 +27,7 @@ from kuberl_trainer.rollout.manager import Rollout, RolloutError, RolloutManager
 from kuberl_trainer.rollout.prompts import PromptSource
 from kuberl_trainer.rollout.rewards import RewardError, RewardLoadError
 from tests.integration.tiny_model import build_tokenizer
-from tests.reward_server import RewardServer, exact
+from tests.reward_server import RewardServer
 from tests.unit.test_rollout_manager import TableEngine
 
 TOK = build_tokenizer()

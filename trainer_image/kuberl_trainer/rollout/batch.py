@@ -11,6 +11,7 @@ each with the reason (`reward_error`). Either leaves the loss with its group."""
 from __future__ import annotations
 
 import statistics
+
 import torch
 
 from kuberl_trainer.backends.base import TrainBatch

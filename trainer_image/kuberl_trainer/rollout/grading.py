@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kuberl_api.spec import RewardSpec
@@ -56,7 +56,6 @@ class RewardTally:
     retries: int = 0
     errors: int = 0
     dropped_groups: int = 0
-    reasons: list[str] = field(default_factory=list)
 
     def add(self, grades: Grades, n: int) -> None:
         self.seconds += grades.seconds
@@ -64,7 +63,6 @@ class RewardTally:
         self.errors += sum(e is not None for e in grades.errors)
         self.dropped_groups += len({j // n for j, e in enumerate(grades.errors)
                                     if e is not None})
-        self.reasons += [e for e in grades.errors if e is not None and e not in self.reasons]
 
     def metrics(self) -> dict[str, float]:
         out = {"reward_s": self.seconds}

@@ -17,6 +17,7 @@ each (the seam for reward.model: the same batching, retries and bookkeeping).
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from kuberl_trainer.rollout.rewards.protocol import (
     trimmed,
 )
 from kuberl_trainer.rollout.rewards.scorer import RewardError, RewardInput, Scored, all_or_cancel
+
+LOG = logging.getLogger("kuberl.reward")
 
 
 @dataclass
@@ -127,4 +130,5 @@ class RemoteScorer:
                  f"(reward.maxRetries {self.max_retries}); the last: {last}")
         if not self.drop:
             raise RewardError(error)
+        LOG.warning("%s: their groups leave the step (reward.onError: drop)", error)
         return _Outcome(None, tries - 1, error)

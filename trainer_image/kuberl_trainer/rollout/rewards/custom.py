@@ -29,7 +29,7 @@ class RewardLoadError(ImportError):
 def import_reward(path: str, *, batch: bool = False) -> Callable[..., Any]:
     """Import ``module:function`` and check that it takes its form's arguments."""
     try:
-        fn = import_object(path, "reward function")
+        fn: Callable[..., Any] = import_object(path, "reward function")
     except UserCodeError as exc:
         raise RewardLoadError(str(exc)) from exc
     try:
