@@ -107,16 +107,16 @@ class Grader:
             env = [None if r is None else r.env_reward for r in rows]
             assert all(r is None or e is not None for r, e in zip(rows, env, strict=True))
             return Grades(env, [None] * count, [{} for _ in trajs])
-        todo = [j for j, r in enumerate(rows) if r is not None]
-        items = [_input(key, rows[j], j % n) for j in todo]  # type: ignore[arg-type]
+        todo = [(j, row) for j, row in enumerate(rows) if row is not None]
+        items = [_input(key, row, j % n) for j, row in todo]
         started = time.perf_counter()
         scored = await self.scorer.score(items) if items else None
         seconds = time.perf_counter() - started
         grades = Grades([None] * count, [None] * count, [{} for _ in trajs], seconds,
                         scored.retries if scored else 0)
         if scored is not None:
-            for j, reward, metrics, error in zip(todo, scored.rewards, scored.metrics,
-                                                 scored.errors, strict=True):
+            for (j, _), reward, metrics, error in zip(todo, scored.rewards, scored.metrics,
+                                                      scored.errors, strict=True):
                 grades.rewards[j], grades.metrics[j] = reward, metrics
                 if reward is None:
                     grades.errors[j] = error or "no reward"
