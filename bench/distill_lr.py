@@ -36,9 +36,9 @@ async def run(lr: float, steps: int, every: int) -> list[tuple[int, float, float
     from kuberl_api.spec import RLJobSpec
     from kuberl_trainer.backends.fsdp import FSDPBackend
     from kuberl_trainer.engines.client import EngineClient
+    from kuberl_trainer.rollout.grading import load_grader
     from kuberl_trainer.rollout.manager import RolloutManager
     from kuberl_trainer.rollout.prompts import PromptSource
-    from kuberl_trainer.rollout.rewards import load
     from kuberl_trainer.weight_sync.sender import send_tensors
     from tests.integration.local_run import TEACHER_SFT_STEPS, tiny_job
 
@@ -70,13 +70,13 @@ async def run(lr: float, steps: int, every: int) -> list[tuple[int, float, float
 
             async def measure(step: int) -> None:
                 fixed = RolloutManager(eval_spec, PromptSource(data, "prompt", "label", seed=123),
-                                       client, tok, load(spec.reward), seed=5,
+                                       client, tok, load_grader(spec.reward), seed=5,
                                        ref_logprobs=backend.ref_logprobs)
                 m = (await fixed.generate(0)).metrics
                 out.append((step, m["reward_mean"], m["teacher_kl"]))
 
             train = RolloutManager(spec, PromptSource(data, "prompt", "label", seed=0), client,
-                                   tok, load(spec.reward), seed=0,
+                                   tok, load_grader(spec.reward), seed=0,
                                    ref_logprobs=backend.ref_logprobs)
             for step in range(steps):
                 if step % every == 0:

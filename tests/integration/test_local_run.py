@@ -580,6 +580,11 @@ def test_sigterm_saves_at_a_safe_point_and_the_resumed_run_replays_the_whole_one
     (lambda t: {"model": {"path": str(t / "data")}}, "spec.model.path"),
     (lambda t: {"reward": {"type": "custom", "function": "no_such_module:score"}},
      "no_such_module"),
+    # a function of one sample where reward.batch says the step's samples
+    (lambda t: {"reward": {"type": "custom", "batch": True,
+                           "function": "tests.integration.toy_rewards:leading_one"}},
+     "leading_one' takes (response: str, label: str) -> float; it is called as fn(samples) "
+     "with reward.batch: true"),
     (lambda t: {"suspend": True}, "spec.suspend"),  # held, as the operator would hold it
 ])
 def test_bad_input_fails_before_ray_starts(tiny: Path, tmp_path: Path, edit: Any,

@@ -19,9 +19,9 @@ from kuberl_api import parse
 from kuberl_trainer.agents import EnvironmentFailure, RolloutContext, Trajectory
 from kuberl_trainer.engines.client import GenerateResult
 from kuberl_trainer.rollout.generate import sample_seed
+from kuberl_trainer.rollout.grading import load_grader
 from kuberl_trainer.rollout.manager import RolloutError, RolloutManager
 from kuberl_trainer.rollout.prompts import PromptSource
-from kuberl_trainer.rollout.rewards import load
 from tests.integration.tiny_model import build_tokenizer
 
 TOK = build_tokenizer()
@@ -61,7 +61,7 @@ def manager(tmp_path: Path, rows: list[dict[str, Any]], agent: dict[str, Any], *
                                                 **agent.get("rollout", {})}}}).spec
     engine = Engine()
     source = PromptSource(data, "prompt", "label", seed=0, metadata_keys=["kind"])
-    return RolloutManager(spec, source, engine, TOK, load(spec.reward),  # type: ignore[arg-type]
+    return RolloutManager(spec, source, engine, TOK, load_grader(spec.reward),  # type: ignore[arg-type]
                           seed=SEED, rollout_function=function,
                           environment_class=environment), engine
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic.alias_generators import to_camel
 
 from kuberl_api import InvalidRLJob, parse
 from kuberl_api.spec import (
@@ -104,6 +105,12 @@ def drop(path: str) -> Callable[[dict[str, Any]], None]:
     return edit
 
 
+def remote_reward(url: str = "http://rm:8000/score", **settings: Any
+                  ) -> Callable[[dict[str, Any]], None]:
+    """Edit for spec: reward.type remote at `url`, with `settings`."""
+    return set_("reward", {"type": "remote", "url": url, **settings})
+
+
 def pool(*tolerations: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
     return set_("training.nodePool", {"tolerations": list(tolerations)})
 
@@ -125,6 +132,27 @@ BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("function-not-import-path", both(set_("reward.type", "custom"),
                                       set_("reward.function", "rewards.py")),
      "spec.reward.function", ""),
+    ("batch-without-custom", set_("reward.batch", True), "spec.reward.batch",
+     "applies only to type custom"),
+    ("remote-reward-without-url", set_("reward.type", "remote"), "spec.reward.url", "required"),
+    ("url-without-remote", set_("reward.url", "http://rm:8000/score"), "spec.reward.url",
+     "allowed only then"),
+    ("url-not-http", remote_reward(url="ftp://rm/score"), "spec.reward.url", ""),
+    ("url-without-host", remote_reward(url="http:///score"), "spec.reward.url", ""),
+    ("url-with-a-space", remote_reward(url="http://rm:8000/my score"), "spec.reward.url", ""),
+    *((f"{to_camel(f)}-without-remote", set_(f"reward.{to_camel(f)}", v),
+       f"spec.reward.{to_camel(f)}", "applies only to type remote")
+      for f, v in (("timeout_seconds", 30), ("max_retries", 0), ("batch_size", 8),
+                   ("max_concurrent_requests", 2), ("on_error", "fail"))),
+    ("timeout-zero", remote_reward(timeoutSeconds=0), "spec.reward.timeoutSeconds", ""),
+    ("retries-negative", remote_reward(maxRetries=-1), "spec.reward.maxRetries", ""),
+    ("reward-batch-size-zero", remote_reward(batchSize=0), "spec.reward.batchSize", ""),
+    ("no-request-in-flight", remote_reward(maxConcurrentRequests=0),
+     "spec.reward.maxConcurrentRequests", ""),
+    ("reward-on-error-enum", remote_reward(onError="zero"), "spec.reward.onError", "drop"),
+    ("metadata-keys-for-a-per-sample-function",
+     both(set_("reward", {"type": "custom", "function": "my_rewards:score"}),
+          set_("data.metadataKeys", ["level"])), "spec.data.metadataKeys", "reward.batch"),
     ("rollout-function-args-without-function", set_("rollout.functionArgs", {"tools": "calc"}),
      "spec.rollout.functionArgs", "only with function"),
     ("environment-args-without-class", set_("environment.args", {"level": "2"}),
@@ -940,6 +968,14 @@ GOOD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
                                                         "function": "my_rewards:score"}),
                                         set_("code", {"pvc": "code"}))),
     ("eval-mode", eval_mode()),
+    ("a-reward-service-with-everything", both(
+        remote_reward(url="https://judge.team-a.svc:8443/v1/score?model=b", timeoutSeconds=300,
+                      maxRetries=0, batchSize=64, maxConcurrentRequests=16, onError="drop"),
+        set_("data.metadataKeys", ["level"]))),
+    ("a-reward-service-in-eval-mode", eval_mode(remote_reward())),
+    ("a-batch-function-sees-metadata", both(
+        set_("reward", {"type": "custom", "function": "judge:grade", "batch": True}),
+        set_("data.metadataKeys", ["level", "rubric"]))),
     ("eval-mode-on-cpu-with-an-environment", eval_mode(
         ON_CPU, set_("environment.class", "envs:Calculator"), set_("reward.type", "environment"))),
     ("pass-k-up-to-the-samples", both(

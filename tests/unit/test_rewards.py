@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 from pathlib import Path
@@ -10,7 +11,15 @@ import pytest
 
 from kuberl_api.spec import RewardSpec
 from kuberl_trainer.rollout import rewards
-from kuberl_trainer.rollout.rewards import RewardLoadError, exact_match, math_reward, token_f1
+from kuberl_trainer.rollout.grading import load_grader
+from kuberl_trainer.rollout.rewards import (
+    RewardError,
+    RewardInput,
+    RewardLoadError,
+    exact_match,
+    math_reward,
+    token_f1,
+)
 
 
 @pytest.mark.parametrize(("response", "label", "expected"), [
@@ -75,6 +84,9 @@ def test_load_builtins() -> None:
     assert rewards.load(RewardSpec(type="exact")) is exact_match
     assert rewards.load(RewardSpec(type="f1")) is token_f1
     assert rewards.load(RewardSpec()) is math_reward  # the spec's default
+    # a service and an environment call no function of the head's
+    assert rewards.load(RewardSpec(type="remote", url="http://rm:8000/score")) is None
+    assert rewards.load(RewardSpec(type="environment")) is None
 
 
 def _module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, body: str) -> None:
@@ -87,12 +99,19 @@ def test_load_custom(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _module(tmp_path, monkeypatch, "kuberl_test_reward_ok",
             "def length_match(response, label):\n    return len(response) == len(label)\n"
             "def boom(response, label):\n    raise RuntimeError('bug in user code')\n")
-    fn = rewards.load(RewardSpec(type="custom", function="kuberl_test_reward_ok:length_match"))
-    assert fn("abc", "xyz") == 1.0 and isinstance(fn("abc", "xyz"), float)  # bool -> float
-    assert fn("ab", "xyz") == 0.0
-    boom = rewards.load(RewardSpec(type="custom", function="kuberl_test_reward_ok:boom"))
-    with pytest.raises(RuntimeError, match="bug in user code"):  # user bugs surface
-        boom("a", "b")
+    items = [RewardInput("s:0", "p", "abc", "xyz"), RewardInput("s:1", "p", "ab", "xyz")]
+    grader = load_grader(RewardSpec(type="custom",
+                                    function="kuberl_test_reward_ok:length_match"))
+    assert grader.scorer is not None
+    scored = asyncio.run(grader.scorer.score(items))
+    assert scored.rewards == [1.0, 0.0] and all(type(r) is float for r in scored.rewards)
+    boom = load_grader(RewardSpec(type="custom", function="kuberl_test_reward_ok:boom"))
+    assert boom.scorer is not None
+    with pytest.raises(RewardError) as info:  # user bugs surface, never as a reward of 0
+        asyncio.run(boom.scorer.score(items))
+    assert str(info.value) == ("reward function kuberl_test_reward_ok:boom raised on sample "
+                               "s:0: RuntimeError: bug in user code")
+    assert isinstance(info.value.__cause__, RuntimeError)
 
 
 @pytest.mark.parametrize(("body", "function", "message"), [

@@ -78,10 +78,10 @@ def setup(tmp_path: Path, ref_logprobs: Any = None, values: Any = None, sft: boo
                            "rollout": {"engine": "reference"}}}).spec
     tok = build_tokenizer()
     engine = TableEngine({r["prompt"]: r["label"] for r in rows}, tok)
-    from kuberl_trainer.rollout.rewards import load
+    from kuberl_trainer.rollout.grading import load_grader
 
     mgr = RolloutManager(spec, PromptSource(data, "prompt", "label", seed=0), engine,  # type: ignore[arg-type]
-                         tok, load(spec.reward), seed=7, ref_logprobs=ref_logprobs,
+                         tok, load_grader(spec.reward), seed=7, ref_logprobs=ref_logprobs,
                          values=values,
                          sft_source=PromptSource(data, "prompt", "label", seed=1) if sft else None)
     return mgr, engine

@@ -22,7 +22,7 @@ class PreflightError(ValueError):
 @dataclass
 class Checked:
     tokenizer_path: str
-    reward_fn: Callable[[str, str], float]
+    reward_fn: Callable[..., Any] | None  # a built-in's or reward.function, imported
     rollout_function: Callable[..., Any] | None = None  # rollout.function, imported
     environment_class: Callable[[], Any] | None = None  # environment.class, imported
 

@@ -31,6 +31,7 @@ from kuberl_trainer.report.heartbeat import ENGINE_START_S
 from kuberl_trainer.report.metrics_log import DROPPED, MetricsLog
 from kuberl_trainer.report.progress import Progress
 from kuberl_trainer.rollout.evaluation import evaluator, scores_of
+from kuberl_trainer.rollout.grading import Grader
 from kuberl_trainer.rollout.manager import DataPosition, RolloutManager
 from kuberl_trainer.rollout.prompts import PromptSource
 from kuberl_trainer.startup import HeadStart
@@ -183,12 +184,17 @@ class Session:
         LOG.info("resumed from %s (step %d)", path, state.step)
         return True
 
+    def _grader(self) -> Grader:
+        """The job's reward as the grading stage: the function preflight imported, or the
+        reward service's client."""
+        return Grader.of(self.spec.reward, self.checked.reward_fn)
+
     def train(self, progress: Progress, stop: GracefulStop | None = None) -> None:
         assert self.trainers is not None and self.engines is not None
         tokenizer = AutoTokenizer.from_pretrained(self.checked.tokenizer_path)
         memory = self.memory
         self.rollout = RolloutManager(self.spec, self.source, self.client, tokenizer,
-                                      self.checked.reward_fn, seed=self.opts.seed,
+                                      self._grader(), seed=self.opts.seed,
                                       ref_logprobs=self.trainers.ref_logprobs,
                                       values=self.critic.values if self.critic else None,
                                       sft_source=self.sft_source, sampled=memory.to_trainers,
@@ -248,7 +254,7 @@ class Session:
         print(head.clock.line(), flush=True)
         self._phase("Evaluating")
         tokenizer = AutoTokenizer.from_pretrained(self.checked.tokenizer_path)
-        scoring = evaluator(self.spec, self.client, tokenizer, self.checked.reward_fn,
+        scoring = evaluator(self.spec, self.client, tokenizer, self._grader(),
                             seed=self.opts.seed,
                             rollout_function=self.checked.rollout_function,
                             environment_class=self.checked.environment_class)

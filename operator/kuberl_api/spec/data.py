@@ -108,10 +108,11 @@ class DataSpec(ApiModel):
     metadata_keys: list[Annotated[str, Field(min_length=1, max_length=253)]] = Field(
         default_factory=list, max_length=MAX_ITEMS,
         description="Columns of the prompt file (and of data.evalSets) copied into each "
-        "sample's metadata, which a rollout.function reads as ctx.sample.metadata and an "
-        "environment.class's reset as sample.metadata; a row without one of them is an error "
-        "naming the file, the row and the key. Only with rollout.function or "
-        "environment.class.")
+        "sample's metadata, which a rollout.function reads as ctx.sample.metadata, an "
+        "environment.class's reset as sample.metadata, and a reward service (reward.type "
+        "remote) or batch reward function (reward.batch) as each item's metadata; a row "
+        "without one of them is an error naming the file, the row and the key. Only with "
+        "one of those.")
     rollout_batch_size: int = Field(32, ge=1, le=MAX_ROLLOUT_BATCH,
                                     description="Prompts per step.")
     n_samples_per_prompt: int = Field(8, ge=1, le=MAX_SAMPLES_PER_PROMPT,

@@ -203,8 +203,9 @@ ON_ERROR_NEEDS_EPISODES = ("environment.onError: drop needs environment.class or
 ENVIRONMENT_REWARD_NEEDS_EPISODES = (
     "reward.type environment needs environment.class (the sum of its step rewards) or "
     "rollout.function (the Trajectory.reward it sets)")
-METADATA_NEEDS_EPISODES = ("data.metadataKeys needs rollout.function or environment.class (only "
-                           "they see a sample's metadata)")
+METADATA_NEEDS_READER = (
+    "data.metadataKeys needs rollout.function, environment.class, reward.type remote or "
+    "reward.batch (only they see a sample's metadata)")
 ROWS_NEED_FUNCTION = ("rollout.maxRowsPerSample above 1 needs rollout.function (the built-in "
                       "loop and a single turn make one row per sample)")
 CODE_NEEDS_USER_CODE = (
@@ -475,9 +476,10 @@ JOB_RULES = (
     Rule(f"self.reward.type != 'environment' || {_EPISODES}",
          lambda s: s.reward.type != "environment" or _episodes(s),
          ENVIRONMENT_REWARD_NEEDS_EPISODES, "reward.type"),
-    Rule(f"size(self.data.metadataKeys) == 0 || {_EPISODES}",
-         lambda s: not s.data.metadata_keys or _episodes(s), METADATA_NEEDS_EPISODES,
-         "data.metadataKeys", value=lambda s: s.data.metadata_keys),
+    Rule(f"size(self.data.metadataKeys) == 0 || {_EPISODES} || self.reward.type == 'remote' "
+         "|| self.reward.batch",
+         lambda s: not s.data.metadata_keys or _episodes(s) or s.reward.sees_metadata,
+         METADATA_NEEDS_READER, "data.metadataKeys", value=lambda s: s.data.metadata_keys),
     Rule("self.rollout.maxRowsPerSample == 1 || has(self.rollout.function)",
          lambda s: s.rollout.max_rows_per_sample == 1 or s.rollout.function is not None,
          ROWS_NEED_FUNCTION, "rollout.maxRowsPerSample"),

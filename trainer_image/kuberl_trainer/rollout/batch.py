@@ -5,12 +5,12 @@ Each trajectory (a sample and seed: one member of its prompt's GRPO group) takes
 consecutive rows (rollout.maxRowsPerSample; 1 unless a rollout function returns several): its
 trajectories, then fillers out of the loss. Every row of a trajectory carries its one reward
 and score; a trajectory whose episode failed (environment.onError drop) is only fillers, the
-first with the error."""
+first with the error; one whose reward could not be had (reward.onError drop) keeps its rows,
+each with the reason (`reward_error`). Either leaves the loss with its group."""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
 
 import torch
 
@@ -55,27 +55,21 @@ def trajectories(responses: list[Response], rows: int) -> list[list[Response]]:
 
 
 def failed(trajectory: list[Response]) -> bool:
-    """Whether its episode failed (and was dropped: environment.onError drop)."""
-    return any(r.error is not None for r in trajectory)
+    """Whether it is dropped with its group: its episode failed (environment.onError drop)
+    or its reward could not be had (reward.onError drop)."""
+    return any(r.error is not None or r.reward_error is not None for r in trajectory)
+
+
+def failure(responses: list[Response]) -> str | None:
+    """The first reason a trajectory among `responses` was dropped, if one was."""
+    return next((r.error or r.reward_error for r in responses
+                 if r.error is not None or r.reward_error is not None), None)
 
 
 def graded_row(trajectory: list[Response]) -> Response | None:
     """The row its answer is read from: its last real row (None when its episode failed)."""
     real = [r for r in trajectory if not r.filler]
     return real[-1] if real else None
-
-
-def reward_of(trajectory: list[Response], reward_fn: Callable[[str, str], float], *,
-              environment: bool) -> float:
-    """Its reward: its environment's (reward.type environment) or the reward function's grade
-    of its graded row's answer; 0.0 for a failed one (a placeholder: its group is dropped)."""
-    row = graded_row(trajectory)
-    if row is None:
-        return 0.0
-    if environment:
-        assert row.env_reward is not None  # (AgentRollout sees to it)
-        return row.env_reward
-    return float(reward_fn(row.text, row.sample.label))
 
 
 def failed_groups(responses: list[Response], n: int, rows: int) -> torch.Tensor:
@@ -108,7 +102,18 @@ def step_metrics(responses: list[Response], batch: TrainBatch, rows: int = 1, *,
         "truncated_fraction": sum(r.truncated for r in real) / len(real),
         **({"rows_mean": len(real) / len(done)} if rows > 1 and done else {}),
         **(agent_metrics(real) if agentic or _multi_turn(real) else {}),
+        **reward_metrics(done),
     }
+
+
+def reward_metrics(graded: list[Response]) -> dict[str, float]:
+    """The reward service's own metrics of each trajectory (its `results[].metrics`), as
+    means over the trajectories that have each, prefixed reward/."""
+    out = {}
+    for key in sorted({k for r in graded for k in r.reward_metrics}):
+        out[f"reward/{key}"] = statistics.fmean(r.reward_metrics[key] for r in graded
+                                                if key in r.reward_metrics)
+    return out
 
 
 def agent_metrics(responses: list[Response]) -> dict[str, float]:

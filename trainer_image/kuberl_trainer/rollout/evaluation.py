@@ -2,7 +2,8 @@
 schedule.evalInterval steps and what mode eval reports once (docs/algorithms.md, "Evaluation").
 
 Each problem of a set gets the set's `nSamplesPerPrompt` samples (greedy when that is 1), each
-graded once by the job's reward; the set's mean reward (`eval_<name>_reward`) and, for each k
+graded once by the job's reward (grading.py: a set's samples in one call); the set's mean
+reward (`eval_<name>_reward`) and, for each k
 of its `passK`, avg@k, pass@k and maj@k (algos/eval_metrics.py) come from them. A sample's seed
 is a function of the run's seed, the set, the problem and the sample's index, never of the
 training step: the same weights score the same whether a training run evaluates them after
@@ -21,10 +22,10 @@ from kuberl_trainer.algos import eval_metrics
 from kuberl_trainer.algos.eval_metrics import Sampled
 from kuberl_trainer.engines.client import EngineClient
 from kuberl_trainer.rollout.agentic import agent_rollout
-from kuberl_trainer.rollout.batch import failed, graded_row, reward_of, trajectories
+from kuberl_trainer.rollout.batch import failed, graded_row, trajectories
 from kuberl_trainer.rollout.generate import Response, SingleTurn
+from kuberl_trainer.rollout.grading import Grader
 from kuberl_trainer.rollout.prompts import PromptSource, Sample
-from kuberl_trainer.rollout.rewards.answers import AnswerFn, answer_fn
 
 
 class SampleFn(Protocol):
@@ -70,62 +71,66 @@ def eval_source(spec: RLJobSpec, eval_set: EvalSet, seed: int) -> PromptSource:
                         metadata_keys=d.metadata_keys)
 
 
-def evaluator(spec: RLJobSpec, client: EngineClient, tokenizer: Any,
-              reward_fn: Callable[[str, str], float], *, seed: int,
+def evaluator(spec: RLJobSpec, client: EngineClient, tokenizer: Any, grader: Grader, *,
+              seed: int,
               rollout_function: Callable[..., Any] | None = None,
               environment_class: Callable[[], Any] | None = None) -> Evaluator:
     """The job's eval sets, sampled as its rollouts are (a single turn, or its rollout
     function or environment), on their own: mode eval, with no training."""
     single = SingleTurn(spec, client, tokenizer, seed)
     sample: SampleFn = agent_rollout(single, rollout_function, environment_class) or single
-    env = spec.reward.type == "environment"
     return Evaluator(spec.data.eval_sets, lambda e: eval_source(spec, e, seed), sample,
-                     lambda t: reward_of(t, reward_fn, environment=env),
-                     answer_fn(spec.reward, reward_fn), spec.rollout.max_rows_per_sample)
+                     grader, spec.rollout.max_rows_per_sample)
 
 
 class Evaluator:
-    """`sample`: how prompts become responses; `grade`: a trajectory's reward; `answer`: a
-    response's answer (None: answers cannot be compared, no maj@k); `rows`: each sample's
-    rows (rollout.maxRowsPerSample)."""
+    """`sample`: how prompts become responses; `grader`: the job's reward (and how to read a
+    response's answer: None, no maj@k); `rows`: each sample's rows
+    (rollout.maxRowsPerSample)."""
 
     def __init__(self, eval_sets: list[EvalSet], source: Callable[[EvalSet], PromptSource],
-                 sample: SampleFn, grade: Callable[[list[Response]], float],
-                 answer: AnswerFn | None, rows: int) -> None:
+                 sample: SampleFn, grader: Grader, rows: int) -> None:
         self.sets = [LoadedSet(e, source(e).samples()) for e in eval_sets]
-        self.sample, self.grade, self.answer, self.rows = sample, grade, answer, rows
+        self.sample, self.grader, self.rows = sample, grader, rows
 
     async def evaluate(self) -> dict[str, float]:
         """Every set's scores, as `eval_<name>_<metric>`; a failed episode
-        (environment.onError drop) is left out, and counted as eval_<name>_env_errors."""
+        (environment.onError drop) is left out, and counted as eval_<name>_env_errors, as is
+        a sample without a reward (reward.onError drop), counted as
+        eval_<name>_reward_errors."""
         out: dict[str, float] = {}
         for loaded in self.sets:
             e = loaded.spec
             n = e.n_samples_per_prompt
             responses = await self.sample(seed_key(e.name), loaded.samples, n, greedy=n == 1)
             trajs = trajectories(responses, self.rows)
-            problems = [self._problem(trajs[i:i + n], e.pass_threshold)
+            grades = await self.grader.grade(seed_key(e.name), trajs, n)
+            problems = [self._problem(trajs[i:i + n], grades.rewards[i:i + n],
+                                      e.pass_threshold)
                         for i in range(0, len(trajs), n)]
             rewards = [s.reward for p in problems for s in p]
             prefix = f"eval_{e.name}_"
             if rewards:
                 out[prefix + "reward"] = statistics.fmean(rewards)
                 scored = eval_metrics.scores([p for p in problems if p], e.pass_k,
-                                             majority=self.answer is not None)
+                                             majority=self.grader.answer is not None)
                 out.update({prefix + m: v for m, v in scored.items()})
-            if len(rewards) < len(trajs):
-                out[prefix + "env_errors"] = float(len(trajs) - len(rewards))
+            episodes = sum(failed(t) for t in trajs)
+            if episodes:
+                out[prefix + "env_errors"] = float(episodes)
+            if any(grades.errors):
+                out[prefix + "reward_errors"] = float(sum(x is not None for x in grades.errors))
         return out
 
-    def _problem(self, trajs: list[list[Response]], threshold: float) -> list[Sampled]:
-        """A problem's samples that did not fail, in their sample order."""
+    def _problem(self, trajs: list[list[Response]], rewards: list[float | None],
+                 threshold: float) -> list[Sampled]:
+        """A problem's samples that have a reward, in their sample order."""
         out = []
-        for t in trajs:
-            if failed(t):
-                continue
-            reward = self.grade(t)
+        answer = self.grader.answer
+        for t, reward in zip(trajs, rewards, strict=True):
             row = graded_row(t)
-            answer = (self.answer(row.text) if self.answer is not None and row is not None
-                      else None)
-            out.append(Sampled(reward, reward >= threshold, answer))
+            if reward is None or row is None:
+                continue
+            out.append(Sampled(reward, reward >= threshold,
+                               answer(row.text) if answer is not None else None))
         return out

@@ -41,6 +41,10 @@ class Response:
     request: int = 0  # which request that was
     reward: float = 0.0  # the verifier's
     score: float = 0.0   # what advantages are computed from: reward + shaping
+    # Why its trajectory has no reward (reward.onError drop: the reward service's batch failed
+    # after its retries): its group leaves the step, as a failed episode's does
+    reward_error: str | None = None
+    reward_metrics: dict[str, float] = field(default_factory=dict)  # the reward service's
     # Per output token, whether it is in the loss (None: all of them, a single turn); a
     # trajectory's environment tokens are not
     loss_mask: list[float] | None = None

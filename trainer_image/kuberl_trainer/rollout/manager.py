@@ -3,10 +3,12 @@
 One step's rollout (`RolloutManager.generate`, top to bottom): take `rolloutBatchSize` prompts
 from the data source, have `nSamplesPerPrompt` responses made of each (generate.py: one batched
 request per engine; agentic.py: a trajectory per sample and seed, in one row or, from a
-rollout function, up to `rollout.maxRowsPerSample`), grade each trajectory once, and then:
+rollout function, up to `rollout.maxRowsPerSample`), grade them (grading.py: each trajectory
+once, the whole batch in one call to the job's scorer), and then:
 
-0. a group with an episode that failed (environment.onError drop) leaves the loss; a step
-   whose every group did is rolled out again with the next prompts (ALL_DROPPED_RETRIES);
+0. a group with an episode that failed (environment.onError drop) or a sample without a
+   reward (reward.onError drop) leaves the loss; a step whose every group did is rolled out
+   again with the next prompts (ALL_DROPPED_RETRIES);
 1. dynamic sampling (DAPO, `dynamicSamplingRounds`): replace groups whose rewards are all
    equal by the groups of fresh prompts, for up to that many extra rounds;
 2. shape the scores (DAPO's overlong penalty, `overlongBuffer`);
@@ -37,18 +39,19 @@ from kuberl_trainer.rollout.agentic import AgentRollout, agent_rollout
 from kuberl_trainer.rollout.batch import (
     engine_throughput,
     failed_groups,
+    failure,
     pack,
-    reward_of,
     step_metrics,
     trajectories,
 )
 from kuberl_trainer.rollout.evaluation import Evaluator, eval_source
 from kuberl_trainer.rollout.generate import Response, SingleTurn
+from kuberl_trainer.rollout.grading import Grader, RewardTally
 from kuberl_trainer.rollout.prompts import PromptSource, Sample
-from kuberl_trainer.rollout.rewards.answers import answer_fn
 
-# A step whose every group lost an episode (environment.onError drop) is rolled out again
-# with the next prompts, this many times at most; then the job fails with the last error.
+# A step whose every group lost an episode or a reward (environment.onError or reward.onError
+# drop) is rolled out again with the next prompts, this many times at most; then the job fails
+# with the last error.
 ALL_DROPPED_RETRIES = 2
 
 
@@ -80,12 +83,13 @@ TokenFn = Callable[[TrainBatch], torch.Tensor]
 
 
 class RolloutManager:
-    """`ref_logprobs`: the trainer's reference log-probs of a batch (`TrainGroup.
-    ref_logprobs`), needed only when the KL penalty is in the rewards; `values`: the critic's
-    value estimates (`CriticGroup.values`), needed for ppo."""
+    """`grader`: the job's reward (grading.Grader); `ref_logprobs`: the trainer's reference
+    log-probs of a batch (`TrainGroup.ref_logprobs`), needed only when the KL penalty is in
+    the rewards; `values`: the critic's value estimates (`CriticGroup.values`), needed for
+    ppo."""
 
     def __init__(self, spec: RLJobSpec, source: PromptSource, client: EngineClient,
-                 tokenizer: Any, reward_fn: Callable[[str, str], float], *,
+                 tokenizer: Any, grader: Grader, *,
                  seed: int = 0, ref_logprobs: TokenFn | None = None,
                  values: TokenFn | None = None, sft_source: PromptSource | None = None,
                  sampled: Callable[[], Awaitable[None]] | None = None,
@@ -95,7 +99,8 @@ class RolloutManager:
         # Called once a step's sampling is over, before the trainers' passes over the batch
         # (colocated: the GPUs go from the engines to the trainers, memory_handoff.py).
         self.sampled = sampled
-        self.tokenizer, self.reward_fn = tokenizer, reward_fn
+        self.tokenizer, self.grader = tokenizer, grader
+        self._tally: RewardTally = grader.tally()  # the step's grading, for its metrics
         # How prompts become responses (generate.py, the seam): one turn each, or trajectories
         # from the user's rollout function or environment (agentic.py)
         single = SingleTurn(spec, client, tokenizer, seed)
@@ -114,8 +119,8 @@ class RolloutManager:
         self._positions: dict[int, DataPosition] = {}  # see position_at
         self._held: Callable[[], int] | None = None  # generate's, for the rollout under way
         self.evaluator = Evaluator(
-            spec.data.eval_sets, lambda e: eval_source(spec, e, seed), self._sample,
-            self._reward, answer_fn(spec.reward, reward_fn), self.rows)
+            spec.data.eval_sets, lambda e: eval_source(spec, e, seed), self._sample, grader,
+            self.rows)
 
     def position_at(self, step: int) -> DataPosition:
         """Where the prompt sources stood when step `step`'s rollout began drawing, or stand
@@ -139,6 +144,7 @@ class RolloutManager:
         n, rows = d.n_samples_per_prompt, self.rows
         started = time.perf_counter()
         self._positions[step] = self._position_now()
+        self._tally = self.grader.tally()
         # generate and grade (each trajectory's score: its reward plus the shaping)
         samples = self.source.next_batch(d.rollout_batch_size)
         responses = await self._graded(step, samples, n)
@@ -149,8 +155,9 @@ class RolloutManager:
             if retry == ALL_DROPPED_RETRIES:
                 raise RolloutError(
                     f"step {step}: every group of {retry + 1} rollouts in a row had an episode "
-                    "that failed, so none is left to train on (environment.onError: drop); "
-                    f"the last error: {next(r.error for r in responses if r.error)}")
+                    "that failed or a sample without a reward, so none is left to train on "
+                    "(environment.onError or reward.onError: drop); the last error: "
+                    f"{failure(responses)}")
             fresh = self.source.next_batch(d.rollout_batch_size)
             samples, responses = samples + fresh, await self._graded(step, fresh, n)
             errors += _errors(responses)
@@ -161,6 +168,8 @@ class RolloutManager:
             metrics["dynamic_sampling_rounds"] = rounds
         if isinstance(self._sample, AgentRollout):
             metrics["env_errors"] = errors  # episodes that failed and were dropped
+        if self.grader.scorer is not None:  # (reward.type environment grades nothing)
+            metrics.update(self._tally.metrics())
         # Which prompts this step saw: a resumed run must see exactly the same ones.
         metrics["prompts_sha"] = hashlib.sha256(
             "\n".join(f"{s.epoch}:{s.index}" for s in samples).encode()).hexdigest()[:16]
@@ -234,21 +243,22 @@ class RolloutManager:
         return pack(rows, torch.zeros(len(rows)), tok.pad_token_id)
 
     async def _graded(self, step: int, samples: list[Sample], n: int) -> list[Response]:
-        """The samples' trajectories, each graded once (its last real row's answer, or its
-        environment's reward), its reward and score on every row; a failed one is never
-        graded (its group leaves the step)."""
+        """The samples' trajectories, all graded in one call (grading.py: each by its last
+        real row's answer, or its environment's reward), its reward and score on every row.
+        A failed episode is never graded, and a trajectory the scorer could not grade
+        carries the reason (`reward_error`): either's group leaves the step, its reward a
+        placeholder 0 that nothing reads."""
         responses = await self._sample(step, samples, n, held=self._held)
         trajs = trajectories(responses, self.rows)
-        rewards = [self._reward(t) for t in trajs]
+        grades = await self.grader.grade(step, trajs, n)
+        self._tally.add(grades, n)
         penalties = self._overlong(trajs).tolist()
-        for traj, reward, penalty in zip(trajs, rewards, penalties, strict=True):
+        for traj, reward, error, scored, penalty in zip(
+                trajs, grades.rewards, grades.errors, grades.metrics, penalties, strict=True):
             for r in traj:
-                r.reward, r.score = reward, reward + penalty
+                r.reward = reward if reward is not None else 0.0
+                r.score, r.reward_error, r.reward_metrics = r.reward + penalty, error, scored
         return responses
-
-    def _reward(self, trajectory: list[Response]) -> float:
-        return reward_of(trajectory, self.reward_fn,
-                         environment=self.spec.reward.type == "environment")
 
     async def _refill(self, step: int, responses: list[Response]
                       ) -> tuple[list[Response], list[Sample], int, int]:
@@ -277,7 +287,8 @@ class RolloutManager:
 
     def _groups(self, responses: list[Response]) -> tuple[list[list[Response]], list[bool]]:
         """The prompt groups' rows, and which have score spread (the same test as
-        dropConstantGroups: ``filters.nonconstant_groups``) and no failed episode."""
+        dropConstantGroups: ``filters.nonconstant_groups``) and no failed episode or
+        reward."""
         n, rows = self.spec.data.n_samples_per_prompt, self.rows
         scores = torch.tensor([t[0].score for t in trajectories(responses, rows)],
                               dtype=torch.float32)

@@ -1,4 +1,7 @@
-"""Reward functions: ``(response, label) -> float``, chosen by the RLJob's ``reward`` section.
+"""Reward functions: ``(response, label) -> float``, chosen by the RLJob's ``reward`` section,
+the user's own (custom.py: one sample or, with reward.batch, the step's samples; plain or
+async), the scorers that call them (scorer.py) and the reward service's contract
+(protocol.py; its HTTP client is rollout/reward_client.py).
 
 Built-ins return floats in ``[0, 1]`` and never raise on odd model output (a response that
 cannot be parsed scores 0.0). Pure: no ray, network or I/O (import-linter enforces it).
@@ -6,18 +9,20 @@ cannot be parsed scores 0.0). Pure: no ray, network or I/O (import-linter enforc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kuberl_api.spec import RewardSpec
 from kuberl_trainer.rollout.rewards.custom import RewardFn, RewardLoadError, import_reward
+from kuberl_trainer.rollout.rewards.scorer import RewardError, RewardInput
 from kuberl_trainer.rollout.rewards.text import exact_match, token_f1
 
 # The math reward is imported when asked for: math-verify brings sympy, half a second of every
 # run's start-up on 2 cores that only a math reward needs.
 TEXT: dict[str, RewardFn] = {"exact": exact_match, "f1": token_f1}
 
-__all__ = ["TEXT", "RewardFn", "RewardLoadError", "environment_reward", "exact_match", "load",
-           "math_reward", "token_f1"]
+__all__ = ["TEXT", "RewardError", "RewardFn", "RewardInput", "RewardLoadError", "exact_match",
+           "load", "math_reward", "token_f1"]
 
 
 def __getattr__(name: str) -> Any:
@@ -28,27 +33,22 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def environment_reward(response: str, label: str) -> float:
-    """reward.type environment: the trajectory's reward comes from its environment (or its
-    rollout function), never from grading its text."""
-    raise RuntimeError("reward.type environment: a trajectory's reward is its environment's "
-                       "(Episode.reward, or the Trajectory.reward its rollout function set), "
-                       "not a grade of its text")
-
-
-def load(spec: RewardSpec) -> RewardFn:
-    """The reward function ``spec`` names. A custom one is imported here, at load time, so a
-    bad ``module:function`` fails the job before any rollout instead of on the first reward.
+def load(spec: RewardSpec) -> Callable[..., Any] | None:
+    """The reward function ``spec`` names (None: reward.type remote or environment, which
+    call none). A custom one is imported here, at load time, so a bad ``module:function``
+    (or one of the other form than reward.batch says) fails the job before any rollout
+    instead of on the first reward.
 
     Raises:
-        RewardLoadError: the custom function cannot be imported or is not callable.
+        RewardLoadError: the custom function cannot be imported, is not callable or does not
+            take its form's arguments.
     """
     if spec.type == "custom":
         if spec.function is None:  # the spec's validator forbids this; keep mypy honest
             raise RewardLoadError("reward type custom needs function: 'module:function'")
-        return import_reward(spec.function)
-    if spec.type == "environment":
-        return environment_reward
+        return import_reward(spec.function, batch=spec.batch)
+    if spec.type in ("environment", "remote"):
+        return None
     if spec.type == "math":
         from kuberl_trainer.rollout.rewards.math_answers import math_reward
 

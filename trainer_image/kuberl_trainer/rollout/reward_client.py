@@ -1,0 +1,134 @@
+"""The reward service's client (reward.type remote): a scorer over HTTP, `RemoteScorer`.
+
+A call to `score` cuts the items into batches of at most `batch_size`, in their order (a
+batch may hold samples of several prompts), and sends them all at once, at most
+`max_concurrent` in flight (the others wait for a slot; a batch waiting out its backoff holds
+none). Each batch is retried as rewards/protocol.py says, with the same body, so the same
+ids; a batch whose retries run out fails the job (`RewardError` naming the url and the last
+answer) or, with `drop`, leaves its items without a reward (None: the grading stage drops
+their groups). One aiohttp session per call: it belongs to the event loop that runs the call,
+and needs no teardown when the run ends.
+
+`urls`: where batches go, batch i to urls[i % len(urls)] and each retry to the next one. A
+job's reward service has one; a reward model the job serves itself would have a replica
+each (the seam for reward.model: the same batching, retries and bookkeeping).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+
+from kuberl_api.spec import RewardSpec
+from kuberl_trainer.rollout.rewards.protocol import (
+    BACKOFF_BASE_S,
+    AnswerError,
+    Result,
+    backoff_s,
+    parse_answer,
+    request_body,
+    retry_after_s,
+    retryable,
+    trimmed,
+)
+from kuberl_trainer.rollout.rewards.scorer import RewardError, RewardInput, Scored, all_or_cancel
+
+LOG = logging.getLogger("kuberl.reward")
+
+
+@dataclass
+class _Outcome:
+    results: list[Result] | None  # None: dropped after its retries
+    retries: int
+    error: str | None = None
+
+
+class RemoteScorer:
+    """`headers`: sent with every request (none for reward.url today; a served reward model
+    would need the engines' API key); `rng`, `backoff_base_s`: the backoff's jitter and
+    first delay (protocol.backoff_s; tests shorten it)."""
+
+    def __init__(self, urls: str | Sequence[str], *, timeout_s: float, max_retries: int,
+                 batch_size: int, max_concurrent: int, drop: bool = False,
+                 headers: Mapping[str, str] | None = None,
+                 rng: random.Random | None = None,
+                 backoff_base_s: float = BACKOFF_BASE_S) -> None:
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        if not self.urls or batch_size < 1 or max_concurrent < 1 or max_retries < 0:
+            raise ValueError("a reward service needs a url, batches of at least one item, "
+                             "a request in flight and no negative retries")
+        self.timeout_s, self.max_retries, self.batch_size = timeout_s, max_retries, batch_size
+        self.max_concurrent, self.drop = max_concurrent, drop
+        self.headers = dict(headers or {})
+        self.rng, self.backoff_base_s = rng or random.Random(), backoff_base_s
+
+    @classmethod
+    def from_spec(cls, spec: RewardSpec) -> RemoteScorer:
+        assert spec.url is not None  # (the spec requires it for type remote)
+        return cls(spec.url, timeout_s=spec.request_timeout_seconds,
+                   max_retries=spec.retries, batch_size=spec.request_batch_size,
+                   max_concurrent=spec.concurrent_requests, drop=spec.drops_errors)
+
+    async def score(self, items: Sequence[RewardInput]) -> Scored:
+        size = self.batch_size
+        batches = [list(items[i:i + size]) for i in range(0, len(items), size)]
+        slots = asyncio.Semaphore(self.max_concurrent)
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout, headers=self.headers) as session:
+            outcomes = await all_or_cancel(self._batch(session, slots, k, batch)
+                                           for k, batch in enumerate(batches))
+        scored = Scored([], [], [], retries=sum(o.retries for o in outcomes))
+        for outcome, batch in zip(outcomes, batches, strict=True):
+            if outcome.results is None:
+                scored.rewards += [None] * len(batch)
+                scored.metrics += [{} for _ in batch]
+                scored.errors += [outcome.error] * len(batch)
+            else:
+                scored.rewards += [r.reward for r in outcome.results]
+                scored.metrics += [r.metrics for r in outcome.results]
+                scored.errors += [None] * len(batch)
+        return scored
+
+    async def _batch(self, session: aiohttp.ClientSession, slots: asyncio.Semaphore,
+                     k: int, batch: list[RewardInput]) -> _Outcome:
+        body, ids = request_body(batch), [i.id for i in batch]
+        tries, last, wait = self.max_retries + 1, "", 0.0
+        url = self.urls[k % len(self.urls)]
+        for attempt in range(tries):
+            if attempt:
+                await asyncio.sleep(max(wait, backoff_s(attempt - 1, self.rng,
+                                                        self.backoff_base_s)))
+            url = self.urls[(k + attempt) % len(self.urls)]
+            async with slots:
+                try:
+                    async with session.post(url, json=body) as resp:
+                        status, text = resp.status, await resp.text(errors="replace")
+                        after = retry_after_s(resp.headers.get("Retry-After"))
+                except TimeoutError:
+                    last, wait = f"no answer within {self.timeout_s:g} s", 0.0
+                    continue
+                except (aiohttp.ClientError, OSError) as exc:
+                    last, wait = f"{type(exc).__name__}: {exc}", 0.0
+                    continue
+            if 200 <= status < 300:
+                try:
+                    return _Outcome(parse_answer(text, ids), attempt)
+                except AnswerError as exc:
+                    raise RewardError(f"reward.url {url}: {exc} (HTTP {status}: "
+                                      f"{trimmed(text)})") from None
+            if not retryable(status):
+                raise RewardError(f"reward.url {url} refused a batch of {len(batch)} samples "
+                                  f"(HTTP {status}, not retried): {trimmed(text)}")
+            last, wait = f"HTTP {status}: {trimmed(text)}", after or 0.0
+        attempts = "1 attempt" if tries == 1 else f"{tries} attempts"
+        error = (f"reward.url {url}: a batch of {len(batch)} samples failed after {attempts} "
+                 f"(reward.maxRetries {self.max_retries}); the last: {last}")
+        if not self.drop:
+            raise RewardError(error)
+        LOG.warning("%s: their groups leave the step (reward.onError: drop)", error)
+        return _Outcome(None, tries - 1, error)
