@@ -78,3 +78,22 @@ def test_without_a_writable_ledger_the_os_port_is_used(monkeypatch: pytest.Monke
     assert 0 < port < 65536
     monkeypatch.setattr(ray_actors, "_os_free_port", iter([7000, 7000, 7001]).__next__)
     assert ray_actors.distinct_free_ports(2) == [7000, 7001]  # (the OS repeated itself)
+
+
+def test_ports_come_from_outside_the_kernels_ephemeral_range() -> None:
+    """A kernel-picked port is the kernel's to hand out again (Ray's workers listen on such
+    ports) before an engine binds it: free_port looks below the range first."""
+    import socket
+
+    low, high = ray_actors.ephemeral_range()
+    ports = {ray_actors._os_free_port() for _ in range(20)}
+    assert all(ray_actors.OWN_PORTS[0] <= p < ray_actors.OWN_PORTS[1] for p in ports), ports
+    assert not any(low <= p <= high for p in ports)
+    for port in ports:  # free when handed out
+        with socket.socket() as s:
+            s.bind(("", port))
+
+
+def test_with_no_room_outside_the_range_the_kernel_picks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ray_actors, "ephemeral_range", lambda: (1024, 65535))
+    assert 0 < ray_actors._os_free_port() < 65536

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import random
 import socket
 import sys
 import tempfile
@@ -23,8 +24,39 @@ PORT_LEDGER = Path(tempfile.gettempdir()) / f"kuberl-ports-{os.getuid()}"
 PORT_HOLD_S = 900.0  # an engine binds its port once its model is loaded: minutes, for a large one
 
 
+# Where free_port looks first: below Linux's default ephemeral range (32768-60999), and apart
+# from the range the e2e harness gives its control planes (e2e/controlplane/procs.py, 20000+).
+OWN_PORTS = (12000, 20000)
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for bind(0) and outgoing connections' local ports (Linux's default
+    where it cannot be read)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def _os_free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, outside the kernel's ephemeral range where there is room. A port the
+    kernel picked (bind to 0) is one it hands out again to the next bind(0) or outgoing
+    connection, and an engine binds its port only once its model is loaded: meanwhile Ray
+    starts workers that listen on kernel-picked ports, and one took an engine's (the engine
+    then died with "address already in use", two integration tests side by side)."""
+    low, high = ephemeral_range()
+    for _ in range(64):
+        port = random.randrange(*OWN_PORTS)
+        if low <= port <= high:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:  # (in use: try another)
+                continue
+            return port
+    with socket.socket() as s:  # (no room outside the range: the kernel's pick)
         s.bind(("", 0))
         return int(s.getsockname()[1])
 
