@@ -91,7 +91,6 @@ async def _run(parts: Parts, start: int, total: int, weight_version: int, max_st
             t0 = time.perf_counter()
             rollout, submitted = await _next(ready, producer)
             waiting_after = ready.qsize()
-            await engines.notify()  # (room for the next rollout, if the depth allows)
             t1 = time.perf_counter()
             parts.stop.check()
             trained_from = weight_version
@@ -148,11 +147,11 @@ async def _produce(parts: Parts, engines: _Engines, ready: asyncio.Queue[tuple[R
     """Generate every step's rollout in order, each as soon as the bound and the run-ahead
     depth allow."""
     for step in range(start, total):
-        oldest_allowed = first_version + (step - start) - max_staleness
         waited = time.perf_counter()
         async with engines.changed:
-            while (engines.version < oldest_allowed
-                   or not engines.ahead.room(ready.qsize())):
+            # (the depth is the bound's own: maxStaleness, or less under runAhead adaptive;
+            # read again on every wake, as it may change while the producer waits)
+            while engines.version < first_version + (step - start) - engines.ahead.depth:
                 await engines.changed.wait()
         async with _between_rollouts(engines, partial):  # (held: updates wait for it)
             began = time.perf_counter()

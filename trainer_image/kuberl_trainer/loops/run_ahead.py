@@ -8,15 +8,17 @@ waits in the buffer, and trains on weights more versions old. On the demo job (a
 2e-4, one CPU engine, far faster than the trainer) the engines sat at the bound of 4 and async
 kept 62% of sync's gain over 100 steps (bench/RESULTS.md, "Async off-policy correction").
 
-``adaptive`` keeps a *depth*: the number of rollouts the engines may hold ready (or generate)
-ahead of the trainers, from 1 (one-step-off) up to maxStaleness. The trainers' idle time is the
-signal, as in TCP's congestion window: a step on which the trainers waited for a rollout (or
-for the engines to finish one before an update) deepens it at once; `PATIENCE` steps in a row
-that found a rollout already waiting behind the one taken, with no wait, shallow it by one.
-When generation is the slower side the depth climbs to the bound and the loop behaves as
-``bound`` does; when it is the faster side the depth settles at 1 and samples are as fresh as
-one-step-off's, with the same throughput (the trainers never wait). ``bound`` always runs to
-the bound: the deepest buffer against bursty generation, at the staleness's price.
+``adaptive`` keeps a *depth*, a staleness bound of its own between 1 (one-step-off) and
+maxStaleness: the rollout that will train under policy version v starts once the engines hold
+weights of version v - depth, exactly as maxStaleness's rule with the depth in its place. The
+trainers' idle time is the signal, as in TCP's congestion window: a step on which the trainers
+waited for a rollout (or for the engines to finish one before an update) deepens it at once;
+`PATIENCE` steps in a row that found a rollout already waiting behind the one taken, with no
+wait, shallow it by one. When generation is the slower side the depth climbs to the bound and
+the loop behaves as ``bound`` does; when it is the faster side the depth settles at 1 and
+samples are as fresh as one-step-off's, with the same throughput (the trainers never wait).
+``bound`` always runs to the bound: the deepest buffer against bursty generation, at the
+staleness's price.
 """
 
 from __future__ import annotations
@@ -65,9 +67,3 @@ class RunAheadDepth:
         else:
             self.surplus_steps = 0
         return self.depth
-
-    def room(self, waiting: int) -> bool:
-        """May the engines start another rollout with ``waiting`` ready and not yet taken?
-        (The producer generates one rollout at a time, so ready + the one it would start stay
-        within the depth; with ``bound`` only maxStaleness holds them back.)"""
-        return self.mode == "bound" or waiting < self.depth
