@@ -45,6 +45,8 @@ KUBERL_ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
         "dist-init-addr", "nccl-init-addr", "nnodes", "node-rank"),
     "the job's engine API key (the operator's per-job Secret, given to SGLang in a --config "
     "file)": ("api-key", "config"),
+    "reward.model.form (a scalar reward model is served as an embedding model; a policy or a "
+    "judge generates)": ("is-embedding",),
 }
 KUBERL_ENGINE_FLAG_SOURCE = {flag: source for source, flags in KUBERL_ENGINE_FLAGS.items()
                              for flag in flags}

@@ -43,6 +43,9 @@ ENV_ENVIRONMENT_URL: Final = "KUBERL_ENVIRONMENT_URL"
 RESOURCE_TRAIN: Final = "kuberl_train"
 RESOURCE_ROLLOUT: Final = "kuberl_rollout"
 RESOURCE_CRITIC: Final = "kuberl_critic"
+# A served reward model's engine (reward.model) asks for gpusPerReplica units of RESOURCE_REWARD
+# (1 on CPU): the reward pods carry one per GPU, or one on CPU.
+RESOURCE_REWARD: Final = "kuberl_reward"
 
 # Stopping gracefully (preemption, suspend, a node drain): the head's preStop hook runs
 # `kuberl graceful-stop head`, which signals the training driver (its pid in DRIVER_PID_FILE) and

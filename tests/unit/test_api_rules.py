@@ -34,6 +34,9 @@ PYTHON_ONLY = {
     # The CRD cannot carry SGLang's flag table (kuberl_api/engine_flags.py): the API server
     # admits what this refuses, and test_api_validation's SGLANG_REFUSES says so.
     "RolloutSpec": {"_sglang_engine_flags"},
+    "RewardModelSpec": {"_sglang_engine_flags"},
+    # Nor a format string's parser or a regular expression's compiler (reward.model.judge).
+    "JudgeSpec": {"_fillable"},
 }
 # ApiModel's own validators, which check RULES and FIELD_RULES.
 RULE_VALIDATORS = {"_rules_hold", "_field_rules_hold"}
@@ -154,6 +157,20 @@ EXTRA_BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
       for flags in (*KUBERL_ENGINE_FLAGS.values(), *ENGINE_FLAGS_REFUSED.values())),
     *((f"engineListArgs-sets-{flags[0]}", set_("rollout.engineListArgs", {flags[0]: ["1"]}))
       for flags in (*KUBERL_ENGINE_FLAGS.values(), *ENGINE_FLAGS_REFUSED.values())),
+    ("reward-model-without-model", set_("reward", {"type": "model"})),
+    ("reward-model-sglang-on-cpu",
+     set_("reward", {"type": "model", "model": {"path": "/m", "gpusPerReplica": 0}})),
+    ("reward-model-judge-without-judge",
+     set_("reward", {"type": "model", "model": {"path": "/m", "form": "judge"}})),
+    ("reward-model-reference-engine-arg",
+     set_("reward", {"type": "model", "model": {"path": "/m", "engine": "reference",
+                                                "engineArgs": {"chunked-prefill-size": "8"}}})),
+    ("reward-model-path-off-storage",
+     set_("reward", {"type": "model", "model": {
+         "path": "/m", "storage": {"pvc": "rm", "mountPath": "/rm"}}})),
+    ("reward-model-tokenizer-off-storage",
+     set_("reward", {"type": "model", "model": {
+         "path": "/rm/m", "tokenizer": "/t", "storage": {"pvc": "rm", "mountPath": "/rm"}}})),
 ]
 CASES = dict([(case, edit) for case, edit, *_ in BAD_SPECS] + EXTRA_BAD_SPECS)
 

@@ -32,21 +32,27 @@ class Storage(ApiModel):
     read_only: bool = Field(True, description="Mount read-only.")
 
 
-class ModelSpec(ApiModel):
-    """The policy's starting point: a Hugging Face checkpoint directory."""
-
-    RULES = (
+def storage_rules(what: str = "the model") -> tuple[Rule, ...]:
+    """A checkpoint's path and tokenizer lie under its storage's mountPath when a PVC holds
+    it (`what`: the policy's model, a served reward model)."""
+    return (
         Rule(f"!has(self.storage) || {under_cel('self.path', _MOUNT)}",
              lambda m: m.storage is None or under(m.path, m.storage.mount_path),
-             "path must lie under storage.mountPath when a PVC holds the model", "path",
+             f"path must lie under storage.mountPath when a PVC holds {what}", "path",
              detail=lambda m: f"storage.mountPath = {m.storage.mount_path}"),
         Rule(f"!has(self.storage) || !has(self.tokenizer) || "
              f"{under_cel('self.tokenizer', _MOUNT)}",
              lambda m: (m.storage is None or m.tokenizer is None
                         or under(m.tokenizer, m.storage.mount_path)),
-             "tokenizer must lie under storage.mountPath when a PVC holds the model",
+             f"tokenizer must lie under storage.mountPath when a PVC holds {what}",
              "tokenizer", detail=lambda m: f"storage.mountPath = {m.storage.mount_path}"),
     )
+
+
+class ModelSpec(ApiModel):
+    """The policy's starting point: a Hugging Face checkpoint directory."""
+
+    RULES = storage_rules()
     model_config = {"json_schema_extra": rules_schema(RULES)}
 
     path: str = Field(min_length=1, max_length=MAX_STR,
