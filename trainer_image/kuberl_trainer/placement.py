@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kuberl_api.runtime import RESOURCE_CRITIC, RESOURCE_ROLLOUT, RESOURCE_TRAIN
+from kuberl_api.runtime import RESOURCE_CRITIC, RESOURCE_REWARD, RESOURCE_ROLLOUT, RESOURCE_TRAIN
 from kuberl_api.spec import RLJobSpec
 
 
@@ -110,6 +110,30 @@ def _with_critic(spec: RLJobSpec, lay: Layout) -> Layout:
     return dataclasses.replace(lay, critic_workers=spec.critic_world_size, critic_actor=critic)
 
 
+def reward_actor(spec: RLJobSpec) -> ActorShape | None:
+    """One served reward model engine (reward.model): its GPUs Ray's (never colocated), one
+    unit of the reward pods' resource per GPU, or one on CPU. None: no reward model."""
+    m = spec.reward.model
+    if m is None:
+        return None
+    gpus = m.gpus_per_replica
+    return ActorShape(num_cpus=1 if gpus else _CPU_SLIVER, num_gpus=gpus,
+                      resources={RESOURCE_REWARD: gpus or 1})
+
+
+def reward_sharing(spec: RLJobSpec, lay: Layout, one_machine: bool) -> int:
+    """The CPU actors a reward model engine splits a machine's cores with (see cpu_sharing):
+    in mode sync it grades while the policy's engines and trainers wait, so only its own
+    replicas; in mode async everything runs at once."""
+    m = spec.reward.model
+    if not one_machine or m is None:
+        return 1
+    own = m.replicas
+    if spec.mode == "async":
+        return own + lay.train_workers + lay.engines * lay.engine_nodes
+    return own
+
+
 def cpu_threads(cores: int, actors_sharing: int) -> int:
     """Torch intra-op threads for one CPU actor (training worker or engine).
 
@@ -144,6 +168,9 @@ def local_resources(spec: RLJobSpec) -> dict[str, float]:
     out = {RESOURCE_TRAIN: train_units, RESOURCE_ROLLOUT: rollout_units}
     if lay.critic_actor is not None:
         out[RESOURCE_CRITIC] = lay.critic_workers * lay.critic_actor.resources[RESOURCE_CRITIC]
+    reward = reward_actor(spec)
+    if reward is not None and spec.reward.model is not None:
+        out[RESOURCE_REWARD] = spec.reward.model.replicas * reward.resources[RESOURCE_REWARD]
     return out
 
 

@@ -106,12 +106,14 @@ def check_engine_tp(spec: RLJobSpec) -> None:
     size; KV heads by it, or it by them (then each is replicated); the MLP's intermediate size
     by it. Checked here for every engine, the reference engine included, so a CPU run refuses
     what the cluster's engines would crash on."""
-    import json
+    _check_tp(spec.model.path, spec.rollout.gpus_per_engine, "spec.rollout.gpusPerEngine")
 
-    tp = spec.rollout.gpus_per_engine
-    if tp == 1:
+
+def _check_tp(path: str, tp: int, field: str) -> None:
+    """check_engine_tp's rule for the model at `path` served over `tp` GPUs (`field`)."""
+    if tp <= 1:
         return
-    config = json.loads((Path(spec.model.path) / "config.json").read_text())
+    config = _config(path)
     config = config.get("text_config", config)
     heads = int(config.get("num_attention_heads", 0) or 0)
     kv = int(config.get("num_key_value_heads", heads) or heads)
@@ -124,8 +126,47 @@ def check_engine_tp(spec: RLJobSpec) -> None:
     if inter and inter % tp:
         problems.append(f"its MLP intermediate size {inter}")
     if problems:
-        raise PreflightError(f"spec.rollout.gpusPerEngine: tensor parallel size {tp} must "
-                             f"divide {', '.join(problems)} ({spec.model.path}/config.json)")
+        raise PreflightError(f"{field}: tensor parallel size {tp} must "
+                             f"divide {', '.join(problems)} ({path}/config.json)")
+
+
+def _config(path: str) -> dict[str, Any]:
+    import json
+
+    config: dict[str, Any] = json.loads((Path(path) / "config.json").read_text())
+    return config
+
+
+# The heads SGLang serves with --is-embedding as a reward model's score (its model registry's
+# *ForSequenceClassification and *ForRewardModel classes), and the generators a judge can be.
+SCALAR_HEADS = ("ForSequenceClassification", "ForRewardModel")
+GENERATORS = ("ForCausalLM", "ForConditionalGeneration")
+
+
+def check_reward_model(spec: RLJobSpec) -> None:
+    """reward.model: a checkpoint and a tokenizer (the head renders its chat template) of the
+    form it is served in: a scalar head with one score for form scalar, a generator for a
+    judge; its tensor parallel size dividing it as the rollout engines' must."""
+    m = spec.reward.model
+    if m is None:
+        return
+    check_model(m.path, "spec.reward.model.path")
+    check_tokenizer(m.tokenizer_path, "spec.reward.model.tokenizer" if m.tokenizer
+                    else "spec.reward.model.path")
+    config = _config(m.path)
+    kinds = [str(a) for a in config.get("architectures") or []]
+    wanted = SCALAR_HEADS if m.form == "scalar" else GENERATORS
+    if not any(k.endswith(wanted) for k in kinds):
+        other = ("form judge serves a causal LM" if m.form == "scalar"
+                 else "form scalar serves a scalar head")
+        raise PreflightError(
+            f"spec.reward.model.path: form {m.form} needs a model whose architectures end in "
+            f"{' or '.join(wanted)}; {m.path}/config.json says {kinds or 'none'} ({other})")
+    labels = len(config.get("id2label") or {}) or int(config.get("num_labels", 1) or 1)
+    if m.form == "scalar" and labels != 1:
+        raise PreflightError(f"spec.reward.model.path: a scalar reward model scores with one "
+                             f"output; {m.path}/config.json has {labels} labels (num_labels)")
+    _check_tp(m.path, m.gpus_per_replica, "spec.reward.model.gpusPerReplica")
 
 
 def check(spec: RLJobSpec) -> Checked:
@@ -142,6 +183,7 @@ def check(spec: RLJobSpec) -> Checked:
     check_backend(spec)
     check_router(spec)
     check_engine_tp(spec)
+    check_reward_model(spec)
     check_data(spec)
     try:
         reward_fn = rewards.load(spec.reward)

@@ -18,9 +18,10 @@ from kuberl_trainer import checkpoint as ckpt
 from kuberl_trainer.actors import TrainGroup
 from kuberl_trainer.critic import CriticGroup
 from kuberl_trainer.engines.actors import EngineGroup
-from kuberl_trainer.engines.client import EngineClient
+from kuberl_trainer.engines.client import EngineClient, engine_api_key
 from kuberl_trainer.engines.fleet import Fleet
 from kuberl_trainer.engines.metrics import EngineMetrics
+from kuberl_trainer.engines.reward_engines import RewardEngines
 from kuberl_trainer.engines.router import Router
 from kuberl_trainer.loops import async_loop, sync_loop
 from kuberl_trainer.loops.parts import Parts
@@ -34,6 +35,8 @@ from kuberl_trainer.rollout.evaluation import evaluator, scores_of
 from kuberl_trainer.rollout.grading import Grader
 from kuberl_trainer.rollout.manager import DataPosition, RolloutManager
 from kuberl_trainer.rollout.prompts import PromptSource
+from kuberl_trainer.rollout.reward_client import RemoteScorer
+from kuberl_trainer.rollout.rewards.model_io import chat_render
 from kuberl_trainer.startup import HeadStart
 from kuberl_trainer.stopping import GracefulStop
 
@@ -58,6 +61,7 @@ class Session:
                  beat: StartupHeartbeat | None = None) -> None:
         self.job, self.spec, self.opts, self.checked = job, job.spec, opts, checked
         self.engines: EngineGroup | None = None
+        self.reward_engines: RewardEngines | None = None  # reward.model's
         self.trainers: TrainGroup | None = None
         self.critic: CriticGroup | None = None
         self.memory: MemoryHandoff
@@ -86,7 +90,7 @@ class Session:
         clock, and one line on stdout at the end says where the start-up went."""
         head = head or HeadStart.begin(self.spec, self.opts)
         clock, logs, local = head.clock, self.opts.log_dir, self.opts.one_machine
-        self.engines = head.engines
+        self.engines, self.reward_engines = head.engines, head.rewards
         lay = layout(self.spec)
         self._phase("Placing")
         # The training workers' processes import while the engines load; they build their
@@ -149,9 +153,18 @@ class Session:
             self.critic.setup()
 
     def _wait_for_engines(self) -> None:
+        """Until the policy's engines, and the reward model's (reward.model), answer
+        /health."""
         assert self.engines is not None
         self.aio.run_until_complete(self.client.wait_healthy(
             timeout_s=ENGINE_START_TIMEOUT_S, exited=self.engines.dead))
+        if self.reward_engines is not None:
+            rewards = EngineClient(self.reward_engines.urls)
+            try:
+                self.aio.run_until_complete(rewards.wait_healthy(
+                    timeout_s=ENGINE_START_TIMEOUT_S, exited=self.reward_engines.dead))
+            finally:
+                self.aio.run_until_complete(rewards.close())
 
     def _first_sync(self, resumed: bool) -> None:
         """The engines start from the base model and, colocated, released even that: they
@@ -185,9 +198,16 @@ class Session:
         return True
 
     def _grader(self) -> Grader:
-        """The job's reward as the grading stage: the function preflight imported, or the
-        reward service's client."""
-        return Grader.of(self.spec.reward, self.checked.reward_fn)
+        """The job's reward as the grading stage: the function preflight imported, the
+        reward service's client, or the served reward model's (its replicas, its tokenizer's
+        chat template, the engines' API key)."""
+        model = None
+        r = self.spec.reward
+        if self.reward_engines is not None and r.model is not None:
+            render = chat_render(AutoTokenizer.from_pretrained(r.model.tokenizer_path))
+            model = RemoteScorer.for_model(r, self.reward_engines.urls, render,
+                                           engine_api_key())
+        return Grader.of(r, self.checked.reward_fn, model)
 
     def train(self, progress: Progress, stop: GracefulStop | None = None) -> None:
         assert self.trainers is not None and self.engines is not None
@@ -241,7 +261,7 @@ class Session:
         training run scores them: rollout/evaluation.py), one row goes to metrics.jsonl and
         the scores to the RLJob status; no training rank starts. Returns the row."""
         head = head or HeadStart.begin(self.spec, self.opts)
-        self.engines = head.engines
+        self.engines, self.reward_engines = head.engines, head.rewards
         self._phase("EnginesStarting")
         self.client = EngineClient(self.engines.urls)
         self._wait_for_engines()
@@ -366,7 +386,11 @@ class Session:
             if self.engines is not None:
                 self.engines.stop()
         finally:
-            self.aio.close()
+            try:
+                if self.reward_engines is not None:
+                    self.reward_engines.stop()
+            finally:
+                self.aio.close()
             if ray.is_initialized():
                 ray.shutdown()
 

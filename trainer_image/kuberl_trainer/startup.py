@@ -31,6 +31,7 @@ from ray.exceptions import AuthenticationError
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer import ray_auth
 from kuberl_trainer.engines.actors import EngineGroup
+from kuberl_trainer.engines.reward_engines import RewardEngines
 from kuberl_trainer.placement import layout, local_resources
 from kuberl_wire.protocol import ENGINE_API_KEY_ENV
 
@@ -80,8 +81,9 @@ class HeadStart:
     processes start and the engines load while this process imports torch, which cost ~2 s
     of every 2-core start-up done one after the other. `Session.start` does the rest."""
 
-    def __init__(self, clock: StartupClock, engines: EngineGroup) -> None:
-        self.clock, self.engines = clock, engines
+    def __init__(self, clock: StartupClock, engines: EngineGroup,
+                 rewards: RewardEngines | None = None) -> None:
+        self.clock, self.engines, self.rewards = clock, engines, rewards
 
     @classmethod
     def begin(cls, spec: RLJobSpec, opts: Options, preload: str | None = None) -> HeadStart:
@@ -96,12 +98,20 @@ class HeadStart:
                 opts.one_machine = _only_this_machine()
             if opts.log_dir is not None:
                 opts.log_dir.mkdir(parents=True, exist_ok=True)
-            engines = EngineGroup(spec, layout(spec), seed=opts.seed,
+            lay = layout(spec)
+            engines = EngineGroup(spec, lay, seed=opts.seed,
                                   one_machine=opts.one_machine, log_dir=opts.log_dir)
+            try:  # (the reward model's engines load beside the policy's)
+                rewards = (RewardEngines(spec, lay, seed=opts.seed,
+                                         one_machine=opts.one_machine, log_dir=opts.log_dir)
+                           if spec.reward.model is not None else None)
+            except BaseException:
+                engines.stop()
+                raise
         except BaseException:
             ray.shutdown()
             raise
-        head = cls(clock, engines)
+        head = cls(clock, engines, rewards)
         if importer is not None:
             try:
                 importer.join()
@@ -114,7 +124,11 @@ class HeadStart:
         """Stop the engines and Ray (a run that failed before its Session took them over):
         an engine server outlives its actor unless stopped."""
         try:
-            self.engines.stop()
+            try:
+                self.engines.stop()
+            finally:
+                if self.rewards is not None:
+                    self.rewards.stop()
         finally:
             ray.shutdown()
 

@@ -118,6 +118,8 @@ from kuberl_api.spec.pods import (
     Toleration,
 )
 from kuberl_api.spec.reward import (
+    JudgeSpec,
+    RewardModelSpec,
     RewardSpec,
 )
 from kuberl_api.spec.rollout import (
@@ -242,6 +244,7 @@ __all__ = [
     "EvalSet",
     "HealthProbe",
     "ImportanceMaskSpec",
+    "JudgeSpec",
     "KlPenalty",
     "KlType",
     "LossAggregation",
@@ -256,6 +259,7 @@ __all__ = [
     "RLJobSpec",
     "RdmaSpec",
     "Resources",
+    "RewardModelSpec",
     "RewardSpec",
     "RolloutSpec",
     "RunAhead",

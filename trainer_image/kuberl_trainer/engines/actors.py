@@ -23,7 +23,11 @@ import ray
 from kuberl_api import spec_from_driver
 from kuberl_api.spec import RLJobSpec
 from kuberl_trainer.engines.client import engine_api_key
-from kuberl_trainer.engines.command import api_key_config, engine_command
+from kuberl_trainer.engines.command import (
+    api_key_config,
+    engine_command,
+    reward_engine_command,
+)
 from kuberl_trainer.placement import Layout, colocated_engine_devices, cpu_sharing
 from kuberl_trainer.ray_actors import (
     distinct_free_ports,
@@ -55,15 +59,20 @@ def write_api_key_config(api_key: str) -> Path:
 class EngineServer:
     """Runs one engine HTTP server as a child process of this actor (on the actor's pod): the
     whole engine, or node `node_rank` of an engine spanning `spec.engine_nodes` nodes.
-    `log_file`: where the actor's and the server's output go (see log_to_file)."""
+    `log_file`: where the actor's and the server's output go (see log_to_file). `role`:
+    "rollout" (the policy's engines) or "reward" (a replica of the served reward model,
+    reward.model: its own command line, one node, its GPUs Ray's)."""
 
     def __init__(self, spec_json: str, index: int, seed: int, sharing: int = 1,
-                 log_file: str | None = None, node_rank: int = 0) -> None:
+                 log_file: str | None = None, node_rank: int = 0,
+                 role: str = "rollout") -> None:
         part = f" node {node_rank}" if node_rank else ""
-        log_to_file(log_file, f"engine {index}{part}")
+        what = "reward model" if role == "reward" else "engine"
+        log_to_file(log_file, f"{what} {index}{part}")
         self.spec = spec_from_driver(spec_json)
         self.index, self.seed, self.sharing, self.node_rank = index, seed, sharing, node_rank
-        self.name = f"engine {index}{part}"
+        self.role = role
+        self.name = f"{what} {index}{part}"
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.tail: deque[str] = deque(maxlen=ENGINE_LOG_TAIL_LINES)
@@ -83,18 +92,19 @@ class EngineServer:
         if self.spec.engine_nodes > 1 and self.node_rank == 0:
             dist_init_addr = f"{node_ip()}:{dist_port}"
         self._drop_config()
-        if self.api_key and self.spec.rollout.engine == "sglang":
+        if self.api_key and self._engine == "sglang":
             self._config = write_api_key_config(self.api_key)
         cmd = self._command(model_path, port, nccl_port, dist_init_addr)
         env = dict(os.environ)  # the reference engine reads the key from it
         if secret:
             env[ENGINE_SECRET_ENV] = secret
-        if self.spec.placement == "colocate" and self.spec.rollout_gpus:
+        if (self.role == "rollout" and self.spec.placement == "colocate"
+                and self.spec.rollout_gpus):
             devices = colocated_engine_devices(self.index, self.spec.rollout.gpus_per_engine,
                                                self.spec.training.gpus_per_node)
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
         device = cmd[cmd.index("--device") + 1] if "--device" in cmd else "its GPUs"
-        print(f"{self.name} ({self.spec.rollout.engine}) on {device} "
+        print(f"{self.name} ({self._engine}) on {device} "
               f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}): "
               f"{' '.join(cmd)}", flush=True)
         # The server's output goes through this actor to its stdout (its log file, or the
@@ -107,8 +117,21 @@ class EngineServer:
         self.url = f"http://{node_ip()}:{port}"
         return self.url, dist_init_addr
 
+    @property
+    def _engine(self) -> str:
+        """sglang or reference: the kind of engine this actor runs."""
+        model = self.spec.reward.model
+        if self.role == "reward" and model is not None:
+            return model.engine
+        return self.spec.rollout.engine
+
     def _command(self, model_path: str, port: int, nccl_port: int,
                  dist_init_addr: str = "") -> list[str]:
+        if self.role == "reward":
+            return reward_engine_command(self.spec, port=port, nccl_port=nccl_port,
+                                         seed=self.seed,
+                                         torch_threads=torch_threads(self.sharing),
+                                         config_file=str(self._config or ""))
         return engine_command(self.spec, model_path=model_path, port=port, nccl_port=nccl_port,
                               seed=self.seed, torch_threads=torch_threads(self.sharing),
                               node_rank=self.node_rank, dist_init_addr=dist_init_addr,
@@ -224,7 +247,7 @@ class EngineGroup:
     def dead(self) -> dict[str, int]:
         """Engines a server process of which exited (any node's), with the exit code."""
         polls = [p.poll.remote() for parts in self.parts for p in parts]  # all at once
-        codes: list[Any] = [_exit_code(ref) for ref in polls]
+        codes: list[Any] = [server_exit_code(ref) for ref in polls]
         nodes = len(self.parts[0])
         out: dict[str, int] = {}
         for e, url in enumerate(self.urls):
@@ -253,7 +276,7 @@ class EngineGroup:
         ray.get([p.stop.remote() for parts in self.parts for p in parts])
 
 
-def _exit_code(poll: Any) -> int | None:
+def server_exit_code(poll: Any) -> int | None:
     """The exit code an engine actor's `poll` returned for its server; -1 when the actor
     itself is gone (its pod was lost, say)."""
     try:

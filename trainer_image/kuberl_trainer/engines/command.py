@@ -37,6 +37,11 @@ The reference engine (`python -m kuberl_rollout.reference`) gets the same model,
 --tp-size, multi-node and metrics flags, plus --seed, --device and (on CPU) --torch-threads;
 it reads the API key from $KUBERL_ENGINE_API_KEY itself (its environment, inherited).
 
+A served reward model (reward.model, `reward_engine_command`) gets the same host, port, seed
+(the run's seed + its replica's index), API key and metrics flags, its own model and
+tokenizer, --tp-size gpusPerReplica, its engineArgs, and --is-embedding for form scalar (SGLang
+serves a sequence-classification head as an embedding model, scored on /classify).
+
 `engine_dtype`: the dtype an engine so launched serves in (weight sync sends in it); it also
 reads the model's config.json, as SGLang's "auto" does.
 """
@@ -161,5 +166,35 @@ def engine_command(spec: RLJobSpec, *, model_path: str, port: int, nccl_port: in
     cmd += engine_arg_flags(
         default_engine_args(spec) | dict(r.engine_args) | dict(r.engine_list_args))
     if config_file and r.engine == "sglang":
+        cmd += ["--config", config_file]
+    return cmd
+
+
+def reward_engine_command(spec: RLJobSpec, *, port: int, nccl_port: int, seed: int,
+                          torch_threads: int = 0, python: str = sys.executable,
+                          config_file: str = "") -> list[str]:
+    """The argv of one engine serving the job's reward model (reward.model): SGLang, or the
+    reference engine (on CPU when gpusPerReplica is 0)."""
+    m = spec.reward.model
+    if m is None:
+        raise ValueError("reward.type is not model: the job serves no reward model")
+    tp = str(max(1, m.gpus_per_replica))
+    if m.engine == "reference":
+        device = "cuda" if m.gpus_per_replica else "cpu"
+        cmd = [python, "-m", "kuberl_rollout.reference", "--model-path", m.path,
+               "--host", "0.0.0.0", "--port", str(port), "--tp-size", tp,
+               "--seed", str(seed), "--device", device]
+        if device == "cpu":
+            cmd += ["--torch-threads", str(torch_threads)]
+    else:
+        cmd = [python, "-m", "sglang.launch_server", "--model-path", m.path,
+               "--host", "0.0.0.0", "--port", str(port), "--nccl-port", str(nccl_port),
+               "--tp-size", tp, "--random-seed", str(seed)]
+    if m.tokenizer:
+        cmd += ["--tokenizer-path", m.tokenizer]
+    if m.form == "scalar":
+        cmd += ["--is-embedding"]
+    cmd += engine_arg_flags({"enable-metrics": "true"} | dict(m.engine_args))
+    if config_file and m.engine == "sglang":
         cmd += ["--config", config_file]
     return cmd

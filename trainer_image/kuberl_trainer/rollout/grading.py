@@ -48,8 +48,9 @@ class Grades:
 @dataclass
 class RewardTally:
     """A step's grading, over its grading calls (dynamic sampling and all-dropped retries
-    grade again): what the step reports as reward_s, reward_retries, reward_errors (samples
-    without a reward) and reward_dropped_groups (groups that left the step for it)."""
+    grade again): what the step reports as reward_s, and for a reward called over HTTP (a
+    service's, a served model's: `remote`) reward_retries, reward_errors (samples without a
+    reward) and reward_dropped_groups (groups that left the step for it)."""
 
     remote: bool
     seconds: float = 0.0
@@ -82,13 +83,19 @@ class Grader:
         self.spec, self.scorer, self.answer = spec, scorer, answer
 
     @classmethod
-    def of(cls, spec: RewardSpec, fn: Callable[..., Any] | None) -> Grader:
+    def of(cls, spec: RewardSpec, fn: Callable[..., Any] | None,
+           model: Scorer | None = None) -> Grader:
         """The grader of `spec`, whose function (built-in or the user's, imported by
-        rewards.load) is `fn`."""
+        rewards.load) is `fn`; `model`: the served reward model's scorer (reward.type model:
+        RemoteScorer.for_model, at its replicas' URLs)."""
         if spec.type == "environment":
             return cls(spec, None, None)
         if spec.type == "remote":
             return cls(spec, RemoteScorer.from_spec(spec), None)
+        if spec.type == "model":
+            if model is None:
+                raise ValueError("reward.type model needs the served reward model's scorer")
+            return cls(spec, model, None)
         assert fn is not None
         name = spec.function or spec.type
         scorer: Scorer = (BatchFunctionScorer(fn, name) if spec.batch
@@ -96,7 +103,7 @@ class Grader:
         return cls(spec, scorer, answer_fn(spec, fn))
 
     def tally(self) -> RewardTally:
-        return RewardTally(remote=self.spec.type == "remote")
+        return RewardTally(remote=self.spec.called)
 
     async def grade(self, key: int | str, trajs: list[list[Response]], n: int) -> Grades:
         """`trajs`: groups of `n` consecutive trajectories; `key`: the step, or an eval set's

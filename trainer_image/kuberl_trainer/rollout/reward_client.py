@@ -10,8 +10,11 @@ their groups). One aiohttp session per call: it belongs to the event loop that r
 and needs no teardown when the run ends.
 
 `urls`: where batches go, batch i to urls[i % len(urls)] and each retry to the next one. A
-job's reward service has one; a reward model the job serves itself would have a replica
-each (the seam for reward.model: the same batching, retries and bookkeeping).
+job's reward service has one; a reward model the job serves itself (reward.model) a replica
+each. `codec`: what a batch's request is and how its answer is read: the reward service's
+contract (rewards/protocol.py), or a served reward model's (rewards/model_io.py: SGLang's
+/classify or /generate), which may leave an item without a reward (a judge's answer without a
+score), failing the job or, with drop, that item's group.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ import logging
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
 from kuberl_api.spec import RewardSpec
+from kuberl_trainer.rollout.rewards.model_io import ChatRender, Codec, codec_for
 from kuberl_trainer.rollout.rewards.protocol import (
     BACKOFF_BASE_S,
     AnswerError,
@@ -43,9 +48,22 @@ LOG = logging.getLogger("kuberl.reward")
 
 @dataclass
 class _Outcome:
-    results: list[Result] | None  # None: dropped after its retries
+    results: list[Result | str] | None  # None: dropped after its retries; str: an item's error
     retries: int
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class ServiceCodec:
+    """The reward service's contract (rewards/protocol.py) as a Codec."""
+
+    path: str = ""
+
+    def body(self, batch: Sequence[RewardInput]) -> dict[str, Any]:
+        return request_body(batch)
+
+    def parse(self, text: str, batch: Sequence[RewardInput]) -> list[Result | str]:
+        return list(parse_answer(text, [i.id for i in batch]))
 
 
 class RemoteScorer:
@@ -57,8 +75,12 @@ class RemoteScorer:
                  batch_size: int, max_concurrent: int, drop: bool = False,
                  headers: Mapping[str, str] | None = None,
                  rng: random.Random | None = None,
-                 backoff_base_s: float = BACKOFF_BASE_S) -> None:
-        self.urls = [urls] if isinstance(urls, str) else list(urls)
+                 backoff_base_s: float = BACKOFF_BASE_S, codec: Codec | None = None,
+                 name: str = "reward.url") -> None:
+        self.codec: Codec = codec or ServiceCodec()
+        self.name = name  # what errors call it: reward.url, or the served reward model
+        self.urls = [u + self.codec.path
+                     for u in ([urls] if isinstance(urls, str) else list(urls))]
         if not self.urls or batch_size < 1 or max_concurrent < 1 or max_retries < 0:
             raise ValueError("a reward service needs a url, batches of at least one item, "
                              "a request in flight and no negative retries")
@@ -74,6 +96,19 @@ class RemoteScorer:
                    max_retries=spec.retries, batch_size=spec.request_batch_size,
                    max_concurrent=spec.concurrent_requests, drop=spec.drops_errors)
 
+    @classmethod
+    def for_model(cls, spec: RewardSpec, urls: Sequence[str], render: ChatRender,
+                  api_key: str = "") -> RemoteScorer:
+        """The scorer of the reward model the job serves (reward.model) at `urls`, its
+        replicas; `render`: its tokenizer's chat template; `api_key`: the engines' key."""
+        assert spec.model is not None  # (the spec requires it for type model)
+        return cls(urls, timeout_s=spec.request_timeout_seconds,
+                   max_retries=spec.retries, batch_size=spec.request_batch_size,
+                   max_concurrent=spec.concurrent_requests, drop=spec.drops_errors,
+                   headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+                   codec=codec_for(spec.model, render),
+                   name=f"the reward model ({spec.model.form}, {spec.model.path})")
+
     async def score(self, items: Sequence[RewardInput]) -> Scored:
         size = self.batch_size
         batches = [list(items[i:i + size]) for i in range(0, len(items), size)]
@@ -88,15 +123,21 @@ class RemoteScorer:
                 scored.rewards += [None] * len(batch)
                 scored.metrics += [{} for _ in batch]
                 scored.errors += [outcome.error] * len(batch)
-            else:
-                scored.rewards += [r.reward for r in outcome.results]
-                scored.metrics += [r.metrics for r in outcome.results]
-                scored.errors += [None] * len(batch)
+                continue
+            for r in outcome.results:
+                if isinstance(r, str):  # (an item the answer gave no reward: kept by drop)
+                    scored.rewards.append(None)
+                    scored.metrics.append({})
+                    scored.errors.append(r)
+                else:
+                    scored.rewards.append(r.reward)
+                    scored.metrics.append(r.metrics)
+                    scored.errors.append(None)
         return scored
 
     async def _batch(self, session: aiohttp.ClientSession, slots: asyncio.Semaphore,
                      k: int, batch: list[RewardInput]) -> _Outcome:
-        body, ids = request_body(batch), [i.id for i in batch]
+        body = self.codec.body(batch)
         tries, last, wait = self.max_retries + 1, "", 0.0
         url = self.urls[k % len(self.urls)]
         for attempt in range(tries):
@@ -117,18 +158,34 @@ class RemoteScorer:
                     continue
             if 200 <= status < 300:
                 try:
-                    return _Outcome(parse_answer(text, ids), attempt)
+                    results = self.codec.parse(text, batch)
                 except AnswerError as exc:
-                    raise RewardError(f"reward.url {url}: {exc} (HTTP {status}: "
+                    raise RewardError(f"{self.name} {url}: {exc} (HTTP {status}: "
                                       f"{trimmed(text)})") from None
+                return self._checked(_Outcome(results, attempt), url, batch)
             if not retryable(status):
-                raise RewardError(f"reward.url {url} refused a batch of {len(batch)} samples "
+                raise RewardError(f"{self.name} {url} refused a batch of {len(batch)} samples "
                                   f"(HTTP {status}, not retried): {trimmed(text)}")
             last, wait = f"HTTP {status}: {trimmed(text)}", after or 0.0
         attempts = "1 attempt" if tries == 1 else f"{tries} attempts"
-        error = (f"reward.url {url}: a batch of {len(batch)} samples failed after {attempts} "
+        error = (f"{self.name} {url}: a batch of {len(batch)} samples failed after {attempts} "
                  f"(reward.maxRetries {self.max_retries}); the last: {last}")
         if not self.drop:
             raise RewardError(error)
         LOG.warning("%s: their groups leave the step (reward.onError: drop)", error)
         return _Outcome(None, tries - 1, error)
+
+    def _checked(self, outcome: _Outcome, url: str, batch: list[RewardInput]) -> _Outcome:
+        """An answer that left items without a reward: the job fails on the first, unless
+        their groups are dropped (onError drop)."""
+        missing = [(item, r) for item, r in zip(batch, outcome.results or [], strict=True)
+                   if isinstance(r, str)]
+        if missing and not self.drop:
+            item, why = missing[0]
+            raise RewardError(f"{self.name} {url}: sample {item.id}: {why}"
+                              + (f" (and {len(missing) - 1} more in its batch)"
+                                 if len(missing) > 1 else ""))
+        for item, why in missing:
+            LOG.warning("%s: sample %s: %s: its group leaves the step (reward.onError: drop)",
+                        self.name, item.id, why)
+        return outcome

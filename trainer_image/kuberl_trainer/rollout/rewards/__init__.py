@@ -1,7 +1,8 @@
 """Reward functions: ``(response, label) -> float``, chosen by the RLJob's ``reward`` section,
 the user's own (custom.py: one sample or, with reward.batch, the step's samples; plain or
-async), the scorers that call them (scorer.py) and the reward service's contract
-(protocol.py; its HTTP client is rollout/reward_client.py).
+async), the scorers that call them (scorer.py), the reward service's contract
+(protocol.py; its HTTP client is rollout/reward_client.py) and a served reward model's requests
+and answers (model_io.py: the same client's codec).
 
 Built-ins return floats in ``[0, 1]`` and never raise on odd model output (a response that
 cannot be parsed scores 0.0). Pure: no ray, network or I/O (import-linter enforces it).
@@ -34,8 +35,8 @@ def __getattr__(name: str) -> Any:
 
 
 def load(spec: RewardSpec) -> Callable[..., Any] | None:
-    """The reward function ``spec`` names (None: reward.type remote or environment, which
-    call none). A custom one is imported here, at load time, so a bad ``module:function``
+    """The reward function ``spec`` names (None: reward.type remote, model or environment,
+    which call none). A custom one is imported here, at load time, so a bad ``module:function``
     (or one of the other form than reward.batch says) fails the job before any rollout
     instead of on the first reward.
 
@@ -47,7 +48,7 @@ def load(spec: RewardSpec) -> Callable[..., Any] | None:
         if spec.function is None:  # the spec's validator forbids this; keep mypy honest
             raise RewardLoadError("reward type custom needs function: 'module:function'")
         return import_reward(spec.function, batch=spec.batch)
-    if spec.type in ("environment", "remote"):
+    if spec.type in ("environment", "remote", "model"):
         return None
     if spec.type == "math":
         from kuberl_trainer.rollout.rewards.math_answers import math_reward
