@@ -13,7 +13,7 @@ from typing import Any
 
 from kuberl_api import load, parse
 from kuberl_api.spec import RLJobSpec
-from kuberl_trainer.engines.command import engine_command
+from kuberl_trainer.engines.command import engine_command, reward_engine_command
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -28,16 +28,34 @@ class Case:
     # ServerArgs attribute -> value SGLang must parse (sglang engines only).
     expect: dict[str, Any] = field(default_factory=dict)
     node_rank: int = 0  # of an engine spanning nodes
+    role: str = "rollout"  # or "reward": a replica of the served reward model (reward.model)
 
-    def command(self) -> list[str]:
+    def command(self, config_file: str = "") -> list[str]:
+        """The engine's argv; `config_file`: SGLang's --config file with the API key."""
+        if self.role == "reward":
+            return reward_engine_command(self.spec, port=PORT, nccl_port=NCCL_PORT, seed=SEED,
+                                         torch_threads=2, config_file=config_file)
         addr = DIST_INIT_ADDR if self.spec.engine_nodes > 1 else ""
         return engine_command(self.spec, model_path=self.spec.model.path, port=PORT,
                               nccl_port=NCCL_PORT, seed=SEED, torch_threads=2,
-                              node_rank=self.node_rank, dist_init_addr=addr)
+                              node_rank=self.node_rank, dist_init_addr=addr,
+                              config_file=config_file)
+
+    @property
+    def engine(self) -> str:
+        model = self.spec.reward.model
+        return model.engine if self.role == "reward" and model else self.spec.rollout.engine
 
     @property
     def sglang(self) -> bool:
-        return self.spec.rollout.engine == "sglang"
+        return self.engine == "sglang"
+
+    @property
+    def tp_size(self) -> int:
+        model = self.spec.reward.model
+        if self.role == "reward" and model is not None:
+            return max(1, model.gpus_per_replica)
+        return self.spec.rollout.gpus_per_engine
 
 
 def _spec(**spec: Any) -> RLJobSpec:
@@ -61,12 +79,27 @@ def _base_expect(spec: RLJobSpec, node_rank: int = 0) -> dict[str, Any]:
     return expect
 
 
+def _reward_expect(spec: RLJobSpec) -> dict[str, Any]:
+    """What SGLang must parse of a served reward model's command line."""
+    m = spec.reward.model
+    assert m is not None
+    return {"model_path": m.path, "tokenizer_path": m.tokenizer, "host": "0.0.0.0",
+            "port": PORT, "nccl_port": NCCL_PORT, "tp_size": max(1, m.gpus_per_replica),
+            "random_seed": SEED, "is_embedding": m.form == "scalar", "enable_metrics": True,
+            "enable_memory_saver": False}
+
+
 def example_cases() -> list[Case]:
     out = []
     for path in EXAMPLES:
         spec = load(path).spec
         out.append(Case(f"example:{path.stem}", spec,
                         _base_expect(spec) if spec.rollout.engine == "sglang" else {}))
+        m = spec.reward.model
+        if m is not None:
+            out.append(Case(f"example:{path.stem}:reward-model", spec,
+                            _reward_expect(spec) if m.engine == "sglang" else {},
+                            role="reward"))
     return out
 
 
@@ -114,6 +147,16 @@ def variant_cases() -> list[Case]:
                               "gpusPerNode": 2})
     out += [Case(f"reference-cpu-over-2-pods-node{rank}", wide_cpu, node_rank=rank)
             for rank in range(wide_cpu.engine_nodes)]
+    # Served reward models (reward.model): a scalar head, a judge over 2 GPUs.
+    scalar = _spec(reward={"type": "model", "model": {
+        "path": "/models/rm", "tokenizer": "/models/rm-tok",
+        "engineArgs": {"context-length": "4096"}}})
+    judge = _spec(reward={"type": "model", "model": {
+        "path": "/models/judge", "form": "judge", "gpusPerReplica": 2,
+        "judge": {"prompt": "Grade {response}"}}})
+    out += [Case("reward-model-scalar", scalar, _reward_expect(scalar) | {"context_length": 4096},
+                 role="reward"),
+            Case("reward-model-judge-tp2", judge, _reward_expect(judge), role="reward")]
     return out
 
 

@@ -15,9 +15,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from kuberl_rollout.reference.server import api_key_check
 from kuberl_trainer.engines.actors import write_api_key_config
-from kuberl_trainer.engines.command import engine_command
 from kuberl_wire.protocol import api_key_exempt
-from tests.sglang_contract.cases import NCCL_PORT, PORT, SEED, Case, all_cases
+from tests.sglang_contract.cases import Case, all_cases
 
 from fastapi import FastAPI, Request, Response  # isort: skip  (the pinned wheel's: conftest)
 from sglang.srt.server_args import ServerArgs, prepare_server_args  # isort: skip
@@ -25,9 +24,10 @@ from sglang.srt.utils.common import add_api_key_middleware  # isort: skip
 
 KEY = "kuberl-test-key_0123456789-ABCDEFGHIJ"
 SGLANG_CASES = [c for c in all_cases() if c.sglang]
-# What the trainer calls (docs/engine-contract.md's table), and the paths around the edges of
+# What the trainer calls (docs/engine-contract.md's table; /classify: a served reward
+# model's), and the paths around the edges of
 # SGLang's rule (a prefix match: /healthz and /metrics_x pass too)
-PATHS = ["/generate", "/init_weights_update_group", "/update_weights_from_distributed",
+PATHS = ["/generate", "/classify", "/init_weights_update_group", "/update_weights_from_distributed",
          "/update_weights_from_tensor", "/destroy_weights_update_group",
          "/abort_weights_update_group", "/pause_generation",
          "/continue_generation", "/release_memory_occupation", "/resume_memory_occupation",
@@ -55,10 +55,7 @@ def test_sglang_reads_the_key_from_the_config_file_not_the_command_line(
     try:
         assert path.stat().st_mode & 0o777 == 0o600
         assert path.parent.stat().st_mode & 0o777 == 0o700
-        addr = "10.0.0.1:30013" if case.spec.engine_nodes > 1 else ""
-        cmd = engine_command(case.spec, model_path=case.spec.model.path, port=PORT,
-                             nccl_port=NCCL_PORT, seed=SEED, node_rank=case.node_rank,
-                             dist_init_addr=addr, config_file=str(path))
+        cmd = case.command(config_file=str(path))
         assert KEY not in " ".join(cmd)
         assert cmd[-2:] == ["--config", str(path)]
         args = prepare_server_args(cmd[3:])

@@ -98,7 +98,7 @@ def test_reference_engine_parses_every_command(monkeypatch: pytest.MonkeyPatch) 
     for case in all_cases():
         if not case.sglang:
             args = parse_args(case.command()[3:])
-            assert (args.port, args.tp_size) == (PORT, case.spec.rollout.gpus_per_engine)
+            assert (args.port, args.tp_size) == (PORT, case.tp_size)
             assert (args.nnodes, args.node_rank) == (case.spec.engine_nodes, case.node_rank)
             assert args.dist_init_addr == (DIST_INIT_ADDR if args.nnodes > 1 else None)
 
