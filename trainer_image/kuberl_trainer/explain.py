@@ -1,5 +1,6 @@
 """The one line a failed run ends with: which engine died, with the end of its log, or the
-error itself; on a local run, where the actors' logs are. Explaining an error never raises
+error itself; on a local run, where the actors' logs are; and a replica of the served reward
+model (reward.model) that died, with the end of its log. Explaining an error never raises
 another (a dead actor, a log file gone)."""
 
 from __future__ import annotations
@@ -13,14 +14,20 @@ import ray
 from kuberl_trainer.engines.actors import EngineGroup
 from kuberl_trainer.engines.client import EngineError
 from kuberl_trainer.engines.fleet import dead_after
+from kuberl_trainer.engines.reward_engines import RewardEngines
 
 LOG_TAIL_LINES = 20  # of a dead engine's log, with the error that names it
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its exceptions' headers
 
 
-def explain(exc: BaseException, engines: EngineGroup | None, log_dir: Path | None) -> str:
+def explain(exc: BaseException, engines: EngineGroup | None, log_dir: Path | None,
+            rewards: RewardEngines | None = None) -> str:
     """The error line for `exc`. `log_dir`: where a local run's actors write (None in a
     cluster, where each engine's output is in its pod's log and its actor kept the end)."""
+    return _explained(exc, engines, log_dir) + _reward_model_deaths(rewards)
+
+
+def _explained(exc: BaseException, engines: EngineGroup | None, log_dir: Path | None) -> str:
     dead = _dead_engines(exc, engines)
     if dead:
         codes = ", ".join(f"{url} exited with code {c}" for url, c in dead.items())
@@ -55,6 +62,26 @@ def _engine_log(engines: EngineGroup | None, url: str) -> str:
         return ""
     return f"\nlast lines of {path} ({url}):\n" + "\n".join(
         f"  {line}" for line in tail(path, LOG_TAIL_LINES))
+
+
+def _reward_model_deaths(rewards: RewardEngines | None) -> str:
+    """Each replica of the reward model whose server exited, with the end of its log (the
+    reward's error itself only says its requests failed)."""
+    if rewards is None:
+        return ""
+    try:  # explaining an error must not raise another (a dead actor)
+        dead = rewards.dead()
+        out = ""
+        for url, code in dead.items():
+            path = rewards.logs[rewards.urls.index(url)]
+            lines = (tail(path, LOG_TAIL_LINES) if path is not None and path.exists()
+                     else rewards.log_tail(url, LOG_TAIL_LINES))
+            where = f" ({path})" if path is not None else ""
+            out += f"\nthe reward model at {url} exited with code {code}; its last lines{where}:"
+            out += "".join(f"\n  {line}" for line in lines)
+        return out
+    except Exception:
+        return ""
 
 
 def _actor_log_tail(engines: EngineGroup | None, url: str) -> list[str]:

@@ -99,7 +99,8 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
     except Exception as exc:  # an engine or worker died: fail with its error, never hang
         from kuberl_trainer.explain import explain  # (Ray's up by now: no start-up cost)
 
-        why = (explain(exc, session.engines, opts.log_dir) if session is not None
+        why = (explain(exc, session.engines, opts.log_dir, session.reward_engines)
+               if session is not None
                else f"{type(exc).__name__}: {exc}")
         print(f"error: {why}", file=sys.stderr)
         return 1
