@@ -51,6 +51,7 @@ from kuberl_trainer.report.metrics_log import MetricsLog
 from kuberl_trainer.report.status import StatusReporter
 from kuberl_trainer.rollout.batch import engine_throughput
 from kuberl_trainer.rollout.generate import Response
+from kuberl_trainer.rollout.grading import Grades, RewardTally
 from kuberl_trainer.rollout.prompts import Sample
 
 pytestmark = pytest.mark.e2e
@@ -154,6 +155,13 @@ def step_record(step: int, engine: str) -> dict[str, Any]:
     rollout = {"reward_mean": 0.1 * step, "reward_std": 0.2, "score_mean": 0.1 * step,
                "response_length_mean": 64.0, "truncated_fraction": 0.0,
                **engine_throughput(responses)}
+    # a reward called over HTTP (reward.type remote or model): a retry, and on odd steps one
+    # sample of 4 (groups of 2) without a reward
+    tally = RewardTally(remote=True)
+    tally.add(Grades([1.0, 0.0, 1.0, None if step % 2 else 0.0],
+                     [None, None, None, "HTTP 500" if step % 2 else None], [{}] * 4,
+                     seconds=0.2, retries=1), n=2)
+    rollout |= tally.metrics()
     return {"step": step, **rollout, **stats.summary(), "weight_version": step + 1,
             **staleness_metrics(step, [(str(step - 1), str(step - 1))], step - 1),
             "time_generate_s": 2.0, "engine_restarts_total": min(step, ENGINE_RESTARTS),

@@ -38,6 +38,16 @@ def tiny_tool_job() -> Path:
     return out
 
 
+def tiny_reward_model(tiny: Path) -> Path:
+    """The tiny reward model (`tiny reward-model`: the tiny policy's body, a score head fitted
+    to prefer right answers), built once per machine from the tiny job's policy `tiny`."""
+    from kuberl_trainer.tiny.reward_model import build_reward_model
+
+    out = _cache() / f"test-{tiny.name}-reward-model"
+    build_reward_model(out, tiny / "model")
+    return out
+
+
 def _cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kuberl"
 
@@ -115,7 +125,7 @@ def ray_host_script(cpus: int = 8, units: int = 16) -> str:
 import sys, ray
 ctx = ray.init(address="local", num_cpus={cpus}, include_dashboard=False, logging_level="ERROR",
                resources={{"kuberl_train": {units}, "kuberl_rollout": {units},
-                          "kuberl_critic": {units}}})
+                          "kuberl_critic": {units}, "kuberl_reward": {units}}})
 print(ctx.address_info["gcs_address"], flush=True)
 sys.stdin.read()  # until the starting process closes it
 ray.shutdown()
