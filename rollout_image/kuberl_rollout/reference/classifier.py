@@ -22,7 +22,7 @@ Not thread-safe: every call that touches torch runs on the server's one worker t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -49,11 +49,17 @@ class Classifier:
         self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path,
                                                        local_files_only=True)
         try:
-            model: Any = AutoModelForSequenceClassification.from_pretrained(
-                model_path, local_files_only=True, dtype=DTYPES[dtype])
-        except ValueError as exc:  # (a causal LM's config, a remote-code reward model)
+            model, loading = AutoModelForSequenceClassification.from_pretrained(
+                model_path, local_files_only=True, dtype=DTYPES[dtype], output_loading_info=True)
+        except ValueError as exc:  # (a config it has no class for, a remote-code model)
             raise ValueError(f"--is-embedding: {model_path} is not a checkpoint "
                              f"AutoModelForSequenceClassification loads: {exc}") from None
+        if loading["missing_keys"]:  # (HF would start them random: a causal LM's, say)
+            raise ValueError(
+                f"--is-embedding: {model_path} has no weights for "
+                f"{sorted(loading['missing_keys'])[:5]}: not a *ForSequenceClassification "
+                "checkpoint (its head would be random)")
+        model = cast(Any, model)
         head = getattr(model, HEAD, None)
         if not isinstance(head, torch.nn.Linear):
             raise ValueError(

@@ -47,6 +47,8 @@ from kuberl_rollout.reference.server import (
     errors_as_json,
 )
 
+# EmbeddingReqInput fields the reference engine implements (SGLang's names and meanings).
+_CLASSIFY_FIELDS = {"text", "input_ids", "rid"}
 # EmbeddingReqInput fields SGLang has that the reference engine does not implement: accepted
 # at SGLang's defaults, refused otherwise (the engine would answer differently). Fields that
 # only label, log or route (sampling_params: "dummy ... for compatibility", log_metrics,
