@@ -194,3 +194,17 @@ def test_the_api_key_covers_classify(classifier: Classifier) -> None:
             assert resp.status == 200
 
     serve(classifier, call, api_key=KEY)
+
+
+@pytest.mark.parametrize("flags", [["--tp-size", "2"], ["--mem-fraction-static", "0.5"],
+                                   ["--enable-weights-cpu-backup"], ["--batching", "batch"],
+                                   ["--weight-sync-timeout", "30"]])
+def test_generation_flags_are_refused_with_is_embedding(
+        flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from kuberl_rollout.reference.__main__ import parse_args
+
+    base = ["--model-path", "m"]
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--is-embedding", *flags])
+    assert f"{flags[0]}: not with --is-embedding" in capsys.readouterr().err
+    assert parse_args([*base, *flags]).is_embedding is False  # (fine for generation)

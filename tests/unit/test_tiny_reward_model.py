@@ -19,7 +19,7 @@ from kuberl_trainer.tiny.__main__ import main
 from kuberl_trainer.tiny.model import ModelShape, make_model
 from kuberl_trainer.tiny.reward_model import RewardConfig, build_reward_model
 
-SMALL = RewardConfig(n_pairs=200)
+SMALL = RewardConfig(n_pairs=200, n_eval=100)
 
 
 def policy(path: Path, seed: int = 0) -> Path:
@@ -45,7 +45,7 @@ def test_the_reward_model_is_a_complete_checkpoint_on_the_policys_body(tmp_path:
     assert tokenizer.chat_template is None
     assert len(tokenizer("23+58=81")["input_ids"]) == 8
     assert 0 <= record["heldout_pairwise_accuracy"] <= 1
-    assert (record["fit_pairs"], record["heldout_pairs"]) == (200, 500)
+    assert (record["fit_pairs"], record["heldout_pairs"]) == (200, 100)
 
 
 def test_a_build_is_reused_until_the_policy_changes(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -103,7 +104,10 @@ def _build(out: Path, policy: Path, config: RewardConfig, key: dict[str, Any]
     fit_pairs = [(p.prompt + p.label, p.prompt + wrong_answer(p, rng))
                  for p in train[:config.n_pairs]]
     eval_pairs = [(p.prompt + p.label, p.prompt + wrong_answer(p, rng)) for p in held_out]
-    encode: Callable[[str], list[int]] = lambda text: list(tokenizer(text)["input_ids"])
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text)["input_ids"])
+
     fit_gap = _gaps(model, [(encode(c), encode(w)) for c, w in fit_pairs])
     eval_gap = _gaps(model, [(encode(c), encode(w)) for c, w in eval_pairs])
     weight = fit_head(fit_gap, config.l2)
@@ -136,14 +140,16 @@ def reward_model_from(policy: Path, seed: int) -> Qwen2ForSequenceClassification
     config.tie_word_embeddings = False
     torch.manual_seed(seed)
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # (its load report: score.weight is new, as meant)
+    hf_logging.set_verbosity(logging.ERROR)  # (its load report: score.weight is new, as meant)
     try:
         with _no_progress_bars():
-            model = Qwen2ForSequenceClassification.from_pretrained(
-                str(policy), config=config, local_files_only=True)
+            model: Qwen2ForSequenceClassification = (
+                Qwen2ForSequenceClassification.from_pretrained(str(policy), config=config,
+                                                               local_files_only=True))
     finally:
         hf_logging.set_verbosity(verbosity)
-    return model.eval()
+    model.train(False)
+    return model
 
 
 def wrong_answer(problem: data.Problem, rng: random.Random) -> str:
