@@ -4,6 +4,8 @@
 (as small Qwen checkpoints have, so weight sync must handle `lm_head.weight` aliasing
 `model.embed_tokens.weight`) and a `PreTrainedTokenizerFast` over a WordLevel vocabulary of
 single characters: every character is one token, so token counts are predictable in tests.
+`build_tiny_classifier(dir)`: the same shape as a Qwen2ForSequenceClassification (a scalar
+reward model's form), for the reference engine's --is-embedding mode.
 """
 
 from __future__ import annotations
@@ -13,7 +15,12 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2ForSequenceClassification,
+)
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 CHARS = string.digits + string.ascii_lowercase + " +-*/=.,?!"
@@ -44,6 +51,25 @@ def build_tiny_model(path: Path, seed: int = 0) -> Path:
     model = Qwen2ForCausalLM(tiny_config())
     # Random init at std 0.02 gives near-uniform next-token distributions; a larger scale
     # makes greedy decoding and sampling visibly depend on the weights.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+def build_tiny_classifier(path: Path, num_labels: int = 2, seed: int = 0) -> Path:
+    """A random Qwen2ForSequenceClassification (a reward model's form, `num_labels` outputs)
+    over the same tokenizer, written into `path` (created); returns it."""
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = tiny_config()
+    config.num_labels = num_labels
+    config.tie_word_embeddings = False
+    config.architectures = ["Qwen2ForSequenceClassification"]
+    model = Qwen2ForSequenceClassification(config)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() > 1:

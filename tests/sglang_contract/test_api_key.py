@@ -33,6 +33,7 @@ PATHS = ["/generate", "/classify", "/init_weights_update_group", "/update_weight
          "/continue_generation", "/release_memory_occupation", "/resume_memory_occupation",
          "/flush_cache", "/abort_request", "/get_model_info", "/get_server_info",
          "/server_info", "/get_weight_version", "/get_weights_checksum", "/v1/loads",
+         "/classify", "/encode",
          "/health", "/health_generate", "/healthz", "/metrics", "/metrics_x", "/ping", "/"]
 HEADERS: list[dict[str, str]] = [
     {}, {"Authorization": f"Bearer {KEY}"}, {"Authorization": "Bearer wrong"},

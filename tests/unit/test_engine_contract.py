@@ -20,7 +20,11 @@ from typing import Any
 
 import pytest
 
-from kuberl_rollout.reference import sampling as ref_sampling, server as ref_server
+from kuberl_rollout.reference import (
+    classify_server as ref_classify,
+    sampling as ref_sampling,
+    server as ref_server,
+)
 from kuberl_trainer.engines.client import SamplingParams, generate_request
 from kuberl_trainer.engines.command import SGLANG_VERSION
 from kuberl_wire import protocol
@@ -56,6 +60,12 @@ SGLANG_REQUEST_FIELDS: dict[str, set[str]] = {
     "AbortReq": {"rid", "abort_all", "finished_reason", "abort_message"},
     "PauseGenerationReqInput": {"rid", "mode"},
     "ContinueGenerationReqInput": {"rid"},
+    # /classify and /encode (a reward model served with --is-embedding)
+    "EmbeddingReqInput": {
+        "rid", "text", "input_ids", "image_data", "video_data", "audio_data",
+        "sampling_params", "input_embeds", "log_metrics", "modalities",
+        "is_cross_encoder_request", "priority", "dimensions",
+    },
 }
 
 # sampling_params.py SamplingParams API parameters (internal fields such as stop_strs omitted).
@@ -72,6 +82,10 @@ SGLANG_SAMPLING_FIELDS = {
 SGLANG_META_INFO_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens",
                          "cached_tokens", "weight_version", "output_token_logprobs"}
 SGLANG_FINISH_TYPES = {"stop", "length", "abort"}
+# tokenizer_manager._handle_batch_output for an embedding (BatchEmbeddingOutput): no
+# completion_tokens or cached_tokens; e2e_latency once finished.
+SGLANG_EMBEDDING_META_INFO_KEYS = {"id", "finish_reason", "prompt_tokens", "weight_version",
+                                   "total_retractions", "e2e_latency"}
 
 
 def assert_fields(body: dict[str, Any], request_type: str) -> None:
@@ -123,6 +137,8 @@ def test_reference_engine_accepts_only_sglang_names() -> None:
     assert accepted_sampling <= SGLANG_SAMPLING_FIELDS, accepted_sampling - SGLANG_SAMPLING_FIELDS
     accepted_generate = ref_server._GENERATE_FIELDS
     assert accepted_generate <= SGLANG_REQUEST_FIELDS["GenerateReqInput"]
+    accepted_classify = ref_classify._CLASSIFY_FIELDS | set(ref_classify._DEFAULT_ONLY_FIELDS)
+    assert accepted_classify <= SGLANG_REQUEST_FIELDS["EmbeddingReqInput"]
 
 
 def test_reference_engine_answers_with_sglang_keys() -> None:

@@ -9,4 +9,6 @@ model: the running batch stepped a token at a time, weights by HF name), `kv_bat
 running batch's left-padded KV cache: rows join and leave), `batcher` (continuous batching:
 requests join the running batch at the next step), `update_gate` (weight updates wait for the
 requests in flight, as SGLang's), `weights` (weight-sync receive), `server` (aiohttp routes).
+With `--is-embedding` (a reward model): `classifier` (a *ForSequenceClassification scored at
+the last token, as SGLang's) and `classify_server` (/classify and the routes around it).
 """

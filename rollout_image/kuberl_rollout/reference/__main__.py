@@ -74,7 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a weight-group rendezvous or broadcast may take")
     p.add_argument("--torch-threads", type=int, default=0,
                    help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--is-embedding", action="store_true",
+                   help="SGLang's flag: serve --model-path, a *ForSequenceClassification "
+                        "checkpoint, on POST /classify (and /encode), scored at the last token "
+                        "as SGLang does; no generation, no weight updates "
+                        "(kuberl_rollout.reference.classify_server)")
     return p
+
+
+# Flags of generation and weight sync, which an --is-embedding engine would ignore: refused
+# unless at their defaults, so a command line never asks for what the engine does not do.
+GENERATION_ONLY = ("tp_size", "nnodes", "mem_fraction_static", "enable_weights_cpu_backup",
+                   "batching", "batch_wait_ms", "weight_sync_timeout")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,6 +100,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--nnodes > 1 needs --dist-init-addr (node rank 0's host:port)")
     if args.nnodes > 1 and not os.environ.get(ENGINE_SECRET_ENV):
         parser.error(f"--nnodes > 1 needs the nodes' shared key in ${ENGINE_SECRET_ENV}")
+    if args.is_embedding:
+        given = [f"--{name.replace('_', '-')}" for name in GENERATION_ONLY
+                 if getattr(args, name) != parser.get_default(name)]
+        if given:
+            parser.error(f"{', '.join(given)}: not with --is-embedding (a reward model is "
+                         "served by one process, without tensor parallelism, generation "
+                         "batching or weight updates)")
     return args
 
 
@@ -106,6 +124,9 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
+    if args.is_embedding:
+        serve_classifier(args)
+        return
     per_node = args.tp_size // args.nnodes
     if args.device == "cuda" and per_node > torch.cuda.device_count():
         raise SystemExit(f"--tp-size {args.tp_size} over {args.nnodes} node(s) needs {per_node} "
@@ -153,6 +174,32 @@ def main(argv: list[str] | None = None) -> None:
     # shutdown wait for it once the server has stopped.
     logging.shutdown()
     os._exit(0)
+
+
+def serve_classifier(args: argparse.Namespace) -> None:
+    """--is-embedding: the reward model on /classify (classify_server.py), one process."""
+    from aiohttp import web
+
+    from kuberl_rollout.reference.classifier import Classifier
+    from kuberl_rollout.reference.classify_server import ClassifierServer
+
+    classifier = Classifier(args.model_path, tokenizer_path=args.tokenizer_path,
+                            device=args.device, dtype=args.dtype,
+                            weight_version=args.weight_version,
+                            max_batch_size=args.max_batch_size,
+                            max_prefill_tokens=args.max_prefill_tokens)
+    server = ClassifierServer(
+        classifier, api_key=args.api_key or os.environ.get(ENGINE_API_KEY_ENV, ""),
+        server_args={"host": args.host, "port": args.port, "random_seed": args.seed,
+                     "enable_metrics": args.enable_metrics},
+        enable_metrics=args.enable_metrics)
+    logging.getLogger("kuberl.reference").info(
+        "serving %s (%s, %d labels) on http://%s:%d/classify (%s, %s)", args.model_path,
+        type(classifier.model).__name__, classifier.num_labels, args.host, args.port,
+        args.device, args.dtype)
+    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None,
+                handler_cancellation=True)
+    logging.shutdown()
 
 
 def serve_other_node(args: argparse.Namespace, rank_args: RankArgs, nodes: Nodes) -> None:

@@ -1,4 +1,5 @@
 """`python -m kuberl_trainer.tiny build --out DIR [--variant add|tool] [--seed 0] [--sft-steps N]
+[--force]`; `python -m kuberl_trainer.tiny reward-model --out DIR --policy BUILD/model [--seed 0]
 [--force]`."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kuberl_trainer.tiny.build import TOOL_SFT_STEPS, VARIANTS, BuildConfig, build
+from kuberl_trainer.tiny.reward_model import RewardConfig, build_reward_model
 
 
 def parser() -> argparse.ArgumentParser:
@@ -26,11 +28,26 @@ def parser() -> argparse.ArgumentParser:
                    help="add: a+b= (the demo); tool: a+b+c= with a calculator to call "
                    "(examples/tiny-agent.yaml)")
     b.add_argument("--force", action="store_true", help="rebuild even if DIR is up to date")
+    r = sub.add_parser("reward-model", help="build DIR: a reward model (a one-label "
+                       "Qwen2ForSequenceClassification) on the policy's body, its head fitted "
+                       "to score correct sums above wrong ones (reused when up to date)")
+    r.add_argument("--out", required=True, type=Path, help="output directory (an HF checkpoint)")
+    r.add_argument("--policy", required=True, type=Path,
+                   help="the tiny policy's model directory (`build --out B` writes B/model)")
+    r.add_argument("--seed", type=int, default=RewardConfig.seed)
+    r.add_argument("--force", action="store_true", help="rebuild even if DIR is up to date")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.command == "reward-model":
+        if not (args.policy / "config.json").is_file():
+            print(f"--policy {args.policy}: no config.json (give the policy's model directory, "
+                  "e.g. BUILD/model)", file=sys.stderr)
+            return 2
+        build_reward_model(args.out, args.policy, RewardConfig(seed=args.seed), force=args.force)
+        return 0
     steps = args.sft_steps
     if steps is None:
         steps = TOOL_SFT_STEPS if args.variant == "tool" else BuildConfig.sft_steps
