@@ -116,9 +116,7 @@ def test_served_reward_models_score_as_the_models_do_in_process(
     want = [scalar_score(model, tok, i.prompt + i.response) for i in items]
     got = served(scalar, tmp_path / "scalar-logs", items)
     assert got == pytest.approx(want, rel=1e-5, abs=1e-5)
-    # (a reward: the right answer above its near miss, mostly)
-    right = [got[k] > got[k + 1] for k in range(0, len(items), 4)]  # type: ignore[operator]
-    assert sum(right) >= len(right) - 1, got
+    assert len(set(got)) == len(got)  # (every text its own score: nothing stood in)
 
     # the judge: the last number of its greedy answer to the filled-in prompt, or no score
     lm = AutoModelForCausalLM.from_pretrained(tiny / "model", torch_dtype=torch.float32).eval()

@@ -156,7 +156,10 @@ def variant_cases() -> list[Case]:
         "judge": {"prompt": "Grade {response}"}}})
     out += [Case("reward-model-scalar", scalar, _reward_expect(scalar) | {"context_length": 4096},
                  role="reward"),
-            Case("reward-model-judge-tp2", judge, _reward_expect(judge), role="reward")]
+            Case("reward-model-judge-tp2", judge, _reward_expect(judge), role="reward"),
+            Case("reward-model-reference-cpu", _spec(reward={"type": "model", "model": {
+                "path": "/models/rm", "engine": "reference", "gpusPerReplica": 0,
+                "engineArgs": {"max-batch-size": "64"}}}), role="reward")]
     return out
 
 

@@ -15,8 +15,6 @@ from kuberl_api.engine_flags import (
     ENGINE_ARG_PATTERN,
     ENGINE_FLAG_REFUSAL,
     KUBERL_ENGINE_FLAG_SOURCE,
-    REFERENCE_ENGINE_ARGS,
-    REFERENCE_ENGINE_FLAGS,
     engine_arg_problem,
 )
 from kuberl_api.spec.common import DEFAULT_ROLLOUT_IMAGE, IMPORT_PATH_PATTERN, MAX_STR
@@ -63,9 +61,19 @@ def _remote_only(name: str) -> Rule:
                 "model the job serves)", field, detail=lambda r: f"type = {r.type}")
 
 
+# The reference engine's flags a reward model it serves takes (REFERENCE_ENGINE_FLAGS less
+# those of generation and weight updates, which its --is-embedding mode refuses).
+REWARD_REFERENCE_FLAGS = ("dtype", "max-batch-size", "max-prefill-tokens", "enable-metrics")
+_REWARD_REFERENCE_OR_NAMED = (*REWARD_REFERENCE_FLAGS, *KUBERL_ENGINE_FLAG_SOURCE,
+                              *ENGINE_FLAG_REFUSAL)
+REWARD_REFERENCE_ARGS = ("a reward model on engine reference takes only these engineArgs: "
+                         + ", ".join(REWARD_REFERENCE_FLAGS))
+
+
 def _not_for_reference(key: str) -> bool:
-    """An engineArgs key the reference engine does not take, and no other rule reports."""
-    return (key not in (*REFERENCE_ENGINE_FLAGS, *KUBERL_ENGINE_FLAG_SOURCE, *ENGINE_FLAG_REFUSAL)
+    """An engineArgs key the reference engine does not take for a reward model, and no other
+    rule reports."""
+    return (key not in _REWARD_REFERENCE_OR_NAMED
             and re.fullmatch(ENGINE_ARG_PATTERN, key) is not None)
 
 
@@ -139,12 +147,11 @@ class RewardModelSpec(ApiModel):
              "judge is required when form is judge, and allowed only then", "judge",
              detail=lambda m: f"form = {m.form}"),
         Rule("self.engine != 'reference' || self.engineArgs.all(k, "
-             f"k in {[*REFERENCE_ENGINE_FLAGS, *KUBERL_ENGINE_FLAG_SOURCE, *ENGINE_FLAG_REFUSAL]}"
+             f"k in {list(_REWARD_REFERENCE_OR_NAMED)}"
              f" || !k.matches('{ENGINE_ARG_PATTERN}'))",
              lambda m: m.engine != "reference" or not any(map(_not_for_reference,
                                                               m.engine_args)),
-             REFERENCE_ENGINE_ARGS.replace("the reference engine", "a reward model on engine "
-                                           "reference"), "engineArgs",
+             REWARD_REFERENCE_ARGS, "engineArgs",
              value=lambda m: next(k for k in m.engine_args if _not_for_reference(k))),
         *storage_rules("the reward model"),
     )

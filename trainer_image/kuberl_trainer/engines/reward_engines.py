@@ -34,6 +34,8 @@ class RewardEngines:
         if model is None or shape is None:
             raise ValueError("reward.type is not model: the job serves no reward model")
         spec_json = spec.model_dump_json(by_alias=True)
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
         sharing = reward_sharing(spec, layout, one_machine)
         self.logs = [None if log_dir is None else log_dir / f"reward-model-{i}.log"
                      for i in range(model.replicas)]
