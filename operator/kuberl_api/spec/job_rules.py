@@ -293,6 +293,14 @@ def _one_storage_per_mount(a: _StorageField, b: _StorageField) -> Rule:
                 f"{b.field}.mountPath", detail=lambda s: f"{a.field} = {_described(a.get(s))}")
 
 
+def _checkpoint_apart_from(a: _StorageField) -> Rule:
+    def holds(s: RLJobSpec) -> bool:
+        storage = a.get(s)
+        return storage is None or storage.mount_path != s.checkpoint.path
+    return Rule(f"!({a.present}) || {a.cel}.mountPath != self.checkpoint.path", holds,
+                f"checkpoint.path must differ from {a.field}.mountPath", "checkpoint.path")
+
+
 def _described(storage: Storage | None) -> str:
     if storage is None:
         return "unset"
@@ -505,10 +513,7 @@ JOB_RULES = (
     # Two volumes at one mount point make the API server refuse the pod: storages at one
     # mountPath must be one storage (mounted once), and the checkpoints' path none of theirs.
     *(_one_storage_per_mount(a, b) for i, a in enumerate(STORAGES) for b in STORAGES[i + 1:]),
-    *(Rule(f"!({a.present}) || {a.cel}.mountPath != self.checkpoint.path",
-           lambda s, a=a: (st := a.get(s)) is None or st.mount_path != s.checkpoint.path,
-           f"checkpoint.path must differ from {a.field}.mountPath", "checkpoint.path")
-      for a in STORAGES),
+    *(_checkpoint_apart_from(a) for a in STORAGES),
     # The other models a job loads live where the policy does: with a PVC for the model, a
     # path outside its mount is a typo, refused at apply rather than after a cluster starts.
     *(_on_model_storage_rule(field, get) for field, get in (
