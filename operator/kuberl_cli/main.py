@@ -49,9 +49,13 @@ def _load(path: str) -> RLJob:
 def _cmd_validate(args: argparse.Namespace) -> int:
     job = _load(args.manifest)
     spec = job.spec
+    reward = spec.reward.model if spec.reward.type == "model" else None
+    served = ("" if reward is None
+              else f", a reward model on {reward.replicas}x{reward.gpus_per_replica} GPUs"
+              if reward.gpus_per_replica else f", a reward model on {reward.replicas} CPU pod(s)")
     print(f"{args.manifest}: RLJob {job.namespace}/{job.name} is valid "
           f"({spec.placement}, {spec.training.nodes}x{spec.training.gpus_per_node} training "
-          f"GPUs, {spec.num_engines} engine(s), {spec.schedule.num_rollouts} steps)")
+          f"GPUs, {spec.num_engines} engine(s){served}, {spec.schedule.num_rollouts} steps)")
     return 0
 
 

@@ -171,6 +171,20 @@ EXTRA_BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
     ("reward-model-tokenizer-off-storage",
      set_("reward", {"type": "model", "model": {
          "path": "/rm/m", "tokenizer": "/t", "storage": {"pvc": "rm", "mountPath": "/rm"}}})),
+    # Another claim, or another directory of the same one, where the policy's PVC is mounted.
+    ("reward-model-pvc-on-the-model-mount",
+     both(set_("model", {"path": "/mnt/x/m", "storage": {"pvc": "a", "mountPath": "/mnt/x"}}),
+          set_("reward", {"type": "model", "model": {
+              "path": "/mnt/x/rm", "storage": {"pvc": "b", "mountPath": "/mnt/x"}}}))),
+    ("reward-model-pvc-on-the-data-mount",
+     both(set_("data", {"prompts": "/mnt/x/p.jsonl",
+                        "storage": {"pvc": "a", "mountPath": "/mnt/x", "subPath": "d"}}),
+          set_("reward", {"type": "model", "model": {
+              "path": "/mnt/x/rm", "storage": {"pvc": "a", "mountPath": "/mnt/x"}}}))),
+    ("checkpoint-on-reward-model-mount",
+     both(set_("reward", {"type": "model", "model": {
+         "path": "/mnt/r/rm", "storage": {"pvc": "r", "mountPath": "/mnt/r"}}}),
+          set_("checkpoint.path", "/mnt/r"))),
 ]
 CASES = dict([(case, edit) for case, edit, *_ in BAD_SPECS] + EXTRA_BAD_SPECS)
 

@@ -973,6 +973,20 @@ GOOD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
                       maxRetries=0, batchSize=64, maxConcurrentRequests=16, onError="drop"),
         set_("data.metadataKeys", ["level"]))),
     ("a-reward-service-in-eval-mode", eval_mode(remote_reward())),
+    # One storage at one mountPath, named by several sections, is mounted once.
+    ("a-reward-model-on-the-policys-pvc", both(
+        set_("model", {"path": "/mnt/m/q", "storage": {"pvc": "m", "mountPath": "/mnt/m"}}),
+        set_("reward", {"type": "model", "model": {
+            "path": "/mnt/m/rm", "storage": {"pvc": "m", "mountPath": "/mnt/m"}}}))),
+    # A served reward model's GPU pods are GPU pods: the network section applies to them.
+    ("network-for-a-reward-models-gpus-alone", both(
+        ON_CPU, set_("reward", {"type": "model", "model": {"path": "/rm", "gpusPerReplica": 2}}),
+        set_("network", {"ncclSocketIfname": "eth0"}))),
+    ("model-and-data-on-one-pvc", both(
+        set_("model", {"path": "/mnt/x/m", "storage": {"pvc": "a", "mountPath": "/mnt/x",
+                                                       "subPath": "s", "readOnly": False}}),
+        set_("data", {"prompts": "/mnt/x/p.jsonl", "storage": {
+            "pvc": "a", "mountPath": "/mnt/x", "subPath": "s", "readOnly": False}}))),
     ("a-batch-function-sees-metadata", both(
         set_("reward", {"type": "custom", "function": "judge:grade", "batch": True}),
         set_("data.metadataKeys", ["level", "rubric"]))),

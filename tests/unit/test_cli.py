@@ -38,6 +38,12 @@ def test_validate_good(tmp_path: Path, capsys: Any) -> None:
     assert "default/demo is valid" in capsys.readouterr().out
 
 
+def test_validate_counts_a_served_reward_models_gpus(capsys: Any) -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "reward-model.yaml"
+    assert main(["validate", str(example)]) == 0
+    assert "4 engine(s), a reward model on 2x1 GPUs, 400 steps" in capsys.readouterr().out
+
+
 def test_validate_names_file_and_field(tmp_path: Path, capsys: Any) -> None:
     f = tmp_path / "job.yaml"
     f.write_text(GOOD.replace("{path: /models/qwen}", "{path: /models/qwen, revision: main}"))

@@ -43,7 +43,7 @@ def label_ok(value: str) -> bool:
 
 @pytest.fixture
 def longest(make_rljob: MakeJob) -> RLJob:
-    """Longest name, both groups, every optional piece switched on."""
+    """Longest name, every worker group, every optional piece switched on."""
     return make_rljob(
         metadata={"name": names.longest_job_name(), "namespace": "n" * 63},
         spec={
@@ -53,6 +53,10 @@ def longest(make_rljob: MakeJob) -> RLJob:
             "checkpoint": {"pvc": "c" * 253},
             "model": {"path": "/m/x", "storage": {"pvc": "m" * 253, "mountPath": "/m"}},
             "data": {"prompts": "/d/x", "storage": {"pvc": "d" * 253, "mountPath": "/d"}},
+            "algorithm": {"advantageEstimator": "ppo"},
+            "critic": {"placement": "dedicated"},
+            "reward": {"type": "model", "model": {
+                "path": "/r/x", "storage": {"pvc": "r" * 253, "mountPath": "/r"}}},
             "network": {"hostNetwork": True, "ncclSocketIfname": "eth0",
                         "rdma": {"resource": "rdma/hca", "count": 1}},
         },
@@ -166,7 +170,8 @@ def test_merged_labels_owned_win_and_order_is_stable() -> None:
 
 
 def test_pod_labels_match_the_job_selector() -> None:
-    for group in (names.GROUP_HEAD, names.GROUP_TRAIN, names.GROUP_ROLLOUT):
+    for group in (names.GROUP_HEAD, names.GROUP_TRAIN, names.GROUP_ROLLOUT, names.GROUP_CRITIC,
+                  names.GROUP_REWARD):
         labels = names.pod_labels("j", group, 0)
         assert names.selector("j").items() <= labels.items()
         assert labels[names.LABEL_GROUP] == group

@@ -21,12 +21,16 @@ from kuberl_operator.settings import parse_args
 MakeJob = Callable[..., RLJob]
 Obj = dict[str, Any]
 
-# Every kind of pod a job can run: two GPU worker groups and the environment service.
+# Every kind of pod a job can run: the GPU worker groups (training, rollout, a dedicated critic,
+# a served reward model, whose engines the head calls) and the environment service.
 FULL: Obj = {
     "placement": "disaggregated",
     "training": {"nodes": 2, "gpusPerNode": 8},
     "rollout": {"gpus": 8, "gpusPerEngine": 2, "maxTurns": 3},
     "environment": {"class": "envs.calc:Calculator", "image": "registry.example/calc:1"},
+    "algorithm": {"advantageEstimator": "ppo"},
+    "critic": {"placement": "dedicated"},
+    "reward": {"type": "model", "model": {"path": "/models/rm", "replicas": 2}},
 }
 PROMETHEUS: Obj = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "mon"}},
                    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
@@ -62,7 +66,7 @@ def test_it_selects_every_pod_of_the_job_and_none_of_another(make_rljob: MakeJob
     selector = policy_of(objs)["spec"]["podSelector"]
     assert selector == {"matchLabels": {names.LABEL_JOB: "demo"}}
     seen = {what for what, labels in pod_templates(objs) if matches(selector, labels)}
-    assert seen == {"head", "train", "rollout", "submitter", "environment"}
+    assert seen == {"head", "train", "rollout", "critic", "reward", "submitter", "environment"}
     # Another job in the same namespace (its name a prefix of ours, the same labels besides):
     # none of its pods.
     other = render_children(make_rljob(spec=FULL, metadata={"name": "dem"}), 1)

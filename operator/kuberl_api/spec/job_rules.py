@@ -5,6 +5,7 @@ CEL fragments (and Python twins) they share."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pydantic.alias_generators import to_camel
@@ -29,6 +30,7 @@ from kuberl_api.spec.common import (
     under_cel,
 )
 from kuberl_api.spec.critic import CriticSpec
+from kuberl_api.spec.model import Storage
 from kuberl_api.spec.network import NetworkSpec
 from kuberl_api.spec.rollout import (
     _ROLLOUT_GPUS_OUTSIDE,
@@ -75,10 +77,13 @@ _ROLLOUT_ON_CPU = ("(has(self.rollout.gpus) ? self.rollout.gpus == 0 : "
                    "(self.placement == 'colocate' && self.training.gpusPerNode == 0))")
 _ROLLOUT_ON_GPU = ("(has(self.rollout.gpus) ? self.rollout.gpus > 0 : "
                    "(self.placement == 'colocate' && self.training.gpusPerNode > 0))")
-# Whether any pod of the job has GPUs: training, rollout, or a dedicated PPO critic.
+# Whether any pod of the job has GPUs: training, rollout, a dedicated PPO critic, or a served
+# reward model.
 _HAS_GPU_PODS = (f"(self.training.gpusPerNode > 0 || !{_ROLLOUT_ON_CPU} || "
                  "(self.algorithm.advantageEstimator == 'ppo' && self.critic.placement == "
-                 "'dedicated' && self.critic.gpusPerNode > 0))")
+                 "'dedicated' && self.critic.gpusPerNode > 0) || "
+                 "(self.reward.type == 'model' && has(self.reward.model) && "
+                 "self.reward.model.gpusPerReplica > 0))")
 
 
 # The Python twins of the three above, neither-nor included (so both forms of a rule agree on
@@ -98,7 +103,9 @@ def _rollout_on_gpu(spec: RLJobSpec) -> bool:
 def _has_gpu_pods(spec: RLJobSpec) -> bool:
     critic = (spec.has_critic and spec.critic.placement == "dedicated"
               and spec.critic.gpus_per_node > 0)
-    return spec.training.gpus_per_node > 0 or not _rollout_on_cpu(spec) or critic
+    reward = (spec.reward.type == "model" and spec.reward.model is not None
+              and spec.reward.model.gpus_per_replica > 0)
+    return spec.training.gpus_per_node > 0 or not _rollout_on_cpu(spec) or critic or reward
 
 
 ENGINE_RESTARTS_DISAGGREGATED = ("rollout.maxEngineRestarts above 0 needs placement: "
@@ -127,7 +134,8 @@ EVAL_MODE_NEEDS_SETS = ("mode: eval evaluates data.evalSets once and trains noth
 EVAL_NEEDS_BOTH = ("schedule.evalInterval needs data.evalSets, and data.evalSets are evaluated "
                    "only every schedule.evalInterval steps")
 NETWORK_NEEDS_GPUS = ("network settings apply to GPU pods; this job has none (training."
-                      "gpusPerNode is 0, and neither rollout nor a dedicated critic has GPUs)")
+                      "gpusPerNode is 0, and neither rollout, a dedicated critic nor a served "
+                      "reward model has GPUs)")
 ENGINE_TILES_NODES = ("engines must tile the rollout nodes: rollout.gpusPerEngine must divide "
                       "rollout.gpusPerNode (engines share a node) or be a multiple of it (an "
                       "engine spans gpusPerEngine / gpusPerNode whole nodes)")
@@ -236,6 +244,67 @@ def _on_model_storage_rule(field: str, get: Callable[[RLJobSpec], str | None]) -
                            or under(str(get(s)), s.model.storage.mount_path)),
                 f"{field} must lie under model.storage.mountPath when a PVC holds the model",
                 field, detail=lambda s: f"model.storage.mountPath = {s.model.storage.mount_path}")
+
+
+@dataclass(frozen=True)
+class _StorageField:
+    """A section's PVC (a `Storage`), mounted in the job's Ray pods at its mountPath."""
+
+    field: str  # the spec's path to it
+    present: str  # CEL: the job has it
+    get: Callable[[RLJobSpec], Storage | None]
+
+    @property
+    def cel(self) -> str:
+        return f"self.{self.field}"
+
+
+STORAGES = (
+    _StorageField("model.storage", "has(self.model.storage)", lambda s: s.model.storage),
+    _StorageField("data.storage", "has(self.data.storage)", lambda s: s.data.storage),
+    _StorageField("reward.model.storage",
+                  "has(self.reward.model) && has(self.reward.model.storage)",
+                  lambda s: s.reward.model.storage if s.reward.model is not None else None),
+)
+
+
+def _same_storage(a: Storage, b: Storage) -> bool:
+    """One claim's same directory, mounted alike: what one volume can serve for both."""
+    return (a.pvc == b.pvc and (a.sub_path or "") == (b.sub_path or "")
+            and a.read_only == b.read_only)
+
+
+def _same_storage_cel(a: str, b: str) -> str:
+    sub = "(has({0}.subPath) ? {0}.subPath : '')"
+    return (f"{a}.pvc == {b}.pvc && {sub.format(a)} == {sub.format(b)} && "
+            f"{a}.readOnly == {b}.readOnly")
+
+
+def _one_storage_per_mount(a: _StorageField, b: _StorageField) -> Rule:
+    """`a` and `b` at one mountPath are one storage, which the pods mount once (a reward
+    model on the policy's PVC); two claims, or two directories of one, need two mountPaths."""
+    def holds(s: RLJobSpec) -> bool:
+        x, y = a.get(s), b.get(s)
+        return x is None or y is None or x.mount_path != y.mount_path or _same_storage(x, y)
+    return Rule(f"!({a.present}) || !({b.present}) || {a.cel}.mountPath != {b.cel}.mountPath "
+                f"|| ({_same_storage_cel(a.cel, b.cel)})", holds,
+                f"{a.field} and {b.field} need different mountPath values, unless they are the "
+                "same storage (pvc, subPath and readOnly), which is mounted once",
+                f"{b.field}.mountPath", detail=lambda s: f"{a.field} = {_described(a.get(s))}")
+
+
+def _checkpoint_apart_from(a: _StorageField) -> Rule:
+    def holds(s: RLJobSpec) -> bool:
+        storage = a.get(s)
+        return storage is None or storage.mount_path != s.checkpoint.path
+    return Rule(f"!({a.present}) || {a.cel}.mountPath != self.checkpoint.path", holds,
+                f"checkpoint.path must differ from {a.field}.mountPath", "checkpoint.path")
+
+
+def _described(storage: Storage | None) -> str:
+    if storage is None:
+        return "unset"
+    return str(storage.model_dump(by_alias=True, exclude_none=True))
 
 
 # Optional fields only training uses, which mode eval refuses rather than ignores (why each is
@@ -441,20 +510,10 @@ JOB_RULES = (
          "training.maxTokensPerMicroBatch must hold the longest sample: at least "
          "data.maxPromptLen + data.maxResponseLen", "training.maxTokensPerMicroBatch",
          detail=lambda s: f"data.maxPromptLen + data.maxResponseLen = {_longest(s)}"),
-    # Two volumes at one mount point make the API server refuse the pod.
-    Rule("!has(self.model.storage) || !has(self.data.storage) || "
-         "self.model.storage.mountPath != self.data.storage.mountPath",
-         lambda s: (s.model.storage is None or s.data.storage is None
-                    or s.model.storage.mount_path != s.data.storage.mount_path),
-         "model and data PVCs need different storage.mountPath values",
-         "data.storage.mountPath"),
-    Rule("!has(self.model.storage) || self.model.storage.mountPath != "
-         "self.checkpoint.path",
-         lambda s: s.model.storage is None or s.model.storage.mount_path != s.checkpoint.path,
-         "checkpoint.path must differ from model.storage.mountPath", "checkpoint.path"),
-    Rule("!has(self.data.storage) || self.data.storage.mountPath != self.checkpoint.path",
-         lambda s: s.data.storage is None or s.data.storage.mount_path != s.checkpoint.path,
-         "checkpoint.path must differ from data.storage.mountPath", "checkpoint.path"),
+    # Two volumes at one mount point make the API server refuse the pod: storages at one
+    # mountPath must be one storage (mounted once), and the checkpoints' path none of theirs.
+    *(_one_storage_per_mount(a, b) for i, a in enumerate(STORAGES) for b in STORAGES[i + 1:]),
+    *(_checkpoint_apart_from(a) for a in STORAGES),
     # The other models a job loads live where the policy does: with a PVC for the model, a
     # path outside its mount is a typo, refused at apply rather than after a cluster starts.
     *(_on_model_storage_rule(field, get) for field, get in (

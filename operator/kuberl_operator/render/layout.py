@@ -2,9 +2,10 @@
 
 Contract with the trainer (kuberl_trainer's placement): a train actor asks for one unit of
 `names.RESOURCE_TRAIN` per GPU it uses, an engine for `gpusPerEngine` units of
-`names.RESOURCE_ROLLOUT`; on CPU every actor asks for one unit. So a pod advertises one unit per
+`names.RESOURCE_ROLLOUT`, a served reward model's engine for `gpusPerReplica` units of
+`names.RESOURCE_REWARD`; on CPU every actor asks for one unit. So a pod advertises one unit per
 GPU it has (or, on CPU, one per actor it should host), and actors land only on their own group:
-the head advertises neither resource, so nothing but the driver runs there by accident.
+the head advertises none of them, so nothing but the driver runs there by accident.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class WorkerGroup:
     weight_sync_listener: bool = False
     # Megatron ranks write their checkpoint shards from the train pods.
     mounts_checkpoints: bool = False
+    # GPU pods of the group each take a node of their own (required anti-affinity): the layout
+    # gives them whole nodes, or one pod with all the group's GPUs.
+    one_per_node: bool = True
 
 
 def train_group(spec: RLJobSpec) -> WorkerGroup:
@@ -80,6 +84,21 @@ def critic_group(spec: RLJobSpec) -> WorkerGroup:
     )
 
 
+def reward_group(spec: RLJobSpec) -> WorkerGroup | None:
+    """A served reward model's engines (reward.type model): one pod per replica with its
+    `gpusPerReplica` GPUs, advertising as many units of the reward resource (one on CPU), so
+    each engine actor takes a pod. The pods are engine-sized, not node-sized (a 1-GPU reward
+    model beside others on an 8-GPU node), and hold no state: no checkpoint, no preStop hook."""
+    m = spec.reward.model
+    if spec.reward.type != "model" or m is None:
+        return None
+    return WorkerGroup(
+        name=names.GROUP_REWARD, image=m.image, replicas=m.replicas,
+        gpus_per_pod=m.gpus_per_replica, node_pool=m.node_pool, resources=m.resources,
+        ray_resources={names.RESOURCE_REWARD: m.gpus_per_replica or 1}, one_per_node=False,
+    )
+
+
 def worker_groups(spec: RLJobSpec) -> list[WorkerGroup]:
     # mode eval trains nothing: disaggregated, it needs only the engines' pods (colocated
     # engines run on the training pods, which it keeps)
@@ -89,4 +108,9 @@ def worker_groups(spec: RLJobSpec) -> list[WorkerGroup]:
         groups.append(rollout_group(spec))
     if spec.has_critic and spec.critic.placement == "dedicated":
         groups.append(critic_group(spec))
+    # A reward model has pods of its own in every mode and placement: it is never trained
+    # (nothing to colocate it with) and grades eval sets as it grades steps.
+    reward = reward_group(spec)
+    if reward is not None:
+        groups.append(reward)
     return groups

@@ -24,6 +24,7 @@ from kuberl_api.runtime import (
     ENV_JOB_NAME as ENV_JOB_NAME,
     ENV_JOB_NAMESPACE as ENV_JOB_NAMESPACE,
     RESOURCE_CRITIC as RESOURCE_CRITIC,
+    RESOURCE_REWARD as RESOURCE_REWARD,
     RESOURCE_ROLLOUT as RESOURCE_ROLLOUT,
     RESOURCE_TRAIN as RESOURCE_TRAIN,
 )
@@ -39,8 +40,9 @@ LABEL_COMPONENT: Final = "kuberl.dev/component"
 LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
 LABEL_NAME: Final = "app.kubernetes.io/name"
 LABEL_INSTANCE: Final = "app.kubernetes.io/instance"
-# On pod templates only: which Ray group a pod belongs to (head, train, rollout). One-pod-per-node
-# anti-affinity selects on job + group; KubeRay's own `ray.io/group` is not unique across jobs.
+# On pod templates only: which Ray group a pod belongs to (head, train, rollout, critic, reward).
+# One-pod-per-node anti-affinity selects on job + group; KubeRay's own `ray.io/group` is not
+# unique across jobs.
 LABEL_GROUP: Final = "kuberl.dev/group"
 MANAGER: Final = "kuberl-operator"
 OWNED_LABEL_KEYS: Final = (LABEL_NAME, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_JOB,
@@ -62,6 +64,7 @@ GROUP_HEAD: Final = "head"
 GROUP_TRAIN: Final = "train"
 GROUP_ROLLOUT: Final = "rollout"
 GROUP_CRITIC: Final = "critic"
+GROUP_REWARD: Final = "reward"  # the engines of a reward model the job serves (reward.model)
 
 # Named container port of the trainer-to-engines weight-update group (IANA_SVC_NAME, <= 15).
 PORT_WEIGHT_SYNC: Final = "weight-sync"
@@ -149,7 +152,7 @@ def merged_labels(owned: dict[str, str], user: dict[str, str]) -> dict[str, str]
 
 
 def pod_labels(job: str, group: str, attempt: int) -> dict[str, str]:
-    """Labels on the pods of one Ray group (head, train or rollout)."""
+    """Labels on the pods of one Ray group (head, train, rollout, critic or reward)."""
     component = COMPONENT_HEAD if group == GROUP_HEAD else COMPONENT_WORKER
     return {**labels(job, component, attempt), LABEL_GROUP: group}
 

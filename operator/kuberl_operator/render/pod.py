@@ -25,6 +25,7 @@ HEAD_MEMORY = "16Gi"
 VOLUME_CONFIG = "config"
 VOLUME_MODEL = "model"
 VOLUME_DATA = "data"
+VOLUME_REWARD_MODEL = "reward-model"
 VOLUME_CHECKPOINTS = "checkpoints"
 
 # The kuberl images run as this (non-root) user and group. A PVC's root directory usually belongs
@@ -103,10 +104,20 @@ class Volumes:
                  {"name": VOLUME_CONFIG, "mountPath": names.CONFIG_DIR, "readOnly": True})
 
     def storage(self, name: str, storage: Storage | None) -> None:
-        if storage is not None:
-            self.writes_to_a_claim |= not storage.read_only
-            self.add(pvc_volume(name, storage.pvc, storage.read_only),
-                     storage_mount(name, storage))
+        """A PVC at its mountPath, once: two sections naming the same storage (a reward model
+        on the policy's PVC) share one volume, as the spec's rules allow only then."""
+        if storage is None or any(m["mountPath"] == storage.mount_path for m in self.mounts):
+            return
+        self.writes_to_a_claim |= not storage.read_only
+        self.add(pvc_volume(name, storage.pvc, storage.read_only), storage_mount(name, storage))
+
+    def models(self, job: RLJob) -> None:
+        """The PVCs of the models every Ray pod may load: the policy's (engines, ranks, the
+        head's tokenizer) and a served reward model's (its engines, the head's tokenizer)."""
+        self.storage(VOLUME_MODEL, job.spec.model.storage)
+        reward = job.spec.reward.model
+        if job.spec.reward.type == "model" and reward is not None:
+            self.storage(VOLUME_REWARD_MODEL, reward.storage)
 
     def code(self, job: RLJob) -> None:
         """spec.code's modules, read-only at CODE_DIR (render/code.py)."""
@@ -146,11 +157,11 @@ def head_ports() -> list[dict[str, Any]]:
 
 def head_template(job: RLJob, attempt: int) -> dict[str, Any]:
     """The head runs the training loop: it reads the config, the prompts (data PVC) and the
-    tokenizer (model PVC), writes checkpoint metadata, and patches the RLJob status with its
-    ServiceAccount. It has no GPUs, so no NCCL wiring."""
+    tokenizers (the model PVCs), writes checkpoint metadata, and patches the RLJob status with
+    its ServiceAccount. It has no GPUs, so no NCCL wiring."""
     vols = Volumes(HEAD_MEMORY)
     vols.config(job)
-    vols.storage(VOLUME_MODEL, job.spec.model.storage)
+    vols.models(job)
     vols.storage(VOLUME_DATA, job.spec.data.storage)
     vols.checkpoints(job)
     vols.code(job)
@@ -205,7 +216,7 @@ def anti_affinity(job: RLJob, group: WorkerGroup) -> dict[str, Any]:
     """One pod per node (required, not preferred: two GPU pods of a group on one node would
     split its GPUs and NICs, and the layout arithmetic assumes whole nodes). On the host network
     the term spans all worker pods of the job, since two Ray pods on one host would fight over
-    Ray's fixed ports."""
+    Ray's fixed ports (a reward model's pods too, which otherwise may share a node)."""
     match = {names.LABEL_JOB: job.name}
     if job.spec.network.host_network:
         match[names.LABEL_COMPONENT] = names.COMPONENT_WORKER
@@ -226,8 +237,9 @@ def placement(job: RLJob, group: WorkerGroup) -> dict[str, Any]:
         out["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True)
                               for t in pool.tolerations]
     # CPU pods (tests, tiny jobs) have no GPUs or NICs to keep to themselves and may share a
-    # node, so small clusters can run them; GPU pods each own a node.
-    if group.gpus_per_pod:
+    # node, so small clusters can run them; GPU pods each own a node, but for engine-sized
+    # ones (a reward model's) off the host network.
+    if group.gpus_per_pod and (group.one_per_node or job.spec.network.host_network):
         out["affinity"] = anti_affinity(job, group)
     return out
 
@@ -260,7 +272,7 @@ def worker_container(job: RLJob, group: WorkerGroup, attempt: int,
 
 def worker_template(job: RLJob, group: WorkerGroup, attempt: int) -> dict[str, Any]:
     vols = Volumes(group.resources.memory)
-    vols.storage(VOLUME_MODEL, job.spec.model.storage)
+    vols.models(job)
     if group.mounts_checkpoints:
         vols.checkpoints(job)
     vols.code(job)
