@@ -50,6 +50,33 @@ KUBERL_ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
 }
 KUBERL_ENGINE_FLAG_SOURCE = {flag: source for source, flags in KUBERL_ENGINE_FLAGS.items()
                              for flag in flags}
+# The same for a served reward model's engines (engines/command.py's reward_engine_command):
+# its own model, GPUs and form; one node each; no memory fraction of kuberl's (SGLang sizes
+# its pool, or engineArgs mem-fraction-static does).
+REWARD_ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
+    "reward.model.path": ("model-path", "model"),
+    "reward.model.tokenizer": ("tokenizer-path",),
+    "the Ray node the replica runs on: host 0.0.0.0, free ports": ("host", "port",
+                                                                    "nccl-port"),
+    "reward.model.gpusPerReplica": ("tp-size", "tensor-parallel-size", "tp"),
+    "the run's seed and the replica's index": ("random-seed", "seed"),
+    "reward.model.gpusPerReplica (cuda with GPUs, cpu without) and the cores it shares": (
+        "device", "torch-threads"),
+    "one node per replica": ("dist-init-addr", "nccl-init-addr", "nnodes", "node-rank"),
+    "the job's engine API key": ("api-key", "config"),
+    "reward.model.form (scalar: an embedding model, judge: a generator)": ("is-embedding",),
+}
+REWARD_ENGINE_FLAG_SOURCE = {flag: source for source, flags in REWARD_ENGINE_FLAGS.items()
+                             for flag in flags}
+REWARD_ENGINE_FLAGS_REFUSED: dict[str, tuple[str, ...]] = {
+    "a replica's GPUs are reward.model.gpusPerReplica tensor parallel ranks (more replicas: "
+    "replicas)": ("data-parallel-size", "dp-size", "pipeline-parallel-size", "pp-size"),
+    "a replica's GPUs are the ones its Ray actor holds, from the first": (
+        "base-gpu-id", "gpu-id-step"),
+    "the trainer sends the reward model text, which it tokenizes": ("skip-tokenizer-init",),
+}
+REWARD_ENGINE_FLAG_REFUSAL = {flag: reason for reason, flags in REWARD_ENGINE_FLAGS_REFUSED.items()
+                              for flag in flags}
 # SGLang flags that would contradict what the spec decides or what the trainer relies on,
 # with the reason each is refused.
 ENGINE_FLAGS_REFUSED: dict[str, tuple[str, ...]] = {

@@ -15,7 +15,12 @@ import pytest
 
 from kuberl_api import InvalidRLJob, parse
 from kuberl_api.base import CEL_KEY, ApiModel, Rule
-from kuberl_api.engine_flags import ENGINE_FLAGS_REFUSED, KUBERL_ENGINE_FLAGS
+from kuberl_api.engine_flags import (
+    ENGINE_FLAGS_REFUSED,
+    KUBERL_ENGINE_FLAGS,
+    REWARD_ENGINE_FLAGS,
+    REWARD_ENGINE_FLAGS_REFUSED,
+)
 from kuberl_api.spec import RLJobSpec
 from kuberl_operator.crd import validated_schema
 from tests.crd_admission import admit
@@ -157,6 +162,11 @@ EXTRA_BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
       for flags in (*KUBERL_ENGINE_FLAGS.values(), *ENGINE_FLAGS_REFUSED.values())),
     *((f"engineListArgs-sets-{flags[0]}", set_("rollout.engineListArgs", {flags[0]: ["1"]}))
       for flags in (*KUBERL_ENGINE_FLAGS.values(), *ENGINE_FLAGS_REFUSED.values())),
+    ("reward-engineArgs-not-a-flag-name",
+     set_("reward", {"type": "model", "model": {"path": "/m", "engineArgs": {"--tp": "1"}}})),
+    *((f"reward-engineArgs-sets-{flags[0]}",
+       set_("reward", {"type": "model", "model": {"path": "/m", "engineArgs": {flags[0]: "1"}}}))
+      for flags in (*REWARD_ENGINE_FLAGS.values(), *REWARD_ENGINE_FLAGS_REFUSED.values())),
     ("reward-model-without-model", set_("reward", {"type": "model"})),
     ("reward-model-sglang-on-cpu",
      set_("reward", {"type": "model", "model": {"path": "/m", "gpusPerReplica": 0}})),

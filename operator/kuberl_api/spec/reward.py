@@ -13,14 +13,16 @@ from pydantic.alias_generators import to_camel
 from kuberl_api.base import ApiModel, FieldError, Rule, rules_schema
 from kuberl_api.engine_flags import (
     ENGINE_ARG_PATTERN,
-    ENGINE_FLAG_REFUSAL,
-    KUBERL_ENGINE_FLAG_SOURCE,
+    REWARD_ENGINE_FLAG_REFUSAL,
+    REWARD_ENGINE_FLAG_SOURCE,
+    REWARD_ENGINE_FLAGS,
+    REWARD_ENGINE_FLAGS_REFUSED,
     engine_arg_problem,
 )
 from kuberl_api.spec.common import DEFAULT_ROLLOUT_IMAGE, IMPORT_PATH_PATTERN, MAX_STR
 from kuberl_api.spec.model import Storage, storage_rules
 from kuberl_api.spec.pods import NodePool, Resources
-from kuberl_api.spec.rollout import ENGINE_ARGS_RULES
+from kuberl_api.spec.rollout import engine_flag_rules
 
 # An http(s) URL without whitespace: the reward service's endpoint, POSTed to as it is.
 HTTP_URL_PATTERN = r"^https?://[^\s/?#]+[^\s]*$"
@@ -64,8 +66,10 @@ def _remote_only(name: str) -> Rule:
 # The reference engine's flags a reward model it serves takes (REFERENCE_ENGINE_FLAGS less
 # those of generation and weight updates, which its --is-embedding mode refuses).
 REWARD_REFERENCE_FLAGS = ("dtype", "max-batch-size", "max-prefill-tokens", "enable-metrics")
-_REWARD_REFERENCE_OR_NAMED = (*REWARD_REFERENCE_FLAGS, *KUBERL_ENGINE_FLAG_SOURCE,
-                              *ENGINE_FLAG_REFUSAL)
+_REWARD_REFERENCE_OR_NAMED = (*REWARD_REFERENCE_FLAGS, *REWARD_ENGINE_FLAG_SOURCE,
+                              *REWARD_ENGINE_FLAG_REFUSAL)
+REWARD_ENGINE_ARGS_RULES = engine_flag_rules("reward.model.engineArgs", REWARD_ENGINE_FLAGS,
+                                             REWARD_ENGINE_FLAGS_REFUSED)
 REWARD_REFERENCE_ARGS = ("a reward model on engine reference takes only these engineArgs: "
                          + ", ".join(REWARD_REFERENCE_FLAGS))
 
@@ -155,7 +159,7 @@ class RewardModelSpec(ApiModel):
              value=lambda m: next(k for k in m.engine_args if _not_for_reference(k))),
         *storage_rules("the reward model"),
     )
-    FIELD_RULES = {"engine_args": ENGINE_ARGS_RULES}
+    FIELD_RULES = {"engine_args": REWARD_ENGINE_ARGS_RULES}
     model_config = {"json_schema_extra": rules_schema(RULES)}
 
     path: str = Field(min_length=1, max_length=MAX_STR,
@@ -184,9 +188,13 @@ class RewardModelSpec(ApiModel):
         "(engine reference).")
     engine_args: dict[str, str] = Field(
         default_factory=dict, max_length=64,
-        description="Extra engine server flags, as rollout.engineArgs (the same names refused; "
-        "is-embedding is kuberl's: form scalar sets it).",
-        json_schema_extra=rules_schema(ENGINE_ARGS_RULES))
+        description="Extra engine server flags, as rollout.engineArgs: not those kuberl sets "
+        "(model-path, tokenizer-path, host, port, nccl-port, tp-size, random-seed, device, "
+        "torch-threads, the multi-node flags, api-key, config; is-embedding: form scalar sets "
+        "it) nor dp-size, pp-size, base-gpu-id, gpu-id-step, skip-tokenizer-init. SGLang: "
+        "checked against SGLang 0.5.6's own flags (mem-fraction-static is yours to set). The "
+        "reference engine takes only " + ", ".join(REWARD_REFERENCE_FLAGS) + ".",
+        json_schema_extra=rules_schema(REWARD_ENGINE_ARGS_RULES))
     image: str = Field(DEFAULT_ROLLOUT_IMAGE, min_length=1, max_length=MAX_STR,
                        description="Image of the reward model's pods (an engine image).")
     node_pool: NodePool = Field(default_factory=NodePool,

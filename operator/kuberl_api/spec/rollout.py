@@ -5,6 +5,7 @@ add (rollout.engineArgs / engineListArgs, checked against engine_flags' tables).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, model_validator
@@ -74,23 +75,26 @@ def _none_of(flags: tuple[str, ...], message: str) -> Rule:
     return key_rule(f"!self.exists(k, k in {list(flags)})", lambda k: k not in flags, message)
 
 
-def _engine_flag_rules(field: str) -> tuple[Rule, ...]:
-    """The rules on the keys of engineArgs or engineListArgs (`field`): flag names, none of
-    them one kuberl sets itself (engine_flags.KUBERL_ENGINE_FLAGS) or refuses
-    (ENGINE_FLAGS_REFUSED)."""
+def engine_flag_rules(field: str,
+                      sources: Mapping[str, tuple[str, ...]] = KUBERL_ENGINE_FLAGS,
+                      refused: Mapping[str, tuple[str, ...]] = ENGINE_FLAGS_REFUSED
+                      ) -> tuple[Rule, ...]:
+    """The rules on the keys of engineArgs or engineListArgs (`field`, as the messages name
+    it): flag names, none of them one kuberl sets itself (`sources`: where each comes from,
+    engine_flags.KUBERL_ENGINE_FLAGS for the policy's engines) or refuses (`refused`)."""
     return (
         key_rule(f"self.all(k, k.matches('{ENGINE_ARG_PATTERN}'))", _flag_name,
                  ENGINE_ARG_NAMES.replace("engineArgs", field)),
         *(_none_of(flags, f"{field} may not set {' or '.join(flags)} (kuberl sets it from "
                           f"{source})")
-          for source, flags in KUBERL_ENGINE_FLAGS.items()),
+          for source, flags in sources.items()),
         *(_none_of(flags, f"{field} may not set {' or '.join(flags)}: {reason}")
-          for reason, flags in ENGINE_FLAGS_REFUSED.items()),
+          for reason, flags in refused.items()),
     )
 
 
-ENGINE_ARGS_RULES = _engine_flag_rules("engineArgs")
-ENGINE_LIST_ARGS_RULES = _engine_flag_rules("engineListArgs")
+ENGINE_ARGS_RULES = engine_flag_rules("engineArgs")
+ENGINE_LIST_ARGS_RULES = engine_flag_rules("engineListArgs")
 
 _ROLLOUT_GPUS_OUTSIDE = _outside("self.gpus", 0, MAX_ROLLOUT_GPUS)
 # engineArgs keys the reference engine takes, or that a rule of their own reports.
