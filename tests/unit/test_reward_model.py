@@ -179,6 +179,26 @@ def test_a_scalar_models_batches_go_round_its_replicas_with_the_engines_key() ->
     asyncio.run(run())
 
 
+def test_identical_samples_are_scored_once_and_get_one_reward() -> None:
+    """A group's repeated answers: each distinct text is sent once (batches of 3 over the
+    distinct ones), and every copy gets its reward."""
+    its = items(4) * 3  # (the same 4 samples, thrice, with their own ids)
+    its = [RewardInput(id=f"0:0:{k}:0", prompt=i.prompt, response=i.response, label=i.label)
+           for k, i in enumerate(its)]
+
+    async def run(once: bool) -> tuple[Any, Engines]:
+        engines = Engines()
+        async with engines.serving(1) as urls:
+            codec = ScalarCodec(chat_render(make_tokenizer()))
+            return await scorer(urls, codec, once=once).score(its), engines
+
+    scored, engines = asyncio.run(run(True))
+    assert scored.rewards == [len(i.prompt + i.response) / 10 for i in its]
+    assert sorted(n for _, _, n, _ in engines.seen) == [1, 3]  # 4 distinct texts
+    _, engines = asyncio.run(run(False))
+    assert sum(n for _, _, n, _ in engines.seen) == 12
+
+
 def test_a_judges_answer_without_a_score_fails_the_job_or_drops_its_sample() -> None:
     """Item 8's judge prompt ends in "9" (its label): the stand-in answers it without a
     score. fail: the job fails naming the sample and quoting the answer; drop: that sample

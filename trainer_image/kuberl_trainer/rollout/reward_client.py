@@ -76,8 +76,15 @@ class RemoteScorer:
                  headers: Mapping[str, str] | None = None,
                  rng: random.Random | None = None,
                  backoff_base_s: float = BACKOFF_BASE_S, codec: Codec | None = None,
-                 name: str = "reward.url") -> None:
+                 name: str = "reward.url", once: bool = False) -> None:
         self.codec: Codec = codec or ServiceCodec()
+        # Score each distinct (prompt, response, label) once a call (a served model, which is
+        # deterministic): identical samples then get one reward whatever batch they fall in.
+        # A batched forward pass is not batch-invariant to the last bit (padding changes the
+        # kernels' shapes), and a GRPO group of identical answers scored in different batches
+        # would otherwise get a float-noise spread that std normalisation blows up into
+        # advantages; the model also does less work (a group's answers often repeat).
+        self.once = once
         self.name = name  # what errors call it: reward.url, or the served reward model
         self.urls = [u + self.codec.path
                      for u in ([urls] if isinstance(urls, str) else list(urls))]
@@ -107,9 +114,25 @@ class RemoteScorer:
                    max_concurrent=spec.concurrent_requests, drop=spec.drops_errors,
                    headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
                    codec=codec_for(spec.model, render),
-                   name=f"the reward model ({spec.model.form}, {spec.model.path})")
+                   name=f"the reward model ({spec.model.form}, {spec.model.path})", once=True)
 
     async def score(self, items: Sequence[RewardInput]) -> Scored:
+        if not self.once:
+            return await self._score(items)
+        first: dict[tuple[str, str, str], int] = {}
+        unique: list[RewardInput] = []
+        index = []
+        for item in items:
+            j = first.setdefault((item.prompt, item.response, item.label), len(unique))
+            if j == len(unique):
+                unique.append(item)
+            index.append(j)
+        scored = await self._score(unique)
+        return Scored([scored.rewards[j] for j in index],
+                      [dict(scored.metrics[j]) for j in index],
+                      [scored.errors[j] for j in index], retries=scored.retries)
+
+    async def _score(self, items: Sequence[RewardInput]) -> Scored:
         size = self.batch_size
         batches = [list(items[i:i + size]) for i in range(0, len(items), size)]
         slots = asyncio.Semaphore(self.max_concurrent)
