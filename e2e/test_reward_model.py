@@ -5,12 +5,19 @@ actors ask for, the reward model's PVC is mounted in the head (its tokenizer) an
 pods (its weights), and the head's config carries reward.model. A reward.model the system
 could not run is refused at `kubectl apply`, naming the field.
 
-kwok's pods run nothing, so "Running" is kwok's word; what the engines do with the spec is the
-integration tier's (`rendered_spec` gives it the spec the head would read here).
+kwok's pods run nothing, so "Running" is kwok's word. What a reward pod would run is run here:
+the spec the head reads from the rendered ConfigMap starts a real reference engine through the
+trainer's own command line (the one a reward pod's engine actor runs), and the trainer's scorer,
+built from that spec as the head builds it, scores through it exactly what the tiny reward
+model scores in-process.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+import subprocess
+import sys
 import tempfile
 from collections.abc import Mapping
 from functools import partial
@@ -24,15 +31,22 @@ from rljobs import (
     JobWatch,
     Operator,
     cpu_job,
+    free_port,
     kubectl_apply,
     policy_enforced,
     static_claims,
 )
+from transformers import AutoTokenizer
 
 from kuberl_api import RLJobSpec
 from kuberl_api.load import load_rendered
 from kuberl_api.spec.reward import SGLANG_NEEDS_GPUS
 from kuberl_operator.render import names
+from kuberl_trainer.engines.client import EngineClient
+from kuberl_trainer.engines.command import reward_engine_command
+from kuberl_trainer.rollout.reward_client import RemoteScorer
+from kuberl_trainer.rollout.rewards.model_io import chat_render
+from kuberl_trainer.rollout.rewards.scorer import RewardInput
 
 pytestmark = pytest.mark.e2e
 
@@ -138,3 +152,71 @@ def test_a_reward_model_it_cannot_run_is_refused_at_apply(
     proc = kubectl_apply(c, obj)
     assert proc.returncode != 0, proc.stdout
     assert f"{field}: {message}" in proc.stderr, proc.stderr
+
+
+def tiny_reward_model() -> Path:
+    """The tiny reward model on an untrained tiny policy (seeded, cached like the tiny job:
+    its scores, not its judgement, are what this checks)."""
+    from kuberl_trainer.tiny.build import BuildConfig, build
+    from kuberl_trainer.tiny.reward_model import build_reward_model
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kuberl"
+    policy = cache / "e2e-tiny-sft0"
+    build(policy, BuildConfig(sft_steps=0), log=lambda _: None)
+    out = cache / "e2e-tiny-sft0-reward-model"
+    build_reward_model(out, policy / "model", log=lambda _: None)
+    return out
+
+
+def in_process(path: Path, texts: list[str]) -> list[float]:
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        return [float(model(**tok(t, return_tensors="pt")).logits[0, 0]) for t in texts]
+
+
+def test_the_rendered_reward_model_serves_and_scores_as_in_process(
+        k8s_cluster: Cluster, operator: Operator, operator_ns: str, tmp_path: Path) -> None:
+    c, ns, job = k8s_cluster, operator_ns, "reward-served"
+    model = tiny_reward_model()
+    w = JobWatch(c, operator, ns, job)
+    kubectl_apply(c, cpu_job(job, ns, reward={"type": "model", "batchSize": 3, "model": {
+        "path": str(model), "engine": "reference", "gpusPerReplica": 0}}), check=True)
+    try:
+        w.wait_condition("Accepted", "True", timeout=60)
+        spec = wait_for("the head's config", lambda: rendered_spec(c, ns, job), timeout=30,
+                        detail=w.detail)
+    finally:
+        w.delete_and_wait_gc()
+    served = spec.reward.model
+    assert served is not None
+    port = free_port()
+    cmd = reward_engine_command(spec, port=port, nccl_port=0, seed=0, torch_threads=1,
+                                python=sys.executable)
+    log = (tmp_path / "engine.log").open("w")
+    engine = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    items = [RewardInput(id=f"0:0:{i}:0", prompt=f"{i}+{i}=", response=r, label=str(2 * i))
+             for i in range(4) for r in (str(2 * i), str(2 * i + 1))]
+
+    async def score() -> list[float | None]:
+        client = EngineClient([url])
+        try:
+            await client.wait_healthy(timeout_s=120, exited=lambda: (
+                {url: code} if (code := engine.poll()) is not None else {}))
+        finally:
+            await client.close()
+        render = chat_render(AutoTokenizer.from_pretrained(served.tokenizer_path))
+        return (await RemoteScorer.for_model(spec.reward, [url], render).score(items)).rewards
+
+    try:
+        got = asyncio.run(score())
+    finally:
+        engine.terminate()
+        engine.wait(timeout=30)
+        log.close()
+    want = in_process(model, [i.prompt + i.response for i in items])
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-5), (tmp_path / "engine.log").read_text()
