@@ -10,6 +10,9 @@ Faults are chosen by a batch's ids, never by chance, so a run is repeatable and 
 - `broken(item)`: a batch holding such an item is answered `broken_status` every time;
 - `delay(ids)`: seconds to wait before answering (batches then finish out of order).
 
+With `token`, a request whose `header` does not carry it (`Bearer <token>` in Authorization,
+the token itself in another header) is answered 401, as a service behind auth answers.
+
 Run it in the test's event loop (``async with RewardServer() as server``) or, for a
 `kuberl run` in another process, in a thread of its own (``with server.in_thread()``).
 """
@@ -52,6 +55,8 @@ class RewardServer:
     broken_status: int = 500
     delay: Callable[[list[str]], float] | None = None
     metrics: bool = False  # results carry {"length": len(response)}
+    token: str | None = None
+    header: str = "Authorization"
     requests: list[Request] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
@@ -67,6 +72,11 @@ class RewardServer:
         return {i["id"]: exact(i["response"], i["label"]) for r in self.served for i in r.items}
 
     async def _score(self, request: web.Request) -> web.Response:
+        if self.token is not None:
+            want = (f"Bearer {self.token}" if self.header.lower() == "authorization"
+                    else self.token)
+            if request.headers.get(self.header) != want:
+                return web.Response(status=401, text=f"{self.header}: not authorized")
         body = await request.json()
         items, ids = body["items"], [i["id"] for i in body["items"]]
         self.in_flight += 1

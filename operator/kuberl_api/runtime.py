@@ -36,6 +36,11 @@ ENGINE_API_KEY_SECRET_KEY: Final = "api-key"
 # (--environment-url sets it too).
 ENV_ENVIRONMENT_URL: Final = "KUBERL_ENVIRONMENT_URL"
 
+# reward.auth: the reward service's credential, which the operator gives the head from the
+# Secret the spec names (a secretKeyRef: neither the RLJob nor the ConfigMap holds it) and
+# `kuberl run` reads from its environment.
+ENV_REWARD_AUTH: Final = "KUBERL_REWARD_AUTH"
+
 # Ray custom resources: a train actor asks for 1 unit of RESOURCE_TRAIN per GPU, an engine for
 # gpusPerEngine units of RESOURCE_ROLLOUT (1 unit per actor on CPU). Colocated train pods carry
 # both. A critic actor (PPO) asks for 1 unit of RESOURCE_CRITIC: dedicated critic pods carry one

@@ -1,7 +1,8 @@
 """reward.type remote end to end: `kuberl run` grading through a reward service on loopback
 (tests/reward_server.py, exact match over HTTP, in a thread of the test's process).
 
-One training run covers the service's normal life: its first two steps, with a share of
+One training run covers the service's normal life, behind auth (reward.auth's credential
+from the run's environment): its first two steps, with a share of
 batches answered 503 on their first attempt and batches of 5 crossing groups of 8, train
 exactly what the same job with reward.type exact trains (the uninterrupted run the resume
 tests share); its last step, with one batch failing on every attempt under onError drop,
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kuberl_api.runtime import ENV_REWARD_AUTH
 from tests.integration.local_run import failed, kuberl_run, manifest, metrics
 from tests.integration.test_local_run import RESUMABLE, whole_run
 from tests.reward_server import RewardServer, dumps
@@ -40,12 +42,12 @@ def test_a_reward_service_trains_as_the_builtin_retries_and_drops_failed_groups(
             doomed.add(item["id"])
         return item["id"] in doomed
 
-    server = RewardServer(flaky=0.3, broken=broken)
+    server = RewardServer(flaky=0.3, broken=broken, token="s3cret")  # (behind auth)
     with server.in_thread() as url:
         job = manifest(tiny, tmp_path, "remote", schedule={"numRollouts": 3, "saveInterval": 3},
                        reward={"type": "remote", "url": url, "batchSize": 5, "maxRetries": 2,
-                               "onError": "drop"})
-        res = kuberl_run(job, tmp_path / "out")
+                               "onError": "drop", "auth": {"secret": "grader"}})
+        res = kuberl_run(job, tmp_path / "out", env={ENV_REWARD_AUTH: "s3cret"})
     assert res.returncode == 0, failed(res) + "\n" + dumps(server)
     rows = metrics(tmp_path / "out")
     whole = metrics(whole_run(tiny, tmp_path, shared_run, "grpo"))  # reward.type exact

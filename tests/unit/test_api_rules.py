@@ -168,6 +168,7 @@ EXTRA_BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
        set_("reward", {"type": "model", "model": {"path": "/m", "engineArgs": {flags[0]: "1"}}}))
       for flags in (*REWARD_ENGINE_FLAGS.values(), *REWARD_ENGINE_FLAGS_REFUSED.values())),
     ("reward-model-without-model", set_("reward", {"type": "model"})),
+    ("reward-auth-not-remote", set_("reward", {"type": "exact", "auth": {"secret": "g"}})),
     ("reward-model-sglang-on-cpu",
      set_("reward", {"type": "model", "model": {"path": "/m", "gpusPerReplica": 0}})),
     ("reward-model-judge-without-judge",

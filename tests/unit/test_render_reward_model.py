@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kuberl_api import RLJob, loads
+from kuberl_api import RLJob, loads, runtime
 from kuberl_operator.render import names, render_children
 from kuberl_operator.render.pod import GPU_RESOURCE, VOLUME_MODEL, VOLUME_REWARD_MODEL
 
@@ -209,3 +209,16 @@ def test_the_head_reads_reward_model_from_the_configmap(make_rljob: MakeJob) -> 
     back = loads(cm["data"][names.CONFIG_KEY]).spec.reward.model
     assert back is not None and back == job.spec.reward.model
     assert back.tokenizer_path == "/mnt/rm/skywork"
+
+
+def test_reward_auth_reaches_the_head_from_its_secret(make_rljob: MakeJob) -> None:
+    """reward.auth (type remote): the head, where the loop grades, reads the credential from
+    the Secret the spec names; no other pod gets it, nor does the ConfigMap hold it."""
+    auth = {"type": "remote", "url": "https://grader.example/score",
+            "auth": {"secret": "grader", "key": "api-token", "header": "X-API-Key"}}
+    job = make_rljob(spec={**DISAGG, "reward": auth})
+    every = pods(job)
+    assert env(every["head"])[runtime.ENV_REWARD_AUTH] == {
+        "secretKeyRef": {"name": "grader", "key": "api-token"}}
+    assert all(runtime.ENV_REWARD_AUTH not in env(p) for g, p in every.items() if g != "head")
+    assert runtime.ENV_REWARD_AUTH not in env(pods(make_rljob(spec=DISAGG))["head"])

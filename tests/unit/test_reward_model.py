@@ -308,3 +308,19 @@ def test_preflight_refuses_a_checkpoint_of_the_other_form(tmp_path: Path) -> Non
         check(lm, form="judge", judge={"prompt": "{response}"}, gpusPerReplica=3)
     with pytest.raises(PreflightError, match=r"spec\.reward\.model\.path: .* is not a directory"):
         check(str(tmp_path / "nowhere"))
+
+
+def test_preflight_refuses_reward_auth_without_its_credential(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kuberl_api.runtime import ENV_REWARD_AUTH
+    from kuberl_trainer.preflight import check_reward_auth
+
+    job = spec(reward={"type": "remote", "url": "https://g.example/score",
+                       "auth": {"secret": "grader"}})
+    monkeypatch.delenv(ENV_REWARD_AUTH, raising=False)
+    with pytest.raises(PreflightError, match=r"spec\.reward\.auth: the credential is read "
+                       r"from \$KUBERL_REWARD_AUTH, which is not set here \(set it to the "
+                       r"value of key token of Secret grader"):
+        check_reward_auth(job)
+    monkeypatch.setenv(ENV_REWARD_AUTH, "s3cret")
+    check_reward_auth(job)

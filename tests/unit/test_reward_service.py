@@ -345,3 +345,22 @@ def _json(value: Any) -> str:
     import json
 
     return json.dumps(value)
+
+
+@pytest.mark.parametrize("header", ["Authorization", "X-API-Key"])
+def test_reward_auth_sends_the_credential_in_its_header(header: str) -> None:
+    """reward.auth: Authorization carries `Bearer <credential>`, another header the
+    credential itself; a wrong one is the service's 401, not retried, quoted."""
+    from kuberl_api.spec import RewardSpec
+
+    async def run(credential: str) -> Any:
+        async with RewardServer(token="s3cret", header=header) as server:
+            spec = RewardSpec.model_validate({
+                "type": "remote", "url": server.url, "maxRetries": 2,
+                "auth": {"secret": "grader", "header": header}})
+            return await RemoteScorer.from_spec(spec, credential).score(items(4))
+
+    assert asyncio.run(run("s3cret")).rewards == [1.0, 0.0, 1.0, 0.0]
+    with pytest.raises(RewardError, match=rf"refused a batch of 4 samples \(HTTP 401, not "
+                       rf"retried\): {header}: not authorized"):
+        asyncio.run(run("wrong"))

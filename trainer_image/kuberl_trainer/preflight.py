@@ -4,6 +4,7 @@ what and where, instead of minutes later inside an actor."""
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,6 +170,20 @@ def check_reward_model(spec: RLJobSpec) -> None:
     _check_tp(m.path, m.gpus_per_replica, "spec.reward.model.gpusPerReplica")
 
 
+def check_reward_auth(spec: RLJobSpec) -> None:
+    """reward.auth: its credential reached this process (the operator gives the head the
+    Secret's key; `kuberl run` takes it from the environment): without it every request
+    would be refused, after the engines had started."""
+    from kuberl_api.runtime import ENV_REWARD_AUTH
+
+    auth = spec.reward.auth
+    if auth is not None and not os.environ.get(ENV_REWARD_AUTH):
+        raise PreflightError(f"spec.reward.auth: the credential is read from "
+                             f"${ENV_REWARD_AUTH}, which is not set here (set it to the value "
+                             f"of key {auth.key} of Secret {auth.secret}; in a cluster the "
+                             "operator gives it to the head)")
+
+
 def check(spec: RLJobSpec) -> Checked:
     from kuberl_trainer.rollout import rewards
 
@@ -184,6 +199,7 @@ def check(spec: RLJobSpec) -> Checked:
     check_router(spec)
     check_engine_tp(spec)
     check_reward_model(spec)
+    check_reward_auth(spec)
     check_data(spec)
     try:
         reward_fn = rewards.load(spec.reward)

@@ -119,6 +119,7 @@ from kuberl_api.spec.pods import (
 )
 from kuberl_api.spec.reward import (
     JudgeSpec,
+    RewardAuth,
     RewardModelSpec,
     RewardSpec,
 )
@@ -259,6 +260,7 @@ __all__ = [
     "RLJobSpec",
     "RdmaSpec",
     "Resources",
+    "RewardAuth",
     "RewardModelSpec",
     "RewardSpec",
     "RolloutSpec",

@@ -19,7 +19,12 @@ from kuberl_api.engine_flags import (
     REWARD_ENGINE_FLAGS_REFUSED,
     engine_arg_problem,
 )
-from kuberl_api.spec.common import DEFAULT_ROLLOUT_IMAGE, IMPORT_PATH_PATTERN, MAX_STR
+from kuberl_api.spec.common import (
+    DEFAULT_ROLLOUT_IMAGE,
+    IMPORT_PATH_PATTERN,
+    MAX_STR,
+    PVC_NAME_PATTERN,
+)
 from kuberl_api.spec.model import Storage, storage_rules
 from kuberl_api.spec.pods import NodePool, Resources
 from kuberl_api.spec.rollout import engine_flag_rules
@@ -106,6 +111,30 @@ def pattern_problem(pattern: str) -> str | None:
     if compiled.groups > 1:
         return "may hold one group at most (the score: the group, else the whole match)"
     return None
+
+
+# An HTTP header's name (RFC 9110's token) and a Secret's data key.
+HEADER_NAME_PATTERN = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$"
+SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+AUTHORIZATION = "Authorization"
+
+
+class RewardAuth(ApiModel):
+    """The reward service's credential: a key of a Secret in the RLJob's namespace, sent with
+    every request. In a cluster the head reads it from the Secret (the operator gives it as
+    $KUBERL_REWARD_AUTH); `kuberl run` reads $KUBERL_REWARD_AUTH."""
+
+    secret: str = Field(min_length=1, max_length=253, pattern=PVC_NAME_PATTERN,
+                        description="The Secret's name (in the RLJob's namespace).")
+    key: str = Field("token", min_length=1, max_length=253, pattern=SECRET_KEY_PATTERN,
+                     description="The key of the Secret's data that holds the credential.")
+    header: str = Field(
+        AUTHORIZATION, min_length=1, max_length=256, pattern=HEADER_NAME_PATTERN,
+        description="The header it goes in: Authorization (the default) sends "
+        "`Bearer <credential>`; any other header (X-API-Key, say) the credential as it is.")
+
+    def header_value(self, credential: str) -> str:
+        return f"Bearer {credential}" if self.header.lower() == "authorization" else credential
 
 
 class JudgeSpec(ApiModel):
@@ -230,6 +259,10 @@ class RewardSpec(ApiModel):
              lambda r: (r.type == "remote") == (r.url is not None),
              "url is required when type is remote, and allowed only then", "url",
              detail=lambda r: f"type = {r.type}"),
+        Rule("!has(self.auth) || self.type == 'remote'",
+             lambda r: r.auth is None or r.type == "remote",
+             "auth applies only to type remote (a served reward model is called with the "
+             "engines' own key)", "auth", detail=lambda r: f"type = {r.type}"),
         Rule("self.type == 'model' ? has(self.model) : !has(self.model)",
              lambda r: (r.type == "model") == (r.model is not None),
              "model is required when type is model, and allowed only then", "model",
@@ -257,6 +290,9 @@ class RewardSpec(ApiModel):
         description="Type remote (required): the http(s) endpoint each batch is POSTed to as "
         '{"items": [{"id", "prompt", "response", "label", "metadata"}]}; it answers '
         '{"rewards": [...]} in the same order or {"results": [{"id", "reward", "metrics"}]}.')
+    auth: RewardAuth | None = Field(
+        None, description="Type remote: the service's credential, from a Secret, sent with "
+        "every request (Authorization: Bearer, or a header of your own).")
     model: RewardModelSpec | None = Field(
         None, description="Type model (required): the reward model or judge to serve, and "
         "how it scores.")

@@ -169,6 +169,10 @@ def head_template(job: RLJob, attempt: int) -> dict[str, Any]:
     if job.spec.environment.image is not None:  # the loop's environment service
         env.append({"name": runtime.ENV_ENVIRONMENT_URL,
                     "value": names.environment_url(job.name)})
+    auth = job.spec.reward.auth
+    if auth is not None:  # the reward service's credential: the loop grades on the head
+        env.append({"name": runtime.ENV_REWARD_AUTH, "valueFrom": {"secretKeyRef": {
+            "name": auth.secret, "key": auth.key}}})
     container = {
         "name": HEAD_CONTAINER,
         "image": job.spec.training.image,

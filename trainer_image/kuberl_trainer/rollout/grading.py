@@ -21,7 +21,7 @@ from typing import Any
 from kuberl_api.spec import RewardSpec
 from kuberl_trainer.rollout.batch import failed, graded_row
 from kuberl_trainer.rollout.generate import Response
-from kuberl_trainer.rollout.reward_client import RemoteScorer
+from kuberl_trainer.rollout.reward_client import RemoteScorer, reward_credential
 from kuberl_trainer.rollout.rewards import load
 from kuberl_trainer.rollout.rewards.answers import AnswerFn, answer_fn
 from kuberl_trainer.rollout.rewards.scorer import (
@@ -91,7 +91,7 @@ class Grader:
         if spec.type == "environment":
             return cls(spec, None, None)
         if spec.type == "remote":
-            return cls(spec, RemoteScorer.from_spec(spec), None)
+            return cls(spec, RemoteScorer.from_spec(spec, reward_credential()), None)
         if spec.type == "model":
             if model is None:
                 raise ValueError("reward.type model needs the served reward model's scorer")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from typing import Any
 
 import aiohttp
 
+from kuberl_api.runtime import ENV_REWARD_AUTH
 from kuberl_api.spec import RewardSpec
 from kuberl_trainer.rollout.rewards.model_io import ChatRender, Codec, codec_for
 from kuberl_trainer.rollout.rewards.protocol import (
@@ -44,6 +46,12 @@ from kuberl_trainer.rollout.rewards.protocol import (
 from kuberl_trainer.rollout.rewards.scorer import RewardError, RewardInput, Scored, all_or_cancel
 
 LOG = logging.getLogger("kuberl.reward")
+
+
+def reward_credential() -> str:
+    """reward.auth's credential as this process was given it ("" when none): from the
+    Secret in a cluster (the operator's secretKeyRef), from the environment locally."""
+    return os.environ.get(ENV_REWARD_AUTH, "")
 
 
 @dataclass
@@ -67,8 +75,8 @@ class ServiceCodec:
 
 
 class RemoteScorer:
-    """`headers`: sent with every request (none for reward.url today; a served reward model
-    would need the engines' API key); `rng`, `backoff_base_s`: the backoff's jitter and
+    """`headers`: sent with every request (reward.auth's credential; a served reward model's
+    engines' API key); `rng`, `backoff_base_s`: the backoff's jitter and
     first delay (protocol.backoff_s; tests shorten it)."""
 
     def __init__(self, urls: str | Sequence[str], *, timeout_s: float, max_retries: int,
@@ -97,11 +105,16 @@ class RemoteScorer:
         self.rng, self.backoff_base_s = rng or random.Random(), backoff_base_s
 
     @classmethod
-    def from_spec(cls, spec: RewardSpec) -> RemoteScorer:
+    def from_spec(cls, spec: RewardSpec, credential: str = "") -> RemoteScorer:
+        """The reward service's client; `credential`: reward.auth's (its header's value
+        made here)."""
         assert spec.url is not None  # (the spec requires it for type remote)
+        headers = ({spec.auth.header: spec.auth.header_value(credential)}
+                   if spec.auth is not None else None)
         return cls(spec.url, timeout_s=spec.request_timeout_seconds,
                    max_retries=spec.retries, batch_size=spec.request_batch_size,
-                   max_concurrent=spec.concurrent_requests, drop=spec.drops_errors)
+                   max_concurrent=spec.concurrent_requests, drop=spec.drops_errors,
+                   headers=headers)
 
     @classmethod
     def for_model(cls, spec: RewardSpec, urls: Sequence[str], render: ChatRender,
