@@ -135,10 +135,12 @@ def test_served_reward_models_score_as_the_models_do_in_process(
 
 def test_a_job_graded_by_its_served_reward_model_trains_as_with_the_model_in_process(
         tiny: Path, reward_model: Path, tmp_path: Path) -> None:
-    """Two steps graded by the tiny reward model on two reference engines (batches of 5
-    crossing groups of 8), and the same two steps graded by a batch function that calls the
-    model in-process: the same rewards, so the same training."""
-    steps = {"numRollouts": 2, "saveInterval": 2}
+    """A step graded by the tiny reward model on two reference engines (batches of 5
+    crossing groups of 8), and the same step graded by a batch function that calls the model
+    in-process: the same rewards to float rounding, so the same advantages and loss. (One
+    step: the next one samples from weights that differ in their last bits, and a sampled
+    token near a tie may go the other way on another machine.)"""
+    steps = {"numRollouts": 1, "saveInterval": 1}
     job = manifest(tiny, tmp_path, "served", schedule=steps, reward={
         "type": "model", "batchSize": 5, "model": {
             "path": str(reward_model), "engine": "reference", "gpusPerReplica": 0,
@@ -150,14 +152,12 @@ def test_a_job_graded_by_its_served_reward_model_trains_as_with_the_model_in_pro
         "function": "tests.integration.toy_rewards:tiny_reward_model"})
     res = kuberl_run(local, tmp_path / "local", env={REWARD_MODEL_ENV: str(reward_model)})
     assert res.returncode == 0, failed(res)
-    rows, want = metrics(tmp_path / "served"), metrics(tmp_path / "local")
-    assert len(rows) == len(want) == 2
-    for row, other in zip(rows, want, strict=True):
-        assert row["prompts_sha"] == other["prompts_sha"]
-        for key in RESUMABLE["grpo"][1]:
-            assert row[key] == pytest.approx(other[key], rel=1e-4, abs=1e-5), key
-        assert row["reward_retries"] == row["reward_errors"] == 0 and row["reward_s"] > 0
-    assert rows[0]["reward_mean"] == pytest.approx(want[0]["reward_mean"], rel=1e-6)
+    (row,), (want,) = metrics(tmp_path / "served"), metrics(tmp_path / "local")
+    assert row["prompts_sha"] == want["prompts_sha"]
+    for key in (*RESUMABLE["grpo"][1], "reward_std", "advantage_mean", "loss", "grad_norm"):
+        if key in want:
+            assert row[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    assert row["reward_retries"] == row["reward_errors"] == 0 and row["reward_s"] > 0
     logs = sorted(p.name for p in (tmp_path / "served" / "logs").glob("reward-model-*.log"))
     assert logs == ["reward-model-0.log", "reward-model-1.log"]
 
