@@ -5,8 +5,9 @@ Role). The reporter merge-patches `status.progress` — step, reward, heartbeat 
 the trainer is in (during start-up: `beat`, report/heartbeat.py), last checkpoint, engines
 replaced — which the operator reads (and never writes) to derive
 Training/Stalled; and `status.trainerRefusal` (`refuse`) when its checks refuse to start the
-attempt, on which the operator fails the job. What happens to the run on the way (an engine replaced) it posts as Events on
-the RLJob (`kubectl describe rljob`): the Role lets it create Events, nothing more.
+attempt, on which the operator fails the job. What happens to the run on the way (an engine
+replaced) it posts as Events on the RLJob (`kubectl describe rljob`): the Role lets it create
+Events, nothing more.
 Locally (`kuberl run` without --in-cluster) the reporter is off.
 
 Through the `kubernetes` client, not hand-written HTTP: in a pod its in-cluster configuration
