@@ -1,13 +1,14 @@
 """An RLJob's life on a real control plane: Training, Stalled, restart from checkpoint,
-Succeeded, Failed, suspend and resume, an operator killed mid-reconcile - and what a user's
-Prometheus sees of it.
+Succeeded, Failed, refused at start (no restart), suspend and resume, an operator killed
+mid-reconcile - and what a user's Prometheus sees of it.
 
 Fake (kwok) pods run no Ray, so the test plays the two parts Ray would:
 - the Ray dashboard, whose job status KubeRay copies into the RayJob: with the KubeRay operator
   frozen (`Cluster.paused`) after it provisioned the cluster and started the submitter, the test
   writes the RayJob status that KubeRay would write from the dashboard's answer;
 - the trainer on the head, which reports progress and heartbeats with the head ServiceAccount's
-  token through the real `StatusReporter`.
+  token through the real `StatusReporter` (and, refusing to start, the real `run` reports it
+  through that reporter).
 Everything else is real: the API server, KubeRay provisioning each attempt's RayCluster, the
 scheduler, the garbage collector, the operator with the chart's identity, and Prometheus
 scraping the operator's /metrics.
@@ -15,11 +16,13 @@ scraping the operator's /metrics.
 
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cluster import Cluster
@@ -42,8 +45,12 @@ from rljobs import (
 )
 from stand_in import KUBERAY, dashboard_says, head_reporter
 
+from kuberl_api import RLJob, runtime
+from kuberl_api.load import load_rendered
 from kuberl_operator.render import names
 from kuberl_operator.status import ANNOTATION_RESTARTS
+from kuberl_trainer.report.status import StatusReporter
+from kuberl_trainer.run import run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kuberay]
 
@@ -205,6 +212,73 @@ def test_ray_job_that_ends_badly_fails_the_rljob(k8s_cluster: Cluster, operator:
             wait_prometheus_phase(prometheus, w, "Failed")
             time.sleep(3)
             assert w.rayjob(1) is None, "a job out of restarts was restarted"
+    finally:
+        w.delete_and_wait_gc()
+
+
+# ------------------------------------------------------------ refused at start: no restart
+
+
+def head_env(rayjob: dict[str, Any]) -> dict[str, str]:
+    """The plain env values of the head's Ray container, as the operator rendered them."""
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    return {e["name"]: e["value"] for e in head["containers"][0].get("env", []) if "value" in e}
+
+
+def rendered_job(c: Cluster, ns: str, job: str, tmp: Path) -> RLJob:
+    """The RLJob the head's `kuberl run --in-cluster` reads: its ConfigMap's rljob.yaml."""
+    cm = c.api().get(f"/api/v1/namespaces/{ns}/configmaps/{names.configmap(job)}")
+    assert cm is not None, f"no ConfigMap {ns}/{names.configmap(job)}"
+    path = tmp / names.CONFIG_KEY
+    path.write_text(cm["data"][names.CONFIG_KEY])
+    return load_rendered(path)[0]
+
+
+def test_a_trainer_that_refuses_to_start_fails_the_rljob_without_a_restart(
+        k8s_cluster: Cluster, operator: Operator, operator_ns: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head's `kuberl run --in-cluster` refuses to start (its checks before Ray: the model
+    the spec names is not there) and reports it with the head ServiceAccount's token, naming
+    the attempt the operator put in the head's environment; its Ray job fails. The RLJob is
+    Failed at once, InvalidAtStart, the trainer's message in Failed and Accepted and in a
+    Warning Event; no second attempt, though backoffLimit allows two restarts."""
+    c, ns, job = k8s_cluster, operator_ns, "refused"
+    w = JobWatch(c, operator, ns, job)
+    kubectl_apply(c, cpu_job(job, ns, backoffLimit=2), check=True)
+    try:
+        provisioned(w, 0)
+        r0 = names.rayjob(job, 0)
+        rayjob0 = w.rayjob(0)
+        assert rayjob0 is not None
+        # The real run on the head's inputs: its config, its attempt, its ServiceAccount (the
+        # pod's in-cluster login is the one thing played: no pod runs here).
+        rendered = rendered_job(c, ns, job, tmp_path)
+        monkeypatch.setenv(runtime.ENV_ATTEMPT, head_env(rayjob0)[runtime.ENV_ATTEMPT])
+        reporter = head_reporter(c, ns, job)
+        monkeypatch.setattr(StatusReporter, "in_cluster", staticmethod(lambda: reporter))
+        args = argparse.Namespace(address="auto", in_cluster=True,
+                                  output_dir=str(tmp_path / "out"))
+        with c.paused(KUBERAY):
+            dashboard_says(c, ns, r0, "RUNNING")
+            wait_phase(w, "Running")
+            assert run(rendered, args) == 1
+            dashboard_says(c, ns, r0, "FAILED")  # the entrypoint exited 1
+            st = wait_phase(w, "Failed")
+            assert st["trainerRefusal"]["attempt"] == 0, st
+            assert st["restarts"] == 0 and st["rayJobName"] == r0 and st["completionTime"], st
+            failed, accepted = condition(w.get(), "Failed"), condition(w.get(), "Accepted")
+            assert (failed["status"], failed["reason"]) == ("True", "InvalidAtStart"), failed
+            assert (accepted["status"], accepted["reason"]) == ("False", "InvalidAtStart")
+            for said in (failed["message"], accepted["message"]):
+                assert f"refused to start RayJob {r0}: spec.model.path: /models/tiny" in said
+                assert "delete and re-create the RLJob" in said, said
+            warning = wait_for("an InvalidAtStart Event", lambda: [
+                e for e in events_for(c.api(), ns, job) if e["reason"] == "InvalidAtStart"])
+            assert warning[0]["type"] == "Warning" and "spec.model.path" in warning[0]["message"]
+            described = c.kubectl("describe", "rljob", job, "-n", ns).stdout
+            assert "InvalidAtStart" in described and "spec.model.path" in described
+            assert "Restarting" not in event_reasons(c, ns, job)
+            assert w.rayjob(1) is None, "an attempt refused at start was restarted"
     finally:
         w.delete_and_wait_gc()
 

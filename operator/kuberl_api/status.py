@@ -1,4 +1,5 @@
-"""The RLJob status: written by the operator (phase, conditions) and the trainer (progress)."""
+"""The RLJob status: written by the operator (phase, conditions) and the trainer (progress,
+trainerRefusal)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,24 @@ class Progress(ApiModel):
         description="The latest scores of each of data.evalSets, as last evaluated.")
 
 
+# The longest trainerRefusal.message the trainer writes (it cuts a longer one): the condition
+# that carries it holds 32 KiB, and an Event far less.
+MAX_REFUSAL_MESSAGE = 4096
+
+
+class TrainerRefusal(ApiModel):
+    """The trainer's refusal to start an attempt: the checks `kuberl run` makes before Ray
+    (kuberl_trainer/preflight.py) found input that cannot run. The trainer writes it and exits;
+    the operator fails the job on it (Failed, reason InvalidAtStart) instead of restarting an
+    attempt that would fail the same way."""
+
+    attempt: int = Field(ge=0, description="The attempt the trainer refused to start (RayJob "
+                         "<name>-r<attempt>): the operator acts on the current attempt's only.")
+    message: str = Field(max_length=MAX_REFUSAL_MESSAGE, description="What is wrong, naming "
+                         "the field (the error line `kuberl run` ends with).")
+    time: str = Field(json_schema_extra={"format": "date-time"})
+
+
 class RLJobStatus(ApiModel):
     phase: Phase | None = None
     conditions: list[Condition] = Field(default_factory=list, max_length=16)
@@ -98,6 +117,9 @@ class RLJobStatus(ApiModel):
     spec_digests: dict[str, str] = Field(
         default_factory=dict, max_length=32,
         description="Digest per immutable spec section, as accepted (detects changes).")
+    trainer_refusal: TrainerRefusal | None = Field(
+        None, description="Written by the trainer (the operator only reads it): the attempt "
+        "it refused to start, and why.")
 
     def condition(self, type_: str) -> Condition | None:
         return next((c for c in self.conditions if c.type == type_), None)

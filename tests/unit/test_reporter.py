@@ -149,3 +149,24 @@ def test_unreachable_api_server_is_an_oserror() -> None:
     reporter = StatusReporter(f"http://127.0.0.1:{port}", "tok", "team-a", "job", timeout=2)
     with pytest.raises(OSError):
         reporter.report(step=1, total_steps=10, reward_mean=None)
+
+
+def test_a_refusal_patches_only_the_trainers_refusal_of_its_attempt() -> None:
+    """`refuse`: status.trainerRefusal in the API's shape, naming the attempt, and nothing the
+    operator owns (a merge patch of one key leaves phase and conditions alone); a message past
+    the API's bound is cut at its end, so the field it names stays."""
+    from kuberl_api.status import MAX_REFUSAL_MESSAGE, RLJobStatus
+
+    typo = "spec.reward: cannot import module 'rewardz' (No module named 'rewardz')"
+    with patch_recorder(requests=2) as (url, seen):
+        reporter = StatusReporter(url, "tok", "team-a", "job")
+        reporter.refuse(3, typo)
+        reporter.refuse(4, "spec.algorithm.lossFunction: " + "x" * 2 * MAX_REFUSAL_MESSAGE)
+    assert [list(body) for body in seen] == [["status"], ["status"]]
+    assert [list(body["status"]) for body in seen] == [["trainerRefusal"], ["trainerRefusal"]]
+    first = RLJobStatus.model_validate(seen[0]["status"]).trainer_refusal
+    assert first is not None and (first.attempt, first.message) == (3, typo)
+    assert first.time.endswith("Z")
+    cut = RLJobStatus.model_validate(seen[1]["status"]).trainer_refusal
+    assert cut is not None and len(cut.message) == MAX_REFUSAL_MESSAGE
+    assert cut.message.startswith("spec.algorithm.lossFunction: ") and cut.message.endswith("...")

@@ -590,6 +590,63 @@ POD_ROWS = [
 ]
 ROWS += POD_ROWS
 
+# ---- the trainer refused to start an attempt (status.trainerRefusal; status/refusal.py)
+
+TYPO = "spec.reward: cannot import module 'rewardz' (No module named 'rewardz')"
+
+
+def refusal(attempt: int = 0, message: str = TYPO) -> dict[str, Any]:
+    return {"attempt": attempt, "message": message, "time": ago(5)}
+
+
+REFUSAL_ROWS = [
+    Row("a refusal reported, then the Ray job failed: Failed at once, no restart, the RayJob kept",
+        body(running_status(phase="Provisioning", trainerRefusal=refusal())),
+        Observed(rayjobs=(rayjob(0, "FAILED", "Failed", reason="AppFailed"),)),
+        phase="Failed", conditions={"Failed": ("True", "InvalidAtStart"),
+                                    "Accepted": ("False", "InvalidAtStart"),
+                                    "Training": ("False", "InvalidAtStart")},
+        actions=[], events=["InvalidAtStart"],
+        extra={"restarts": 0, "completionTime": fmt_time(NOW), "rayJobName": RJ0,
+               "_message": "refused to start RayJob math-r0: spec.reward: cannot import"}),
+    Row("a refusal read before KubeRay saw the Ray job fail: Failed as well, nothing deleted",
+        body(running_status(trainerRefusal=refusal())),
+        Observed(rayjobs=(RUNNING_RJ0,), raycluster=raycluster()),
+        phase="Failed", conditions={"Failed": ("True", "InvalidAtStart")},
+        actions=[], events=["InvalidAtStart"]),
+    Row("a refusal with restarts left and backoffLimit 0 alike: InvalidAtStart, not the limit",
+        body(running_status(trainerRefusal=refusal()), spec=spec(backoffLimit=0)),
+        Observed(rayjobs=(rayjob(0, "FAILED", "Failed"),)),
+        phase="Failed", conditions={"Failed": ("True", "InvalidAtStart")},
+        actions=[], events=["InvalidAtStart"]),
+    Row("an earlier attempt's refusal says nothing about the current one: it runs on",
+        body(running_status(1, restarts=1, progress={"lastHeartbeatTime": ago(1)},
+                            trainerRefusal=refusal(0))),
+        Observed(rayjobs=(rayjob(1, "RUNNING", "Running", cluster="c0", started=ago(9)),),
+                 raycluster=raycluster()),
+        phase="Running", conditions={"Accepted": ("True", "Accepted"),
+                                     "Failed": ("False", "Running")}, actions=[], events=[]),
+    Row("an earlier attempt's refusal: the current one's crash restarts as any crash",
+        body(running_status(1, restarts=1, trainerRefusal=refusal(0))),
+        Observed(rayjobs=(rayjob(1, "FAILED", "Failed", reason="AppFailed"),)),
+        phase="Restarting", conditions={"Accepted": ("True", "Accepted")},
+        actions=[CreateAttempt(2, 2), DeleteRayJob(RJ1)], events=["Restarting"]),
+    Row("failed on a refusal: Accepted stays False, the RayJob stays, nothing more happens",
+        body(running_status(phase="Failed", completionTime=ago(60), trainerRefusal=refusal(),
+                            conditions=[cond("Failed", "True", "InvalidAtStart")])),
+        Observed(rayjobs=(rayjob(0, "FAILED", "Failed"),)),
+        phase="Failed", conditions={"Accepted": ("False", "InvalidAtStart"),
+                                    "Failed": ("True", "InvalidAtStart")},
+        actions=[], events=[]),
+    Row("failed on a refusal, the spec edited since: the edit's refusal is Accepted's",
+        body(running_status(phase="Failed", completionTime=ago(60), trainerRefusal=refusal()),
+             spec=spec(algorithm={"lr": 0.5}), generation=2),
+        Observed(rayjobs=(rayjob(0, "FAILED", "Failed"),)),
+        phase="Failed", conditions={"Accepted": ("False", "ImmutableFieldChanged")},
+        actions=[], events=["ImmutableFieldChanged"]),
+]
+ROWS += REFUSAL_ROWS
+
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
@@ -613,6 +670,7 @@ def test_decide(row: Row) -> None:
         "Accepted", "SpecWarning", "Queued", "ClusterReady", "Training", "Stalled", "Preempted",
         "Suspended", "Succeeded", "Failed"]
     assert "progress" not in d.status, "the operator never writes progress"
+    assert "trainerRefusal" not in d.status, "nor the trainer's refusal"
 
 
 def _apply(b: dict[str, Any], d: Decision) -> dict[str, Any]:
@@ -670,6 +728,34 @@ def test_fresh_job_walkthrough() -> None:
     # ttl 10 s, counted from the end of completionTime's (whole) second
     assert decide(b, done, t + timedelta(seconds=10), TUN).actions == ()
     assert decide(b, done, t + timedelta(seconds=11), TUN).actions == (DeleteRLJob(),)
+
+
+def test_a_refusal_read_after_the_restart_fails_only_the_attempt_it_names() -> None:
+    """The trainer's refusal and its Ray job's failure may be read in either order. Read
+    second, the refusal of attempt 0 comes after the restart as attempt 1 and is ignored;
+    attempt 1 refuses for itself and the job fails then, with one restart spent, not
+    backoffLimit's."""
+    b = body(running_status())
+    d = decide(b, Observed(rayjobs=(rayjob(0, "FAILED", "Failed"),)), NOW, TUN)
+    assert d.phase == "Restarting" and CreateAttempt(1, 1) in d.actions
+    b = _apply(b, d)
+    b["status"]["trainerRefusal"] = refusal(0)  # the trainer's patch, read late
+    provisioning = Observed(rayjobs=(rayjob(1, "", "Initializing", restarts=1),))
+    d = decide(b, provisioning, NOW + timedelta(seconds=5), TUN)
+    assert d.phase == "Provisioning" and d.condition("Accepted")["status"] == "True"
+    assert not [a for a in d.actions if isinstance(a, CreateAttempt)] and not d.events
+    b = _apply(b, d)
+    b["status"]["trainerRefusal"] = refusal(1)  # attempt 1 refuses too
+    d = decide(b, Observed(rayjobs=(rayjob(1, "RUNNING", "Running", restarts=1),)),
+               NOW + timedelta(seconds=10), TUN)
+    assert d.phase == "Failed" and d.condition("Failed")["reason"] == "InvalidAtStart"
+    assert d.actions == () and d.status["restarts"] == 1
+    assert "refused to start RayJob math-r1: spec.reward:" in d.condition("Failed")["message"]
+    b = _apply(b, d)
+    again = decide(b, Observed(rayjobs=(rayjob(1, "FAILED", "Failed", restarts=1),)),
+                   NOW + timedelta(seconds=15), TUN)
+    assert again.status_patch(b["status"]) is None
+    assert again.actions == () and again.events == ()
 
 
 def test_the_finishing_decision_schedules_the_ttl() -> None:

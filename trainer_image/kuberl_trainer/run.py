@@ -36,6 +36,8 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
         checked = preflight.check(job.spec)        # before Ray starts: files, keys, rewards
     except preflight.PreflightError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        if opts.in_cluster:  # the RLJob fails now, rather than after backoffLimit restarts
+            _report_refusal(str(exc))
         return 1
     from kuberl_trainer.agents.remote import EnvironmentUnavailable
     from kuberl_trainer.agents.service import environment_service
@@ -114,6 +116,25 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
         stop.uninstall()
         services.close()
     return 0
+
+
+def _report_refusal(message: str) -> None:
+    """In a cluster, the refusal on the RLJob's status (report/status.py `refuse`), naming this
+    attempt, so the operator fails the job at once: a restart would refuse the same way. Best
+    effort, as the heartbeat: a refusal not reported leaves a failed Ray job, which the operator
+    restarts as after a crash, and the next attempt refuses and reports again."""
+    import os
+
+    from kuberl_trainer.report.status import StatusReporter
+
+    attempt = os.environ.get(runtime.ENV_ATTEMPT, "")
+    try:
+        if not attempt.isdigit():
+            raise ValueError(f"{runtime.ENV_ATTEMPT} is {attempt!r}, not an attempt number")
+        StatusReporter.in_cluster().refuse(int(attempt), message)
+    except Exception as exc:
+        print(f"warning: could not report the refusal to the RLJob's status ({exc}); the "
+              "operator will restart the job as after a crash", file=sys.stderr)
 
 
 def _startup_heartbeat(job: RLJob) -> StartupHeartbeat:

@@ -1,6 +1,6 @@
-"""ServiceAccount, Role and RoleBinding for the Ray head: the trainer there reports progress by
-patching its own RLJob's status and posts Events on it (an engine replaced), and may do nothing
-else with the API."""
+"""ServiceAccount, Role and RoleBinding for the Ray head: the trainer there reports progress (and
+a refusal to start: status.trainerRefusal) by patching its own RLJob's status and posts Events
+on it (an engine replaced), and may do nothing else with the API."""
 
 from __future__ import annotations
 

@@ -18,7 +18,9 @@ Kubernetes Jobs, where suspension never consumes the backoff). The restart count
 stamped on each RayJob (annotation `kuberl.dev/restarts`), so a crash between creating the new
 attempt and patching the status loses nothing. New attempts are created *before* the old one is
 deleted: a crash in between leaves two RayJobs, and the next pass deletes the older one; the
-reverse order could leave none and no record of why.
+reverse order could leave none and no record of why. An attempt whose trainer refused to start
+(its checks before Ray found input that cannot run, reported as `status.trainerRefusal`) is not
+restarted: the job fails at once (`refusal.py`).
 
 Rejected alternative: reading and writing a separate attempt counter in the status. The status
 schema is generated from kuberl_api (the operator may not add fields), and the attempt is

@@ -11,7 +11,7 @@ from kuberl_api import InvalidRLJob, RLJob, RuleFailure, parse
 from kuberl_api.rljob import EDITABLE_PHASES, IMMUTABLE_SECTIONS
 from kuberl_api.status import TERMINAL_PHASES
 from kuberl_operator.render import names
-from kuberl_operator.status import phases, queueing, ratchet, running
+from kuberl_operator.status import phases, queueing, ratchet, refusal, running
 from kuberl_operator.status.builder import (
     Builder,
     attempt_of,
@@ -64,9 +64,16 @@ def decide(body: Mapping[str, Any], observed: Observed, now: datetime,
     for attempt, rj in sorted(attempts.items()):
         if attempt != current_attempt and not is_deleting(rj):
             b.actions.append(DeleteRayJob(str(dig(rj, "metadata", "name"))))
+    # The trainer refused to start the current attempt (status/refusal.py): bad input, which
+    # the refused-change message outranks (reverting is what that user does first).
+    refused_at_start = refusal.of_attempt(b, current_attempt)
+    if refused_at_start is not None and current_attempt is not None and not refused:
+        refusal.mark_invalid(b, current_attempt, refused_at_start)
 
     if b.old_phase in TERMINAL_PHASES:
         phases.terminal(b, job, live_current)
+    elif refused_at_start is not None and current_attempt is not None:
+        refusal.fail(b, current_attempt, refused_at_start, live_current)
     elif job.spec.suspend:
         phases.suspend(b, live_current)
     elif b.old_phase != "Suspended" and _deadline_exceeded(b, job):

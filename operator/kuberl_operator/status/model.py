@@ -13,7 +13,8 @@ from kuberl_api import RLJob, RuleFailure
 # Stamped on every RayJob we create: the restart count that attempt was created with.
 ANNOTATION_RESTARTS = "kuberl.dev/restarts"
 
-# Status keys the operator owns; everything else (progress) belongs to the trainer.
+# Status keys the operator owns; everything else (progress, trainerRefusal) belongs to the
+# trainer, which the operator only reads.
 OWNED_KEYS = ("phase", "conditions", "observedGeneration", "restarts", "rayJobName",
               "startTime", "completionTime", "specDigests")
 

@@ -4,8 +4,10 @@ The head pod's ServiceAccount may patch only its own RLJob's `status` (the opera
 Role). The reporter merge-patches `status.progress` — step, reward, heartbeat time, the phase
 the trainer is in (during start-up: `beat`, report/heartbeat.py), last checkpoint, engines
 replaced — which the operator reads (and never writes) to derive
-Training/Stalled. What happens to the run on the way (an engine replaced) it posts as Events on
-the RLJob (`kubectl describe rljob`): the Role lets it create Events, nothing more.
+Training/Stalled; and `status.trainerRefusal` (`refuse`) when its checks refuse to start the
+attempt, on which the operator fails the job. What happens to the run on the way (an engine
+replaced) it posts as Events on the RLJob (`kubectl describe rljob`): the Role lets it create
+Events, nothing more.
 Locally (`kuberl run` without --in-cluster) the reporter is off.
 
 Through the `kubernetes` client, not hand-written HTTP: in a pod its in-cluster configuration
@@ -27,6 +29,7 @@ from kubernetes import client, config
 
 from kuberl_api.rljob import GROUP, KIND, PLURAL, VERSION
 from kuberl_api.runtime import ENV_JOB_NAME, ENV_JOB_NAMESPACE
+from kuberl_api.status import MAX_REFUSAL_MESSAGE
 
 EVENT_SOURCE = "kuberl-trainer"
 MERGE_PATCH = "application/merge-patch+json"
@@ -99,11 +102,21 @@ class StatusReporter:
             progress["totalSteps"] = total_steps
         self._patch(progress)
 
+    def refuse(self, attempt: int, message: str) -> None:
+        """The trainer refuses to start `attempt` (its checks before Ray failed: run.py): the
+        operator fails the job on it rather than restart an attempt that would fail the same
+        way (kuberl_operator/status/refusal.py). `status.trainerRefusal` is the trainer's key,
+        as progress is; the operator writes the conditions that say it."""
+        self._patch_status({"trainerRefusal": refusal_body(attempt, message)})
+
     def _patch(self, progress: dict[str, Any]) -> None:
+        self._patch_status({"progress": progress})
+
+    def _patch_status(self, keys: dict[str, Any]) -> None:
         # A merge patch of status only: the Role allows nothing else, and a merge patch leaves
-        # the operator's conditions and phase alone.
+        # the operator's keys (conditions, phase) alone.
         self._guard("status", lambda: self.custom.patch_namespaced_custom_object_status(
-            GROUP, VERSION, self.namespace, PLURAL, self.name, {"status": {"progress": progress}},
+            GROUP, VERSION, self.namespace, PLURAL, self.name, {"status": keys},
             _content_type=MERGE_PATCH, _request_timeout=self.timeout))
 
     def event(self, reason: str, message: str, type_: str = "Warning") -> None:
@@ -136,6 +149,14 @@ class StatusReporter:
                               str(exc.reason)) from exc
         except urllib3.exceptions.HTTPError as exc:
             raise ConnectionError(f"{self.namespace}/{self.name} {what}: {exc}") from exc
+
+
+def refusal_body(attempt: int, message: str) -> dict[str, Any]:
+    """status.trainerRefusal (kuberl_api.status.TrainerRefusal): a message past the API's
+    bound is cut, keeping its start (the field it names)."""
+    if len(message) > MAX_REFUSAL_MESSAGE:
+        message = message[:MAX_REFUSAL_MESSAGE - 3] + "..."
+    return {"attempt": attempt, "message": message, "time": _now()}
 
 
 def _now() -> str:
