@@ -43,6 +43,15 @@ def import_reward(path: str, *, batch: bool = False) -> Callable[..., Any]:
         form = ("fn(samples) with reward.batch: true" if batch
                 else "fn(response, label) (a function of the step's samples needs "
                 "reward.batch: true)")
-        raise RewardLoadError(f"reward function {path!r} takes {signature}; it is called as "
-                              f"{form}") from None
+        raise RewardLoadError(f"reward function {path!r} takes {_shown(fn, signature)}; it is "
+                              f"called as {form}") from None
     return fn
+
+
+def _shown(fn: Callable[..., Any], signature: inspect.Signature) -> inspect.Signature:
+    """`fn`'s signature with its annotations as written, also in a module with
+    `from __future__ import annotations` (whose annotations are strings: 'str' would show)."""
+    try:
+        return inspect.signature(fn, eval_str=True)
+    except Exception:  # (an annotation that does not evaluate: shown as the string)
+        return signature
