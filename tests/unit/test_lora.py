@@ -198,7 +198,7 @@ def test_lora_path_starts_from_the_given_adapter(model_dir: str, tmp_path: Path)
     b = lora_backend(model_dir, path=str(tmp_path / "ckpt" / "adapter"))
     for name, value in adapters(a).items():
         assert torch.equal(adapters(b)[name], value), name
-    with pytest.raises(ValueError, match="training.lora.path"):  # another rank's adapter
+    with pytest.raises(ValueError, match=r"training\.lora\.path"):  # another rank's adapter
         lora_backend(model_dir, rank=RANK * 2, path=str(tmp_path / "ckpt" / "adapter"))
 
 
@@ -233,7 +233,7 @@ def test_preflight_refuses_an_adapter_of_another_rank(model_dir: str, tmp_path: 
     a.save(tmp_path / "ckpt")
     adapter = str(tmp_path / "ckpt" / "adapter")
     check_lora(lora_spec(model_dir, path=adapter))
-    with pytest.raises(PreflightError, match="spec.training.lora.path: the adapter has rank 4"):
+    with pytest.raises(PreflightError, match=r"spec\.training\.lora\.path: the adapter has rank 4"):
         check_lora(lora_spec(model_dir, rank=RANK * 2, path=adapter))
     with pytest.raises(PreflightError, match="not a PEFT adapter directory"):
         check_lora(lora_spec(model_dir, path=str(tmp_path)))

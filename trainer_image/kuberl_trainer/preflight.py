@@ -229,7 +229,7 @@ def check_lora(spec: RLJobSpec) -> None:
 
     config = AutoConfig.from_pretrained(spec.model.path, local_files_only=True)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     modules = dict(model.named_modules())
     linear = sorted({name.rpartition(".")[2] for name, m in modules.items()
                      if isinstance(m, torch.nn.Linear)})

@@ -33,7 +33,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -75,6 +75,7 @@ if TYPE_CHECKING:
 LOG = logging.getLogger("kuberl.backend.fsdp")
 
 Mode = Literal["single", "ddp", "fsdp2"]
+_M = TypeVar("_M", bound=nn.Module)
 
 OPTIM_FILE = "optimizer.pt"   # optimizer + LR scheduler, full (unsharded) state, from rank 0
 RNG_FILE = "rng_rank{rank}.pt"
@@ -114,14 +115,16 @@ class FSDPBackend:
         return self.spec.training.lora
 
     def _build_trainable(self) -> nn.Module:
-        adapt = None
-        if self.lora is not None:
-            from kuberl_trainer.backends.lora import add_adapter
+        kernels = self.spec.training.fused_kernels
+        if self.lora is None:
+            return build_model(self.spec.model.path, self.device, self.mode, trainable=True,
+                               fused_kernels=kernels)
+        from kuberl_trainer.backends.lora import add_adapter
 
-            lora = self.lora
-            adapt = lambda model: add_adapter(model, lora)  # noqa: E731
-        return build_model(self.spec.model.path, self.device, self.mode, trainable=True,
-                           fused_kernels=self.spec.training.fused_kernels, adapt=adapt)
+        # wrapped before it is placed: FSDP2 shards each adapter with its decoder layer
+        model = add_adapter(load_model(self.spec.model.path, trainable=True,
+                                       fused_kernels=kernels), self.lora)
+        return place(model, self.device, self.mode)
 
     def _trainable_params(self) -> list[nn.Parameter]:
         """What the optimizer steps: every weight, or only the adapter's."""
@@ -598,6 +601,7 @@ class FSDPBackend:
 
     def _save_hf(self, out: Path, state: dict[str, Tensor]) -> None:
         hf = self._peft.get_base_model() if self.lora is not None else self.module
+        assert isinstance(hf, PreTrainedModel)
         hf.save_pretrained(out, state_dict=state)
         keep_source_dtype(Path(self.spec.model.path) / "config.json", out / "config.json")
         copy_tokenizer(self.spec, out)
@@ -637,13 +641,18 @@ def preload(path: str) -> None:
 
 def build_model(path: str, device: torch.device, mode: Mode, *, trainable: bool,
                 auto_class: Any = AutoModelForCausalLM, fused_kernels: str = NONE,
-                adapt: Callable[[PreTrainedModel], nn.Module] | None = None,
-                **kwargs: Any) -> Any:
-    """Load the HF model (a causal LM unless ``auto_class`` says otherwise) in float32 (the
-    master weights), with ``fused_kernels`` (``fused_kernels.py``), and place it for
-    ``mode``. Its attention runs packed rows (``varlen_attention``), which is all the
-    backend gives it. ``adapt``: what wraps it before it is placed (LoRA's PEFT model: FSDP2
-    then shards the adapter with the decoder layer it sits in)."""
+                **kwargs: Any) -> PreTrainedModel:
+    """``load_model``, then ``place``."""
+    return place(load_model(path, trainable=trainable, auto_class=auto_class,
+                            fused_kernels=fused_kernels, **kwargs), device, mode)
+
+
+def load_model(path: str, *, trainable: bool, auto_class: Any = AutoModelForCausalLM,
+               fused_kernels: str = NONE, **kwargs: Any) -> PreTrainedModel:
+    """Load the HF model (a causal LM unless ``auto_class`` says otherwise) on the host in
+    float32 (the master weights), with ``fused_kernels`` (``fused_kernels.py``), in eval
+    mode. Its attention runs packed rows (``varlen_attention``), which is all the backend
+    gives it."""
     model: PreTrainedModel = auto_class.from_pretrained(
         path, local_files_only=True, dtype=torch.float32,
         attn_implementation=register_hf_attention(), **kwargs)
@@ -651,8 +660,12 @@ def build_model(path: str, device: torch.device, mode: Mode, *, trainable: bool,
     model.train(False)  # eval mode, no dropout ever: see the module docstring
     if not trainable:
         model.requires_grad_(False)
-    if adapt is not None:
-        model = adapt(model)
+    return model
+
+
+def place(model: _M, device: torch.device, mode: Mode) -> _M:
+    """``model`` where ``mode`` trains it: sharded over the ranks (FSDP2), else on
+    ``device``."""
     if mode == "fsdp2":
         _fully_shard(model)  # moves each rank's shard to its GPU; the full copy stays on CPU
         return model
@@ -668,7 +681,8 @@ def _fully_shard(model: nn.Module) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = getattr(model, "get_base_model", None)  # (a PEFT model's HF model)
+    hf = base() if callable(base) else model
     layer_types = set(getattr(hf, "_no_split_modules", None) or ())
     for sub in model.modules():
         if type(sub).__name__ in layer_types:

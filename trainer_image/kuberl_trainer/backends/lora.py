@@ -47,7 +47,9 @@ _PEFT_PREFIX = "base_model.model."           # PeftModelForCausalLM > LoraModel 
 def lora_config(lora: LoraSpec) -> LoraConfig:
     """PEFT's config for the spec: ``targetModules`` as PEFT matches names, default every
     linear layer but the output head (PEFT's "all-linear")."""
-    return LoraConfig(r=lora.rank, lora_alpha=lora.lora_alpha, lora_dropout=lora.dropout,
+    # (PEFT annotates lora_alpha as int; it only divides by it, and a float alpha is fine)
+    return LoraConfig(r=lora.rank, lora_alpha=lora.lora_alpha,  # type: ignore[arg-type]
+                      lora_dropout=lora.dropout,
                       target_modules=list(lora.target_modules or ()) or "all-linear",
                       bias="none", task_type="CAUSAL_LM")
 
@@ -117,12 +119,18 @@ def hf_entries(model: PeftModel) -> list[Entry]:
 def merged_weight(weight: Tensor, layer: LoraLayer, full: Callable[[Tensor], Tensor]) -> Tensor:
     """``weight + scaling * B @ A`` in float32, a new tensor (``weight``, the full base
     weight, is not touched); ``full`` gathers a (possibly sharded) adapter tensor."""
-    a = full(layer.lora_A[ADAPTER].weight).float()
-    b = full(layer.lora_B[ADAPTER].weight).float()
+    a = full(_weight(layer.lora_A[ADAPTER])).float()
+    b = full(_weight(layer.lora_B[ADAPTER])).float()
     delta = (b @ a) * float(layer.scaling[ADAPTER])
     if getattr(layer, "fan_in_fan_out", False):  # (GPT-2's Conv1D stores W transposed)
         delta = delta.T
     return weight.float() + delta
+
+
+def _weight(linear: nn.Module) -> Tensor:
+    weight = linear.weight
+    assert isinstance(weight, Tensor)
+    return weight
 
 
 # -- the adapter on disk ---------------------------------------------------------------------
