@@ -372,6 +372,9 @@ ALGORITHMS: dict[str, Scenario] = {
     "dapo": _algorithm({"epsClipHigh": 0.28, "dynamicSamplingRounds": 3, "overlongBuffer": 2,
                         "overlongPenalty": 0.5, "tisCap": 2.0, "klCoef": 0.01,
                         "klLossType": "k3"}),
+    # training.lora (docs/lora.md): a rank-8 adapter on every linear layer, the KL to the
+    # base (the adapter off), at LoRA's usual ~10x learning rate
+    "lora": _algorithm({"lr": 5e-3, "klCoef": 0.01}, training={"lora": {"rank": 8}}),
 }
 
 # policyLoss: custom (test_algorithms.py): a user's copy of PPO clip (tests/user_losses.py,
