@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kuberl_wire.protocol import ENGINE_API_KEY_ENV
 from tests.integration.local_run import manifest, metrics, session_options
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -28,10 +29,11 @@ STEPS = 2
 def lora_run(tiny: Path, tmp_path: Path, *, own_ray: bool = False
              ) -> tuple[dict[str, str], list[dict[str, str]]]:
     """A 2-step tiny job with a rank-8 adapter, driven in this process; the trainer's
-    checksums of what it sends and each engine's checksums, after the run."""
+    checksums of what it sends and each engine's checksums, after the last step's sync."""
     import dataclasses
 
     from kuberl_api import load
+    from kuberl_trainer.engines.client import engine_api_key
     from kuberl_trainer.preflight import check
     from kuberl_trainer.report.progress import Progress
     from kuberl_trainer.session import Session
@@ -43,18 +45,31 @@ def lora_run(tiny: Path, tmp_path: Path, *, own_ray: bool = False
     if own_ray:  # (a Ray started here: its actors inherit this process's environment)
         opts = dataclasses.replace(opts, address=None)
     session = Session(job, opts, check(job.spec))
+    synced: list[tuple[dict[str, str], list[dict[str, str]]]] = []
     try:
         session.start()
-        session.train(Progress(STEPS))
         assert session.trainers is not None and session.engines is not None
-        want = session.trainers.checksums()
-        engines = []
-        for url in session.engines.urls:
-            with urllib.request.urlopen(f"{url}/get_weights_checksum", timeout=60) as answer:
-                engines.append(json.loads(answer.read()))
-        return want, engines
+        trainers, urls = session.trainers, session.engines.urls
+        push = trainers.push_weights
+
+        def push_and_read(engine_urls: list[str], version: int, bucket_bytes: int) -> float:
+            # (read right after each sync: colocated engines release their weights later)
+            seconds = push(engine_urls, version, bucket_bytes)
+            engines = []
+            for url in urls:
+                ask = urllib.request.Request(f"{url}/get_weights_checksum", headers={
+                    "Authorization": f"Bearer {engine_api_key()}"})
+                with urllib.request.urlopen(ask, timeout=60) as answer:
+                    engines.append(json.loads(answer.read()))
+            synced.append((trainers.checksums(), engines))
+            return seconds
+
+        trainers.push_weights = push_and_read  # type: ignore[method-assign]
+        session.train(Progress(STEPS))
     finally:
         session.close()
+    assert len(synced) == STEPS
+    return synced[-1]
 
 
 def base_checksums(tiny: Path) -> dict[str, str]:
@@ -96,6 +111,8 @@ def test_an_adapter_that_never_reaches_the_engines_fails_the_check(
     the export), training otherwise the same; the engines then serve the base, which the
     check above catches."""
     monkeypatch.setenv("KUBERL_TEST_LORA_UNMERGED", "1")
+    # (the run's own Ray makes the engines' API key: set here, so that it goes with the test)
+    monkeypatch.setenv(ENGINE_API_KEY_ENV, "lora-negative-control")
     want, engines = lora_run(tiny, tmp_path, own_ray=True)
     with pytest.raises(AssertionError):
         assert_adapter_reached_engines(want, engines, base_checksums(tiny))
