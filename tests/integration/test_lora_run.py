@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,7 +27,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 STEPS = 2
 
 
-def lora_run(tiny: Path, tmp_path: Path, *, own_ray: bool = False
+def lora_run(tiny: Path, tmp_path: Path, *, own_ray: bool = False,
+             placement: dict[str, Any] | None = None
              ) -> tuple[dict[str, str], list[dict[str, str]]]:
     """A 2-step tiny job with a rank-8 adapter, driven in this process; the trainer's
     checksums of what it sends and each engine's checksums, after the last step's sync."""
@@ -40,7 +42,7 @@ def lora_run(tiny: Path, tmp_path: Path, *, own_ray: bool = False
 
     job = load(manifest(tiny, tmp_path, "lora", training={"lora": {"rank": 8}},
                         algorithm={"lr": 5e-3, "klCoef": 0.01},
-                        schedule={"numRollouts": STEPS}))
+                        schedule={"numRollouts": STEPS}, **(placement or {})))
     opts = session_options(tmp_path)
     if own_ray:  # (a Ray started here: its actors inherit this process's environment)
         opts = dataclasses.replace(opts, address=None)
@@ -94,8 +96,15 @@ def assert_adapter_reached_engines(want: dict[str, str], engines: list[dict[str,
     assert moved == targeted, sorted(targeted - moved)[:5]
 
 
-def test_the_engines_generate_from_the_trained_adapter(tiny: Path, tmp_path: Path) -> None:
-    want, engines = lora_run(tiny, tmp_path)
+# colocated (weights handed over in memory) and disaggregated (broadcast to the engines)
+PLACEMENTS = {"colocate": {}, "disaggregated": {"placement": "disaggregated",
+                                                "rollout": {"gpus": 0}}}
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_the_engines_generate_from_the_trained_adapter(tiny: Path, tmp_path: Path,
+                                                       placement: str) -> None:
+    want, engines = lora_run(tiny, tmp_path, placement=PLACEMENTS[placement])
     assert_adapter_reached_engines(want, engines, base_checksums(tiny))
     rows = metrics(tmp_path / "out")
     assert len(rows) == STEPS

@@ -185,6 +185,8 @@ def test_save_load_resumes_exactly_and_writes_a_peft_adapter(model_dir: str,
     c.load(ckpt)
     for name, value in adapters(c).items():
         assert torch.equal(restored[name].detach(), value), name
+    plain = Qwen2ForCausalLM.from_pretrained(ckpt / "model", output_loading_info=True)[1]
+    assert not any(plain.values()), plain  # a plain HF directory: nothing missing or extra
     merged = load_file(ckpt / "model" / "model.safetensors")
     assert merged.keys() == export(c).keys()
     for name, value in export(c).items():
