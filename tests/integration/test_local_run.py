@@ -589,6 +589,9 @@ def test_sigterm_saves_at_a_safe_point_and_the_resumed_run_replays_the_whole_one
      "leading_one' takes (response: str, label: str) -> float; it is called as fn(samples) "
      "with reward.batch: true"),
     (lambda t: {"suspend": True}, "spec.suspend"),  # held, as the operator would hold it
+    # a LoRA target the model does not have (preflight.check_lora, on the meta device)
+    (lambda t: {"training": {"lora": {"rank": 8, "targetModules": ["qkv_proj"]}}},
+     "spec.training.lora.targetModules: 'qkv_proj' names no module"),
 ])
 def test_bad_input_fails_before_ray_starts(tiny: Path, tmp_path: Path, edit: Any,
                                            expect: str) -> None:
