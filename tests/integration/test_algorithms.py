@@ -32,6 +32,7 @@ EXTRA_KEYS: dict[str, tuple[str, ...]] = {
     "cispo": (),
     "sapo": (),
     "gpg": ("kept_group_fraction",),
+    "lora": ("lora_trainable_params", "lora_adapter_norm", "kl_ref"),
     "ppo-shared-critic": ("value_loss", "vf_clipfrac", "critic_grad_norm"),
     "ppo-dedicated-critic": ("value_loss", "critic_lr", "kl_ref"),
     "dapo": ("dynamic_sampling_rounds", "kept_group_fraction", "score_mean",

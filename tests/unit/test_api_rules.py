@@ -196,6 +196,15 @@ EXTRA_BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
      both(set_("reward", {"type": "model", "model": {
          "path": "/mnt/r/rm", "storage": {"pvc": "r", "mountPath": "/mnt/r"}}}),
           set_("checkpoint.path", "/mnt/r"))),
+    ("lora-on-megatron", set_("training.lora", {"rank": 8})),
+    ("lora-in-mode-eval",
+     both(set_("mode", "eval"), set_("training.backend", "fsdp"),
+          set_("training.lora", {"rank": 8}),
+          set_("data", {"evalSets": [{"name": "e", "path": "/data/e.jsonl"}]}))),
+    ("lora-path-off-storage",
+     both(set_("model", {"path": "/mnt/m/m", "storage": {"pvc": "m", "mountPath": "/mnt/m"}}),
+          set_("training.backend", "fsdp"),
+          set_("training.lora", {"rank": 8, "path": "/elsewhere/adapter"}))),
 ]
 CASES = dict([(case, edit) for case, edit, *_ in BAD_SPECS] + EXTRA_BAD_SPECS)
 

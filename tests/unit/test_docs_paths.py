@@ -24,7 +24,7 @@ FOLDER = re.compile(r"(?<![\w./-])((?:[A-Za-z_][\w-]*/)+)(?![\w.])")
 MODULE = re.compile(r"\b((?:" + "|".join(PACKAGES) + r")(?:\.[A-Za-z_]\w*)+)")
 OUTSIDE = ("../shared/", "http", "out/", "~/", "/tmp/", "/etc/", "/dev/")
 # What lives in a user's model directory or in a checkpoint, not in this repository.
-NOT_OURS = {"config.json", "model/", "critic/"}
+NOT_OURS = {"config.json", "model/", "critic/", "adapter/"}
 
 
 def tracked() -> list[str]:

@@ -196,6 +196,7 @@ def check(spec: RLJobSpec) -> Checked:
     check_tokenizer(tokenizer, "spec.model.tokenizer" if spec.model.tokenizer
                     else "spec.model.path")
     check_backend(spec)
+    check_lora(spec)
     check_router(spec)
     check_engine_tp(spec)
     check_reward_model(spec)
@@ -209,6 +210,55 @@ def check(spec: RLJobSpec) -> Checked:
     check_loss(spec)
     return Checked(tokenizer_path=tokenizer, reward_fn=reward_fn, rollout_function=function,
                    environment_class=environment)
+
+
+def check_lora(spec: RLJobSpec) -> None:
+    """training.lora against the model, built on the meta device (no weights read): every
+    targetModules name matches a module, every match a linear layer (what a merged sync
+    adds B A to), none the LM head of a model with tied embeddings (the engines tie it back
+    to the embedding, dropping its update); lora.path an adapter of this rank and alpha."""
+    lora = spec.training.lora
+    if lora is None:
+        return
+    import json
+
+    import torch
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(spec.model.path, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    modules = dict(model.named_modules())
+    linear = sorted({name.rpartition(".")[2] for name, m in modules.items()
+                     if isinstance(m, torch.nn.Linear)})
+    head = model.get_output_embeddings()
+    field = "spec.training.lora.targetModules"
+    for target in lora.target_modules or ():
+        one = LoraConfig(target_modules=[target])
+        matched = [m for name, m in modules.items() if check_target_module_exists(one, name)]
+        if not matched:
+            raise PreflightError(f"{field}: {target!r} names no module of {spec.model.path} "
+                                 f"(its linear layers: {', '.join(linear)})")
+        if any(not isinstance(m, torch.nn.Linear) for m in matched):
+            raise PreflightError(f"{field}: {target!r} matches a module that is not a linear "
+                                 f"layer; LoRA here adapts linear layers ({', '.join(linear)})")
+        if getattr(config, "tie_word_embeddings", False) and any(m is head for m in matched):
+            raise PreflightError(f"{field}: {target!r} matches the LM head, which this model "
+                                 "ties to its embedding: the engines would tie it back and "
+                                 "drop the adapter's update")
+    if lora.path is not None:
+        adapter = Path(lora.path)
+        file = adapter / "adapter_config.json"
+        if not file.is_file() or not (adapter / "adapter_model.safetensors").is_file():
+            raise PreflightError(f"spec.training.lora.path: {lora.path} is not a PEFT adapter "
+                                 "directory (adapter_config.json, adapter_model.safetensors)")
+        saved = json.loads(file.read_text())
+        if saved.get("r") != lora.rank or float(saved.get("lora_alpha", 0)) != lora.lora_alpha:
+            raise PreflightError(f"spec.training.lora.path: the adapter has rank "
+                                 f"{saved.get('r')} and alpha {saved.get('lora_alpha')}; "
+                                 f"training.lora says rank {lora.rank}, alpha {lora.lora_alpha}")
 
 
 def check_loss(spec: RLJobSpec) -> None:

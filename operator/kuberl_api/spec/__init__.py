@@ -101,6 +101,7 @@ from kuberl_api.spec.job_rules import (
     ROLLOUT_WHOLE_NODES,
     SGLANG_NEEDS_GPUS,
 )
+from kuberl_api.spec.lora import MAX_LORA_RANK, LoraSpec
 from kuberl_api.spec.model import (
     ModelSpec,
     Storage,
@@ -206,6 +207,7 @@ __all__ = [
     "MAX_GPUS_PER_ENGINE",
     "MAX_GPUS_PER_NODE",
     "MAX_ITEMS",
+    "MAX_LORA_RANK",
     "MAX_MICRO_BATCH",
     "MAX_MICRO_BATCH_TOKENS",
     "MAX_NODES",
@@ -248,6 +250,7 @@ __all__ = [
     "JudgeSpec",
     "KlPenalty",
     "KlType",
+    "LoraSpec",
     "LossAggregation",
     "ModelSpec",
     "NetworkSpec",

@@ -235,10 +235,12 @@ def _episodes(spec: RLJobSpec) -> bool:
     return spec.rollout.function is not None or spec.environment.class_ is not None
 
 
-def _on_model_storage_rule(field: str, get: Callable[[RLJobSpec], str | None]) -> Rule:
-    """`field` (a model directory, optional) lies under model.storage.mountPath when a PVC
-    holds the model, as model.path must."""
-    return Rule(f"!has(self.model.storage) || !has(self.{field}) || "
+def _on_model_storage_rule(field: str, get: Callable[[RLJobSpec], str | None],
+                           section: str | None = None) -> Rule:
+    """`field` (a model directory, optional; in the optional `section`, if given) lies under
+    model.storage.mountPath when a PVC holds the model, as model.path must."""
+    present = f"!has(self.{section}) || " if section else ""
+    return Rule(f"!has(self.model.storage) || {present}!has(self.{field}) || "
                 f"{under_cel(f'self.{field}', 'self.model.storage.mountPath')}",
                 lambda s: (s.model.storage is None or get(s) is None
                            or under(str(get(s)), s.model.storage.mount_path)),
@@ -316,6 +318,8 @@ _TRAINING_ONLY: tuple[tuple[str, Callable[[RLJobSpec], object], str], ...] = (
      "is for checkpoints of training"),
     ("data.prompts", lambda s: s.data.prompts, "is the prompts to train on"),
     ("data.sft", lambda s: s.data.sft, "is demonstrations to train on"),
+    ("training.lora", lambda s: s.training.lora, "is an adapter to train (to evaluate one, "
+     "point model.path at a checkpoint's model/, the merged weights)"),
 )
 
 
@@ -519,6 +523,9 @@ JOB_RULES = (
     *(_on_model_storage_rule(field, get) for field, get in (
         ("algorithm.teacherPath", lambda s: s.algorithm.teacher_path),
         ("critic.modelPath", lambda s: s.critic.model_path))),
+    _on_model_storage_rule("training.lora.path",
+                           lambda s: s.training.lora.path if s.training.lora else None,
+                           section="training.lora"),
     # Trajectories come from one maker: a user's function (which runs its own environment
     # if it has one) or kuberl's loop over environment.class.
     Rule("!has(self.rollout.function) || !has(self.environment.class)",

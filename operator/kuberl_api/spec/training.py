@@ -22,6 +22,7 @@ from kuberl_api.spec.common import (
     _mp_outside,
     _outside,
 )
+from kuberl_api.spec.lora import LoraSpec
 from kuberl_api.spec.pods import NodePool, Resources
 
 CP_NOT_SUPPORTED = "context parallelism (cp > 1) is not supported yet"
@@ -66,6 +67,8 @@ OFFLOAD_COLOCATED_ONLY = ("training.offload applies to placement: colocate only 
                           "engines have GPUs of their own): leave it at its defaults")
 
 
+LORA_FSDP_ONLY = "the megatron backend has no LoRA yet; use backend fsdp"
+
 LIGER_FSDP_GPU = ("fusedKernels liger applies to backend fsdp on GPUs (Liger Kernel's Triton "
                   "kernels in its HF models): set backend fsdp and gpusPerNode of at least "
                   "1, or fusedKernels none")
@@ -105,6 +108,8 @@ class TrainingSpec(ApiModel):
              lambda t: t.fused_kernels != "liger" or (t.backend == "fsdp"
                                                      and t.gpus_per_node > 0),
              LIGER_FSDP_GPU, "fusedKernels"),
+        Rule("!has(self.lora) || self.backend == 'fsdp'",
+             lambda t: t.lora is None or t.backend == "fsdp", LORA_FSDP_ONLY, "lora"),
     )
     model_config = {"json_schema_extra": rules_schema(RULES)}
 
@@ -139,6 +144,11 @@ class TrainingSpec(ApiModel):
         "the engines generate, so their memory pool fits beside it (the engines release "
         "theirs while training runs); default: optimizer and weights. Both false keeps "
         "everything on the GPU (faster, when it fits).")
+
+    lora: LoraSpec | None = Field(
+        None, description="Train a LoRA adapter on the policy instead of all its weights "
+        "(backend fsdp; docs/lora.md): the optimizer holds only the adapter, the KL reference "
+        "is the base model (the adapter off), the engines get the merged weights.")
 
     @property
     def world_size(self) -> int:

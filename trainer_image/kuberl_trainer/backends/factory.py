@@ -18,6 +18,8 @@ def preload_backend(spec: RLJobSpec) -> None:
         from kuberl_trainer.backends.fsdp import preload
 
         preload(spec.model.path)
+        if spec.training.lora is not None:
+            import kuberl_trainer.backends.lora  # noqa: F401  (PEFT's import)
 
 
 def make_backend(spec: RLJobSpec, rank: int, world_size: int, device: str) -> Backend:

@@ -17,6 +17,8 @@ tokens; the HF models are loaded with the ``kuberl_varlen`` attention
 
 The reference model (only when ``algorithm.klCoef > 0``) is built exactly like the policy,
 minus the optimizer, so at step 0 policy and reference give bitwise-equal log-probs (KL 0).
+With ``training.lora`` (``backends/lora.py``) the policy is the HF model under a PEFT adapter,
+only the adapter trains, and the reference is the same model with the adapter off.
 
 Both models are kept in ``eval()`` mode throughout: no dropout, so ``logprobs`` and the
 training forward agree and the PPO ratio starts at exactly 1.
@@ -31,7 +33,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from kuberl_api.spec import RLJobSpec
+from kuberl_api.spec import LoraSpec, RLJobSpec
 from kuberl_trainer.algos.objective import Objective
 from kuberl_trainer.backends.base import TrainBatch, sft_step_parts, trainer_old_logprobs
 from kuberl_trainer.backends.buckets import bucketize
@@ -67,9 +69,13 @@ from kuberl_trainer.backends.tokens import response_mask
 from kuberl_trainer.backends.varlen_attention import register_hf_attention
 from kuberl_trainer.backends.vocab_logprobs import token_logprobs_and_entropy
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+
 LOG = logging.getLogger("kuberl.backend.fsdp")
 
 Mode = Literal["single", "ddp", "fsdp2"]
+_M = TypeVar("_M", bound=nn.Module)
 
 OPTIM_FILE = "optimizer.pt"   # optimizer + LR scheduler, full (unsharded) state, from rank 0
 RNG_FILE = "rng_rank{rank}.pt"
@@ -90,21 +96,39 @@ class FSDPBackend:
         self.rank_batch_size = rank_batch_size(spec.global_batch_size, world_size,
                                                self.micro_batch_size
                                                ) * spec.rollout.max_rows_per_sample
-        # `module` is the HF model itself (HF state_dict names, save_pretrained); `model` is
-        # what the training forward runs through (the DDP wrapper, when there is one).
-        self.module = self._build_trainable()
+        # `module` is the HF model itself (HF state_dict names, save_pretrained), or with LoRA
+        # the PEFT model around it; `model` is what the training forward runs through (the
+        # DDP wrapper, when there is one).
+        self.lora = self._lora_spec()
+        self.module: nn.Module = self._build_trainable()
         self.model = self._wrap(self.module)
         self.ref = self._build_reference()
         config = optim or optim_config(spec)
-        self.optimizer = build_optimizer(self.module.parameters(), self._lr(), config)
+        self.optimizer = build_optimizer(self._trainable_params(), self._lr(), config)
         self.scheduler = build_scheduler(self.optimizer, config)
         self._offloads = Offloads()  # what `offload` freed (colocated handoff)
 
     # What a subclass (the PPO value model, backends/value.py) builds differently.
 
-    def _build_trainable(self) -> PreTrainedModel:
-        return build_model(self.spec.model.path, self.device, self.mode, trainable=True,
-                           fused_kernels=self.spec.training.fused_kernels)
+    def _lora_spec(self) -> LoraSpec | None:
+        """The adapter the policy trains (None: all its weights)."""
+        return self.spec.training.lora
+
+    def _build_trainable(self) -> nn.Module:
+        kernels = self.spec.training.fused_kernels
+        if self.lora is None:
+            return build_model(self.spec.model.path, self.device, self.mode, trainable=True,
+                               fused_kernels=kernels)
+        from kuberl_trainer.backends.lora import add_adapter
+
+        # wrapped before it is placed: FSDP2 shards each adapter with its decoder layer
+        model = add_adapter(load_model(self.spec.model.path, trainable=True,
+                                       fused_kernels=kernels), self.lora)
+        return place(model, self.device, self.mode)
+
+    def _trainable_params(self) -> list[nn.Parameter]:
+        """What the optimizer steps: every weight, or only the adapter's."""
+        return [p for p in self.module.parameters() if p.requires_grad]
 
     def _build_reference(self) -> PreTrainedModel | None:
         """The frozen model: the teacher in on-policy distillation, else the policy's starting
@@ -113,8 +137,8 @@ class FSDPBackend:
         if self.algo.teacher_path is not None:
             return build_model(self.algo.teacher_path, self.device, self.mode, trainable=False,
                                fused_kernels=kernels)
-        if self.algo.kl_coef <= 0:
-            return None
+        if self.algo.kl_coef <= 0 or self.lora is not None:
+            return None  # (LoRA: the reference is the policy with its adapter off)
         return build_model(self.spec.model.path, self.device, self.mode, trainable=False,
                            fused_kernels=kernels)
 
@@ -131,7 +155,26 @@ class FSDPBackend:
         return self._logprobs(self.module, batch).cpu()
 
     def ref_logprobs(self, batch: TrainBatch) -> Tensor | None:
-        return None if self.ref is None else self._logprobs(self.ref, batch).cpu()
+        ref = self._reference_logprobs(batch)
+        return None if ref is None else ref.cpu()
+
+    def _reference_logprobs(self, batch: TrainBatch) -> Tensor | None:
+        """The reference model's log-probs (the teacher's, or the starting policy's), on the
+        device; None without one. With LoRA the starting policy is the base: the policy's own
+        model with the adapter off."""
+        if self.ref is not None:
+            return self._logprobs(self.ref, batch)
+        if self.lora is None or self.algo.kl_coef <= 0:
+            return None
+        with self._peft.disable_adapter():
+            return self._logprobs(self.module, batch)
+
+    @property
+    def _peft(self) -> PeftModel:
+        from peft import PeftModel
+
+        assert isinstance(self.module, PeftModel), "training.lora is not set"
+        return self.module
 
     @torch.no_grad()
     def _logprobs(self, model: nn.Module, batch: TrainBatch) -> Tensor:
@@ -215,7 +258,15 @@ class FSDPBackend:
             if sft_part is not None:
                 sft_part = sft_part.to(self.device)
             self._optimizer_step(step_batch, metrics, sft_part, fresh=i == 0)
-        return metrics.summary() | prepared
+        return metrics.summary() | prepared | self._adapter_metrics()
+
+    def _adapter_metrics(self) -> dict[str, float]:
+        """LoRA's per-step metrics (collective under FSDP2): the adapter's size and norm."""
+        if self.lora is None:
+            return {}
+        from kuberl_trainer.backends.lora import lora_metrics
+
+        return lora_metrics(self.module, sharded=self.mode == "fsdp2")
 
     def _prepare(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
         """The tensors the loss needs that the caller may leave out, and the step's metric
@@ -237,9 +288,10 @@ class FSDPBackend:
 
     def _with_reference(self, batch: TrainBatch) -> TrainBatch:
         """Fill in reference log-probs when the KL term needs them and the caller did not."""
-        if self.ref is None or batch.ref_logprobs is not None:
+        if batch.ref_logprobs is not None:
             return batch
-        return dataclasses.replace(batch, ref_logprobs=self._logprobs(self.ref, batch))
+        ref = self._reference_logprobs(batch)
+        return batch if ref is None else dataclasses.replace(batch, ref_logprobs=ref)
 
     def _optimizer_step(self, batch: TrainBatch, metrics: StepMetrics,
                         sft: TrainBatch | None = None, *, fresh: bool = True) -> None:
@@ -258,20 +310,21 @@ class FSDPBackend:
             sft_tokens = self._global_sum(float(response_mask(sft.loss_mask).sum()))
             micros += self._micros(sft, sft=True)
         self.optimizer.zero_grad(set_to_none=True)
-        for i, mb in enumerate(micros):
-            with self._grad_sync(i == len(micros) - 1):
-                if mb.sft:
-                    nll, tokens = self._sft_nll(mb)
-                    loss = nll * (self.algo.sft_coef * self.world_size / sft_tokens)
-                    metrics.add_micro(tokens=tokens, loss=loss.detach() / self.world_size,
-                                      sft_nll=nll.detach())
-                else:
-                    partial, stats, tokens = self._micro_loss(mb, fresh)
-                    loss = partial * (self.world_size / units)
-                    metrics.add_micro(tokens=tokens, loss=loss.detach() / self.world_size,
-                                      stats=stats)
-                torch.autograd.backward(loss)
-        grad_norm = clip_gradients(self.module.parameters())
+        with self._training_forward():
+            for i, mb in enumerate(micros):
+                with self._grad_sync(i == len(micros) - 1):
+                    if mb.sft:
+                        nll, tokens = self._sft_nll(mb)
+                        loss = nll * (self.algo.sft_coef * self.world_size / sft_tokens)
+                        metrics.add_micro(tokens=tokens, loss=loss.detach() / self.world_size,
+                                          sft_nll=nll.detach())
+                    else:
+                        partial, stats, tokens = self._micro_loss(mb, fresh)
+                        loss = partial * (self.world_size / units)
+                        metrics.add_micro(tokens=tokens, loss=loss.detach() / self.world_size,
+                                          stats=stats)
+                    torch.autograd.backward(loss)
+        grad_norm = clip_gradients(self._trainable_params())
         lr = float(self.optimizer.param_groups[0]["lr"])
         if math.isfinite(grad_norm):
             self.optimizer.step()
@@ -280,6 +333,15 @@ class FSDPBackend:
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         metrics.add_step(grad_norm, lr)
+
+    def _training_forward(self) -> contextlib.AbstractContextManager[Any]:
+        """Around a step's training forwards: the adapter's dropout on (``lora.dropout``);
+        everything else stays in eval mode (see the module docstring)."""
+        if self.lora is None or self.lora.dropout == 0:
+            return contextlib.nullcontext()
+        from kuberl_trainer.backends.lora import dropout_on
+
+        return dropout_on(self.module)
 
     def _micro_loss(self, mb: MicroBatch, fresh: bool
                     ) -> tuple[Tensor, dict[str, Tensor], Tensor]:
@@ -374,24 +436,46 @@ class FSDPBackend:
         given; the single/DDP ones in the training dtype share storage with the live
         weights: read, don't write. Under FSDP2 every rank must iterate (each tensor is an
         all-gather).
+
+        With LoRA, the same names and shapes, each targeted weight merged (``lora.py``): the
+        engines load them as any full-weight sync, the adapter's own tensors are not sent.
         """
         return bucketize(self._named_full_tensors(tied_aliases, dtype), bucket_bytes)
 
     def _named_full_tensors(self, tied_aliases: bool, dtype: torch.dtype | None,
                             ) -> Iterator[tuple[str, Tensor]]:
-        entries = self.module.state_dict(keep_vars=True)  # keep_vars: identity finds ties
-        uses = Counter(id(t) for t in entries.values())
+        entries = self._hf_entries()                        # live tensors: identity finds ties
+        uses = Counter(id(value) for _, value, _ in entries)
         gathered: dict[int, Tensor] = {}                    # only tied tensors are kept
-        for name, value in entries.items():
+        for name, value, merge in entries:
             key = id(value)
             if key in gathered:
                 if tied_aliases:
                     yield name, gathered[key]
                 continue
-            tensor = _full_tensor(value, dtype)
+            if merge is None:
+                tensor = _full_tensor(value, dtype)
+            else:  # merged in float32 from the full base weight, then cast
+                merged = merge(_full_tensor(value, None))
+                tensor = merged if dtype is None else merged.to(dtype)
             if uses[key] > 1:
                 gathered[key] = tensor
             yield name, tensor
+
+    def _hf_entries(self) -> list[tuple[str, Tensor, Callable[[Tensor], Tensor] | None]]:
+        """``(HF name, live tensor, merge)`` for each key of the plain HF model's state_dict;
+        ``merge`` (LoRA's targeted weights) turns the full base weight into what is sent."""
+        if self.lora is None:
+            return [(name, value, None)
+                    for name, value in self.module.state_dict(keep_vars=True).items()]
+        from kuberl_trainer.backends.lora import hf_entries, merged_weight
+
+        def merger(layer: Any) -> Callable[[Tensor], Tensor]:
+            return lambda weight: merged_weight(weight, layer,
+                                                lambda t: _full_tensor(t, None))
+
+        return [(e.name, e.value, None if e.layer is None else merger(e.layer))
+                for e in hf_entries(self._peft)]
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -404,6 +488,9 @@ class FSDPBackend:
         """
         path = Path(dir)
         path.mkdir(parents=True, exist_ok=True)
+        if self.lora is not None:
+            self._save_lora(path)
+            return
         model_state, optim_state = self._full_state()
         if self.rank == 0:
             self._save_hf(path / MODEL_DIR, model_state)
@@ -412,11 +499,33 @@ class FSDPBackend:
         torch.save(rng_state(), path / RNG_FILE.format(rank=self.rank))
         self._barrier()  # the caller may mark the checkpoint complete once save returns
 
+    def _save_lora(self, path: Path) -> None:
+        """LoRA's checkpoint (``lora.py``): ``model/``, the merged weights (servable as any
+        checkpoint's); ``adapter/``, the PEFT adapter (what a resumed run loads onto the
+        base); the optimizer (the adapter's state only) and RNG as without LoRA."""
+        from kuberl_trainer.backends.lora import save_adapter
+
+        adapter = {name: _full_tensor(p, None).cpu()             # collective under FSDP2
+                   for name, p in self.module.named_parameters() if p.requires_grad}
+        merged = {name: t.cpu() for name, t in self._named_full_tensors(False, None)}
+        optim_state = self._full_optimizer_state()
+        if self.rank == 0:
+            from kuberl_trainer.backends.lora import ADAPTER_DIR
+
+            self._save_hf(path / MODEL_DIR, merged)
+            save_adapter(self._peft, path / ADAPTER_DIR, adapter)
+            torch.save({"optimizer": optim_state, "scheduler": self.scheduler.state_dict()},
+                       path / OPTIM_FILE)
+        torch.save(rng_state(), path / RNG_FILE.format(rank=self.rank))
+        self._barrier()
+
     def load(self, dir: str | Path) -> None:
-        """Collective. Restore weights, optimizer, scheduler and this rank's RNG state."""
+        """Collective. Restore weights, optimizer, scheduler and this rank's RNG state. With
+        LoRA the weights are the base (model.path, built already) and the checkpoint's
+        adapter."""
         path = Path(dir)
         reads = self.mode != "fsdp2" or self.rank == 0     # FSDP2: rank 0 reads, broadcasts
-        model_state = read_safetensors_dir(path / MODEL_DIR) if reads else {}
+        model_state = (self._read_weights(path) if reads else {})
         saved = torch.load(path / OPTIM_FILE, map_location="cpu") if reads else {}
         self._load_full_state(model_state, saved.get("optimizer", {}))
         scheduler: dict[str, Any] = saved.get("scheduler", {})
@@ -432,6 +541,29 @@ class FSDPBackend:
             set_rng_state(torch.load(file))
         else:
             LOG.warning("%s missing (saved with fewer ranks?): RNG state not restored", file)
+
+    def _read_weights(self, path: Path) -> dict[str, Tensor]:
+        """A checkpoint's weights under the live module's names: all of them, or LoRA's
+        adapter alone."""
+        if self.lora is None:
+            return read_safetensors_dir(path / MODEL_DIR)
+        from kuberl_trainer.backends.lora import ADAPTER_DIR, live_adapter_state, read_adapter
+
+        return live_adapter_state(self._peft, read_adapter(path / ADAPTER_DIR),
+                                  source=f"checkpoint {path}")
+
+    def _full_optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's full (unsharded) state; meaningful on rank 0."""
+        if self.mode != "fsdp2":
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        return get_optimizer_state_dict(
+            self.module, self.optimizer,
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def _full_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """Full (unsharded) model and optimizer state; meaningful on rank 0."""
@@ -449,10 +581,12 @@ class FSDPBackend:
 
     def _load_full_state(self, model_state: dict[str, Any],
                          optim_state: dict[str, Any]) -> None:
-        if model_state:
+        strict = self.lora is None  # (LoRA: the adapter's tensors only; the base is built)
+        if model_state and strict:
             model_state = with_tied_aliases(model_state, self.module)
         if self.mode != "fsdp2":
-            self.module.load_state_dict(model_state, strict=True)
+            result = self.module.load_state_dict(model_state, strict=strict)
+            assert not result.unexpected_keys, result.unexpected_keys
             self.optimizer.load_state_dict(optim_state)
             return
         from torch.distributed.checkpoint.state_dict import (
@@ -461,12 +595,14 @@ class FSDPBackend:
             set_optimizer_state_dict,
         )
 
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
         set_model_state_dict(self.module, model_state, options=opts)
         set_optimizer_state_dict(self.module, self.optimizer, optim_state, options=opts)
 
     def _save_hf(self, out: Path, state: dict[str, Tensor]) -> None:
-        self.module.save_pretrained(out, state_dict=state)
+        hf = self._peft.get_base_model() if self.lora is not None else self.module
+        assert isinstance(hf, PreTrainedModel)
+        hf.save_pretrained(out, state_dict=state)
         keep_source_dtype(Path(self.spec.model.path) / "config.json", out / "config.json")
         copy_tokenizer(self.spec, out)
 
@@ -506,10 +642,17 @@ def preload(path: str) -> None:
 def build_model(path: str, device: torch.device, mode: Mode, *, trainable: bool,
                 auto_class: Any = AutoModelForCausalLM, fused_kernels: str = NONE,
                 **kwargs: Any) -> PreTrainedModel:
-    """Load the HF model (a causal LM unless ``auto_class`` says otherwise) in float32 (the
-    master weights), with ``fused_kernels`` (``fused_kernels.py``), and place it for
-    ``mode``. Its attention runs packed rows (``varlen_attention``), which is all the
-    backend gives it."""
+    """``load_model``, then ``place``."""
+    return place(load_model(path, trainable=trainable, auto_class=auto_class,
+                            fused_kernels=fused_kernels, **kwargs), device, mode)
+
+
+def load_model(path: str, *, trainable: bool, auto_class: Any = AutoModelForCausalLM,
+               fused_kernels: str = NONE, **kwargs: Any) -> PreTrainedModel:
+    """Load the HF model (a causal LM unless ``auto_class`` says otherwise) on the host in
+    float32 (the master weights), with ``fused_kernels`` (``fused_kernels.py``), in eval
+    mode. Its attention runs packed rows (``varlen_attention``), which is all the backend
+    gives it."""
     model: PreTrainedModel = auto_class.from_pretrained(
         path, local_files_only=True, dtype=torch.float32,
         attn_implementation=register_hf_attention(), **kwargs)
@@ -517,6 +660,12 @@ def build_model(path: str, device: torch.device, mode: Mode, *, trainable: bool,
     model.train(False)  # eval mode, no dropout ever: see the module docstring
     if not trainable:
         model.requires_grad_(False)
+    return model
+
+
+def place(model: _M, device: torch.device, mode: Mode) -> _M:
+    """``model`` where ``mode`` trains it: sharded over the ranks (FSDP2), else on
+    ``device``."""
     if mode == "fsdp2":
         _fully_shard(model)  # moves each rank's shard to its GPU; the full copy stays on CPU
         return model
@@ -524,13 +673,17 @@ def build_model(path: str, device: torch.device, mode: Mode, *, trainable: bool,
     return model
 
 
-def _fully_shard(model: PreTrainedModel) -> None:
+def _fully_shard(model: nn.Module) -> None:
     """FSDP2: one shard group per decoder layer (HF's ``_no_split_modules``) plus the root,
-    so only one layer's full parameters are materialised at a time."""
+    so only one layer's full parameters are materialised at a time. A PEFT model is sharded
+    the same way (its decoder layers hold their adapters: frozen and trainable parameters in
+    one group, which FSDP2 allows)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    layer_types = set(getattr(model, "_no_split_modules", None) or ())
+    base = getattr(model, "get_base_model", None)  # (a PEFT model's HF model)
+    hf = base() if callable(base) else model
+    layer_types = set(getattr(hf, "_no_split_modules", None) or ())
     for sub in model.modules():
         if type(sub).__name__ in layer_types:
             fully_shard(sub, mp_policy=policy)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 # What ``summary`` reports beside the token-means of the micro-batches' stats.
 PER_STEP = frozenset({"loss", "sft_nll", "grad_norm", "lr", "optimizer_steps",
-                      "response_tokens"})
+                      "response_tokens", "lora_trainable_params", "lora_adapter_norm"})
 
 
 def combine_ranks(results: Sequence[dict[str, float]]) -> dict[str, float]:

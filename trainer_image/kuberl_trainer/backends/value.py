@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForTokenClassification, PreTrainedModel
 
+from kuberl_api.spec import LoraSpec
 from kuberl_trainer.algos import aggregation, value_loss
 from kuberl_trainer.algos.objective import Objective
 from kuberl_trainer.backends.base import TrainBatch
@@ -67,6 +68,9 @@ class ValueBackend(FSDPBackend):
 
     def _build_reference(self) -> PreTrainedModel | None:
         return None
+
+    def _lora_spec(self) -> LoraSpec | None:
+        return None  # training.lora adapts the policy; the value model trains all its weights
 
     def _lr(self) -> float:
         return self.spec.critic.lr
