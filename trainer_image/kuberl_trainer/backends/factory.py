@@ -15,7 +15,7 @@ def preload_backend(spec: RLJobSpec) -> None:
     Engine's import may open a CUDA context, which must wait until colocated engines have
     sized their memory pool from the free memory."""
     if spec.training.backend == "fsdp":
-        from kuberl_trainer.backends.fsdp import preload
+        from kuberl_trainer.backends.fsdp_models import preload
 
         preload(spec.model.path)
         if spec.training.lora is not None:

@@ -33,20 +33,32 @@ import math
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers import PreTrainedModel
 
 from kuberl_api.spec import LoraSpec, RLJobSpec
 from kuberl_trainer.algos.objective import Objective
 from kuberl_trainer.backends.base import TrainBatch, sft_step_parts, trainer_old_logprobs
 from kuberl_trainer.backends.buckets import bucketize
-from kuberl_trainer.backends.fused_kernels import NONE, apply_fused_kernels
+from kuberl_trainer.backends.fsdp_models import (
+    Mode,
+    broadcast_object,
+    build_model,
+    full_model_state,
+    full_optimizer_state,
+    full_tensor,
+    load_full_state,
+    load_model,
+    parallel_mode,
+    place,
+    rank_batch_size,
+    resolve_device,
+)
 from kuberl_trainer.backends.hf_files import (
     MODEL_DIR,
     copy_tokenizer,
@@ -66,16 +78,12 @@ from kuberl_trainer.backends.packing import next_token_targets, to_rows
 from kuberl_trainer.backends.rng import rng_state, set_rng_state
 from kuberl_trainer.backends.step_metrics import StepMetrics
 from kuberl_trainer.backends.tokens import response_mask
-from kuberl_trainer.backends.varlen_attention import register_hf_attention
 from kuberl_trainer.backends.vocab_logprobs import token_logprobs_and_entropy
 
 if TYPE_CHECKING:
     from peft import PeftModel
 
 LOG = logging.getLogger("kuberl.backend.fsdp")
-
-Mode = Literal["single", "ddp", "fsdp2"]
-_M = TypeVar("_M", bound=nn.Module)
 
 OPTIM_FILE = "optimizer.pt"   # optimizer + LR scheduler, full (unsharded) state, from rank 0
 RNG_FILE = "rng_rank{rank}.pt"
@@ -89,7 +97,7 @@ class FSDPBackend:
         self.spec, self.algo = spec, spec.algorithm
         self.objective = self._make_objective()
         self.rank, self.world_size = rank, world_size
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         self.mode: Mode = parallel_mode(world_size, self.device)
         self.micro_batch_size = spec.training.micro_batch_size
         # (rows: a sample's rows, rollout.maxRowsPerSample, train in the same optimizer step)
@@ -454,9 +462,9 @@ class FSDPBackend:
                     yield name, gathered[key]
                 continue
             if merge is None:
-                tensor = _full_tensor(value, dtype)
+                tensor = full_tensor(value, dtype)
             else:  # merged in float32 from the full base weight, then cast
-                merged = merge(_full_tensor(value, None))
+                merged = merge(full_tensor(value, None))
                 tensor = merged if dtype is None else merged.to(dtype)
             if uses[key] > 1:
                 gathered[key] = tensor
@@ -472,7 +480,7 @@ class FSDPBackend:
 
         def merger(layer: Any) -> Callable[[Tensor], Tensor]:
             return lambda weight: merged_weight(weight, layer,
-                                                lambda t: _full_tensor(t, None))
+                                                lambda t: full_tensor(t, None))
 
         return [(e.name, e.value, None if e.layer is None else merger(e.layer))
                 for e in hf_entries(self._peft)]
@@ -505,7 +513,7 @@ class FSDPBackend:
         base); the optimizer (the adapter's state only) and RNG as without LoRA."""
         from kuberl_trainer.backends.lora import save_adapter
 
-        adapter = {name: _full_tensor(p, None).cpu()             # collective under FSDP2
+        adapter = {name: full_tensor(p, None).cpu()             # collective under FSDP2
                    for name, p in self.module.named_parameters() if p.requires_grad}
         merged = {name: t.cpu() for name, t in self._named_full_tensors(False, None)}
         optim_state = self._full_optimizer_state()
@@ -530,7 +538,7 @@ class FSDPBackend:
         self._load_full_state(model_state, saved.get("optimizer", {}))
         scheduler: dict[str, Any] = saved.get("scheduler", {})
         if self.mode == "fsdp2":
-            scheduler = _broadcast_object(scheduler)
+            scheduler = broadcast_object(scheduler)
         self.scheduler.load_state_dict(scheduler)
         self._load_rng(path / RNG_FILE.format(rank=self.rank))
         self._barrier()
@@ -553,51 +561,17 @@ class FSDPBackend:
                                   source=f"checkpoint {path}")
 
     def _full_optimizer_state(self) -> dict[str, Any]:
-        """The optimizer's full (unsharded) state; meaningful on rank 0."""
-        if self.mode != "fsdp2":
-            return self.optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-        )
-
-        return get_optimizer_state_dict(
-            self.module, self.optimizer,
-            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return full_optimizer_state(self.module, self.optimizer, self.mode)
 
     def _full_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Full (unsharded) model and optimizer state; meaningful on rank 0."""
-        if self.mode != "fsdp2":
-            return self.module.state_dict(), self.optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return (get_model_state_dict(self.module, options=opts),
-                get_optimizer_state_dict(self.module, self.optimizer, options=opts))
+        return (full_model_state(self.module, self.mode),
+                full_optimizer_state(self.module, self.optimizer, self.mode))
 
     def _load_full_state(self, model_state: dict[str, Any],
                          optim_state: dict[str, Any]) -> None:
-        strict = self.lora is None  # (LoRA: the adapter's tensors only; the base is built)
-        if model_state and strict:
-            model_state = with_tied_aliases(model_state, self.module)
-        if self.mode != "fsdp2":
-            result = self.module.load_state_dict(model_state, strict=strict)
-            assert not result.unexpected_keys, result.unexpected_keys
-            self.optimizer.load_state_dict(optim_state)
-            return
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
-        set_model_state_dict(self.module, model_state, options=opts)
-        set_optimizer_state_dict(self.module, self.optimizer, optim_state, options=opts)
+        # (LoRA: the adapter's tensors only; the base is built)
+        load_full_state(self.module, self.optimizer, self.mode, model_state, optim_state,
+                        strict=self.lora is None)
 
     def _save_hf(self, out: Path, state: dict[str, Tensor]) -> None:
         hf = self._peft.get_base_model() if self.lora is not None else self.module
@@ -612,124 +586,3 @@ class FSDPBackend:
 
 
 # -- construction helpers --------------------------------------------------------------------
-
-
-def parallel_mode(world_size: int, device: torch.device) -> Mode:
-    if world_size == 1:
-        return "single"
-    return "fsdp2" if device.type == "cuda" else "ddp"
-
-
-def rank_batch_size(global_batch: int, world_size: int, micro_batch: int) -> int:
-    """Samples per optimizer step on one rank; the spec validates the same divisibility."""
-    if global_batch % (world_size * micro_batch):
-        raise ValueError(f"globalBatchSize {global_batch} must be a multiple of "
-                         f"microBatchSize * ranks = {micro_batch} * {world_size}")
-    return global_batch // world_size
-
-
-def preload(path: str) -> None:
-    """Import the model's classes (transformers imports a model family's module when a
-    checkpoint first names it) ahead of ``build_model`` (factory.preload_backend). Best effort:
-    a checkpoint it cannot read fails later, in the build, with the build's error."""
-    try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-        MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # (the lazy mapping imports the module)
-    except (OSError, ValueError, KeyError):
-        pass
-
-
-def build_model(path: str, device: torch.device, mode: Mode, *, trainable: bool,
-                auto_class: Any = AutoModelForCausalLM, fused_kernels: str = NONE,
-                **kwargs: Any) -> PreTrainedModel:
-    """``load_model``, then ``place``."""
-    return place(load_model(path, trainable=trainable, auto_class=auto_class,
-                            fused_kernels=fused_kernels, **kwargs), device, mode)
-
-
-def load_model(path: str, *, trainable: bool, auto_class: Any = AutoModelForCausalLM,
-               fused_kernels: str = NONE, **kwargs: Any) -> PreTrainedModel:
-    """Load the HF model (a causal LM unless ``auto_class`` says otherwise) on the host in
-    float32 (the master weights), with ``fused_kernels`` (``fused_kernels.py``), in eval
-    mode. Its attention runs packed rows (``varlen_attention``), which is all the backend
-    gives it."""
-    model: PreTrainedModel = auto_class.from_pretrained(
-        path, local_files_only=True, dtype=torch.float32,
-        attn_implementation=register_hf_attention(), **kwargs)
-    apply_fused_kernels(model, fused_kernels)
-    model.train(False)  # eval mode, no dropout ever: see the module docstring
-    if not trainable:
-        model.requires_grad_(False)
-    return model
-
-
-def place(model: _M, device: torch.device, mode: Mode) -> _M:
-    """``model`` where ``mode`` trains it: sharded over the ranks (FSDP2), else on
-    ``device``."""
-    if mode == "fsdp2":
-        _fully_shard(model)  # moves each rank's shard to its GPU; the full copy stays on CPU
-        return model
-    nn.Module.to(model, device)  # in place (HF's own `to` wrapper confuses type checkers)
-    return model
-
-
-def _fully_shard(model: nn.Module) -> None:
-    """FSDP2: one shard group per decoder layer (HF's ``_no_split_modules``) plus the root,
-    so only one layer's full parameters are materialised at a time. A PEFT model is sharded
-    the same way (its decoder layers hold their adapters: frozen and trainable parameters in
-    one group, which FSDP2 allows)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    base = getattr(model, "get_base_model", None)  # (a PEFT model's HF model)
-    hf = base() if callable(base) else model
-    layer_types = set(getattr(hf, "_no_split_modules", None) or ())
-    for sub in model.modules():
-        if type(sub).__name__ in layer_types:
-            fully_shard(sub, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-
-
-def _resolve_device(device: str) -> torch.device:
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        dev = torch.device("cuda", dev.index if dev.index is not None
-                           else torch.cuda.current_device())
-        torch.cuda.set_device(dev)  # FSDP2's default mesh and NCCL use the current device
-    return dev
-
-
-def tied_aliases(module: nn.Module) -> dict[str, str]:
-    """``{alias: source}`` for state-dict names that repeat an earlier entry's tensor, e.g.
-    ``{"lm_head.weight": "model.embed_tokens.weight"}`` in a model with tied embeddings."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, value in module.state_dict(keep_vars=True).items():
-        source = first.setdefault(id(value), name)
-        if source != name:
-            aliases[name] = source
-    return aliases
-
-
-def with_tied_aliases(state: dict[str, Any], module: nn.Module) -> dict[str, Any]:
-    """``state`` plus the tied aliases HF's safetensors files leave out, so it loads with
-    ``strict=True`` (a genuinely missing or extra key still fails loudly)."""
-    missing = {a: s for a, s in tied_aliases(module).items() if a not in state and s in state}
-    return {**state, **{alias: state[source] for alias, source in missing.items()}}
-
-
-def _full_tensor(value: Tensor, dtype: torch.dtype | None) -> Tensor:
-    # Cast first: under FSDP2 each rank casts its own shard and the all-gather moves the
-    # smaller dtype (half the bytes for bf16).
-    tensor = value.detach() if dtype is None else value.detach().to(dtype)
-    full = getattr(tensor, "full_tensor", None)  # a DTensor shard under FSDP2
-    if callable(full):
-        tensor = full()
-    return tensor
-
-
-def _broadcast_object(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank (FSDP2 load: only rank 0 reads the files)."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
