@@ -83,14 +83,22 @@ def place(model: _M, device: torch.device, mode: Mode) -> _M:
 
 def _fully_shard(model: nn.Module) -> None:
     """FSDP2: one shard group per decoder layer (HF's ``_no_split_modules``) plus the root,
-    so only one layer's full parameters are materialised at a time. A PEFT model is sharded
-    the same way (its decoder layers hold their adapters: frozen and trainable parameters in
-    one group, which FSDP2 allows)."""
+    so only one layer's full parameters are materialised at a time. A PEFT model's adapter
+    matrices first get groups of their own, gathered in float32: in bf16 groups (alone or
+    beside their layer's frozen weights) their gradients came back from the reduce-scatter
+    in bf16, which torch refused to assign to the float32 shards (2 H200s, torch 2.11:
+    bench/RESULTS.md); they are tiny, so float32 costs nothing."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     base = getattr(model, "get_base_model", None)  # (a PEFT model's HF model)
     hf = base() if callable(base) else model
+    if hf is not model:
+        adapter = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        for sub in model.modules():
+            own = list(sub.parameters(recurse=False))
+            if isinstance(sub, nn.Linear) and own and all(p.requires_grad for p in own):
+                fully_shard(sub, mp_policy=adapter)
     layer_types = set(getattr(hf, "_no_split_modules", None) or ())
     for sub in model.modules():
         if type(sub).__name__ in layer_types:
