@@ -25,6 +25,7 @@ from transformers import (
 )
 
 from kuberl_api import load
+from kuberl_api.spec.reward import DEFAULT_SCORE_PATTERN
 from kuberl_trainer.engines.client import EngineClient
 from kuberl_trainer.engines.reward_engines import RewardEngines
 from kuberl_trainer.placement import layout
@@ -128,7 +129,7 @@ def test_served_reward_models_score_as_the_models_do_in_process(
         with torch.no_grad():
             out = lm.generate(**ids, do_sample=False, max_new_tokens=JUDGE["maxNewTokens"])
         answer = ltok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
-        return judge_score(answer, r"-?\d+(?:\.\d+)?")
+        return judge_score(answer, DEFAULT_SCORE_PATTERN)  # (the spec's default)
 
     assert served(judge, tmp_path / "judge-logs", items) == [judged(i) for i in items]
 
