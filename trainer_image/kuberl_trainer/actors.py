@@ -9,7 +9,7 @@ import asyncio
 import itertools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,9 @@ class TrainWorker:
         self._rendezvous: Any = None  # rank 0's weight-sync rendezvous server (a TCPStore)
         self._groups = 0  # weight-sync groups formed so far
         self._poster: Any = None  # a colocated sync's rank 0 HTTP side (colocated.Poster)
+        self._publisher: Any = None  # sync: adapter, rank 0 (weight_sync/adapter.py)
+        # Where each step's adapter goes (sync: adapter): set by the group before a sync
+        self.adapter_root: str | None = None
         self._sync_dtype: torch.dtype | None = None
         self._weights_off = self._offloaded = False
         self._memory: dict[str, float] = {}  # GPU memory metrics (GiB), with train_step's
@@ -156,6 +159,9 @@ class TrainWorker:
         started = time.perf_counter()
         if self._weights_off:
             self.onload(WEIGHTS)
+        if self.spec.adapter_sync:
+            sent = self._push_adapter(engine_urls, weight_version)
+            return time.perf_counter() - started, sent
         colocated = self.spec.placement == "colocate" and self.device == "cuda"
         # Colocated buckets come in the training dtype: each is cast to the engines' as it
         # is flattened into one buffer (colocated.flatten_to), one copy instead of two. Over
@@ -185,6 +191,50 @@ class TrainWorker:
         stats = self._weight_sender(engine_urls, sync_port).run_until_complete(
             self._sender.send(buckets, weight_version=str(weight_version)))
         return time.perf_counter() - started, int(stats.bytes)
+
+    def _push_adapter(self, engine_urls: list[str], version: int) -> int:
+        """sync: adapter (weight_sync/adapter.py): the adapter written as version `version`'s
+        PEFT directory (every rank gathers; rank 0 writes) and loaded by every engine; the
+        adapter's bytes (rank 0; 0 elsewhere)."""
+        from kuberl_trainer.backends.fsdp import FSDPBackend
+        from kuberl_trainer.weight_sync.adapter import delivered, write_atomically
+
+        backend = self.backend
+        assert isinstance(backend, FSDPBackend) and self.adapter_root is not None
+        if self.rank != 0:
+            backend.export_adapter(Path())  # (this rank's part of the gathers: nothing written)
+            return 0
+        path = write_atomically(Path(self.adapter_root), version, backend.export_adapter)
+        sent = sum(f.stat().st_size for f in path.iterdir())
+        if delivered():
+            publisher = self._adapter_publisher(engine_urls)
+            assert self._aio is not None
+            self._aio.run_until_complete(publisher.publish(engine_urls, version))
+        return sent
+
+    def _adapter_publisher(self, engine_urls: list[str]) -> Any:
+        """Rank 0's AdapterPublisher, kept for the run (it knows what each engine holds);
+        its HTTP client follows the fleet's engines."""
+        from kuberl_trainer.engines.client import EngineClient
+        from kuberl_trainer.weight_sync.adapter import AdapterPublisher
+
+        if self._publisher is None:
+            self._aio = asyncio.new_event_loop()
+            self._publisher = AdapterPublisher(
+                EngineClient(engine_urls, request_timeout_s=SYNC_TIMEOUT_S),
+                Path(self.adapter_root or "."), self.spec.adapter_slots)
+        elif _engines_changed(self._publisher.client, engine_urls):
+            assert self._aio is not None
+            self._aio.run_until_complete(self._publisher.client.close())
+            self._publisher.client = EngineClient(engine_urls, request_timeout_s=SYNC_TIMEOUT_S)
+        return self._publisher
+
+    def set_adapter_root(self, root: str) -> None:
+        self.adapter_root = root
+
+    def adapters_loaded(self) -> int:
+        """The most adapters an engine reported holding after the last adapter sync."""
+        return 0 if self._publisher is None else int(self._publisher.reported)
 
     def sync_dtype(self) -> torch.dtype:
         """The dtype weight sync sends (and `checksums` hashes): the engines' own."""
@@ -324,6 +374,10 @@ class TrainGroup(RankGroup):
         # Bytes of the weight syncs that succeeded so far (the start-up sync's too): what
         # the loop's weight_sync_bytes(_total) are read from.
         self.synced_bytes = 0
+        # sync: adapter: told each adapter version the engines hold (the head's client names
+        # it in every request from then on), and how many an engine held at most
+        self.published: Callable[[int], None] | None = None
+        self.adapters_loaded = 0
         # A shared critic's share of each bundle is reserved here with its training worker's.
         self.pg = reserve([layout.train_bundle() for _ in range(n)], "training")
         self.spawn(TrainWorker, spec, [
@@ -377,7 +431,17 @@ class TrainGroup(RankGroup):
                                    max_buckets) for w in self.workers])
         seconds, sent = done[0]
         self.synced_bytes += sent
+        if self.spec.adapter_sync:  # (the engines hold version `version` now: name it)
+            self.adapters_loaded = int(ray.get(self.workers[0].adapters_loaded.remote()))
+            from kuberl_trainer.weight_sync.adapter import delivered
+
+            if self.published is not None and delivered():
+                self.published(version)
         return float(seconds)
+
+    def set_adapter_root(self, root: Path) -> None:
+        """Where rank 0 writes each step's adapter for the engines (sync: adapter)."""
+        ray.get([w.set_adapter_root.remote(str(root.resolve())) for w in self.workers])
 
     def checksums(self) -> dict[str, str]:
         sums: list[dict[str, str]] = ray.get([w.checksums.remote() for w in self.workers])

@@ -27,6 +27,8 @@ Each transition is one call from the loop (2 to 4) or from the rollout manager o
 step's sampling is over (1). Their seconds go into the step's metrics: `time_offload_s`
 (releases and offloads) and `time_onload_s` (onloads and resumes); `offload_gib` is what the
 training ranks freed. Disaggregated engines have GPUs of their own: every call does nothing.
+With LoRA's sync: adapter (`keep_weights`) the engines' base weights stay resident throughout:
+0 and 1 release only the cache and graphs, 3 does nothing, and 4 takes back the cache.
 The same calls run on CPU, where nothing is freed but the reference engine records each
 request (GET /get_event_log), so a CPU test checks the order a GPU run depends on.
 """
@@ -59,8 +61,13 @@ class MemoryHandoff:
     exist: the engines release their memory before the ranks are built)."""
 
     def __init__(self, client: EngineClient, aio: asyncio.AbstractEventLoop,
-                 ranks: list[Ranks], offload: OffloadSpec | None) -> None:
+                 ranks: list[Ranks], offload: OffloadSpec | None, *,
+                 keep_weights: bool = False) -> None:
         self.client, self.aio, self.ranks, self.offload = client, aio, ranks, offload
+        # The engines keep their weights resident (LoRA's sync: adapter: the base never
+        # changes, and a sync sends no weights to make room for): only the cache and graphs
+        # move, released in 0 and 1 and taken back in 4; 3 does nothing
+        self.released = CACHE_AND_GRAPHS if keep_weights else None
         self.times = {"time_offload_s": 0.0, "time_onload_s": 0.0}
         self.freed = 0
 
@@ -83,7 +90,7 @@ class MemoryHandoff:
         if not self.on:
             return
         started = time.perf_counter()
-        self._engines("/release_memory_occupation", None)
+        self._engines("/release_memory_occupation", self.released)
         self._timed("time_offload_s", started)
 
     async def to_trainers(self) -> None:
@@ -93,7 +100,7 @@ class MemoryHandoff:
         if not self.on:
             return
         started = time.perf_counter()
-        await self._post("/release_memory_occupation", None)
+        await self._post("/release_memory_occupation", self.released)
         self._timed("time_offload_s", started)
         started = time.perf_counter()
         for group in self.ranks:
@@ -110,7 +117,7 @@ class MemoryHandoff:
 
     def before_sync(self) -> None:
         """3: room for the weights the sync writes into the engines."""
-        if not self.on:
+        if not self.on or self.released is not None:
             return
         started = time.perf_counter()
         self._engines("/resume_memory_occupation", WEIGHTS)

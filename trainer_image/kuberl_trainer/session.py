@@ -39,6 +39,7 @@ from kuberl_trainer.rollout.reward_client import RemoteScorer
 from kuberl_trainer.rollout.rewards.model_io import chat_render
 from kuberl_trainer.startup import HeadStart
 from kuberl_trainer.stopping import GracefulStop
+from kuberl_trainer.weight_sync.adapter import ADAPTERS_DIR, adapter_name
 
 if TYPE_CHECKING:
     from kuberl_api.status import TrainerPhase
@@ -105,7 +106,9 @@ class Session:
         self.fleet = Fleet(self.engines, self.client, budget=self.spec.engine_restart_budget,
                            start_timeout_s=ENGINE_START_TIMEOUT_S)
         self.fleet.announce = self._announce_replacement
-        self.memory = MemoryHandoff(self.client, self.aio, [], self.spec.trainer_offload)
+        # (sync: adapter: the engines keep the base weights; only their cache moves)
+        self.memory = MemoryHandoff(self.client, self.aio, [], self.spec.trainer_offload,
+                                    keep_weights=self.spec.adapter_sync)
         if self.memory.on:  # colocated: the engines start alone, then make room (see there)
             self._phase("EnginesStarting")
             self._wait_for_engines()
@@ -149,6 +152,10 @@ class Session:
     def _setup_ranks(self) -> None:
         assert self.trainers is not None
         self.trainers.setup()
+        if self.spec.adapter_sync:  # (weight_sync/adapter.py)
+            self.trainers.set_adapter_root(self.ckpt.root / ADAPTERS_DIR)
+            self.trainers.published = lambda version: self.client.use_adapter(
+                adapter_name(version), version)
         if self.critic is not None:
             self.critic.setup()
 
@@ -174,7 +181,7 @@ class Session:
         the first rollout, rather than after it (an unreachable engine, a wrong interface:
         the run fails here, naming the engine)."""
         assert self.trainers is not None and self.engines is not None
-        if not (self.memory.on or resumed):
+        if not (self.memory.on or resumed or self.spec.adapter_sync):
             seconds = self.trainers.push_weights(self.engines.urls, self.weight_version,
                                                  1 << 26, max_buckets=1)
             LOG.info("weight sync checked: one bucket to %d engines in %.2f s",

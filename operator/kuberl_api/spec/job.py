@@ -124,6 +124,19 @@ class RLJobSpec(ApiModel):
 
 
     @property
+    def adapter_sync(self) -> bool:
+        """The engines get the policy's LoRA adapter itself (training.lora.sync: adapter)."""
+        return self.training.lora is not None and self.training.lora.sync == "adapter"
+
+    @property
+    def adapter_slots(self) -> int:
+        """How many adapter versions the engines keep loaded (sync: adapter): the newest and,
+        in mode async, the maxStaleness before it, which requests still in flight may name
+        (older ones are past the staleness bound); one in mode sync, where no request is in
+        flight while the adapter changes."""
+        return self.async_.max_staleness + 1 if self.mode == "async" else 1
+
+    @property
     def engine_restart_budget(self) -> int:
         """rollout.maxEngineRestarts, by default DEFAULT_ENGINE_RESTARTS when disaggregated
         and 0 colocated."""

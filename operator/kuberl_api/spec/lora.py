@@ -15,7 +15,8 @@ ModuleName = Annotated[str, Field(min_length=1, max_length=MAX_STR)]
 
 class LoraSpec(ApiModel):
     """A LoRA adapter on the policy (backend fsdp): only the adapter trains; the reference
-    model is the base with the adapter off; the engines receive the merged weights."""
+    model is the base with the adapter off; the engines receive the merged weights, or the
+    adapter itself (sync: adapter)."""
 
     rank: int = Field(ge=1, le=MAX_LORA_RANK, description="The adapter's rank r.")
     alpha: float | None = Field(
@@ -31,9 +32,12 @@ class LoraSpec(ApiModel):
         None, min_length=1, max_length=MAX_STR, description="Start from this PEFT adapter "
         "directory (adapter_config.json + adapter_model.safetensors) instead of a fresh "
         "adapter; its rank, alpha and target modules must be these.")
-    sync: Literal["merged"] = Field(
+    sync: Literal["merged", "adapter"] = Field(
         "merged", description="How the engines get the adapter: merged (W + alpha/rank * B A "
-        "into the full weights, sent as a full-weight sync each step).")
+        "into the full weights, sent as a full-weight sync each step), or adapter (each "
+        "step's adapter written as a PEFT directory under checkpoint.path and loaded by the "
+        "engines through SGLang's /load_lora_adapter under a versioned name, which every "
+        "request names; the engines keep the base weights and serve LoRA).")
 
     @property
     def lora_alpha(self) -> float:

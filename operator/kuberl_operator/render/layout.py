@@ -31,6 +31,9 @@ class WorkerGroup:
     weight_sync_listener: bool = False
     # Megatron ranks write their checkpoint shards from the train pods.
     mounts_checkpoints: bool = False
+    # Engines load each step's LoRA adapter from under checkpoint.path (training.lora.sync:
+    # adapter): the checkpoint volume, mounted read-only.
+    reads_adapters: bool = False
     # GPU pods of the group each take a node of their own (required anti-affinity): the layout
     # gives them whole nodes, or one pod with all the group's GPUs.
     one_per_node: bool = True
@@ -69,7 +72,7 @@ def rollout_group(spec: RLJobSpec) -> WorkerGroup:
     return WorkerGroup(
         name=names.GROUP_ROLLOUT, image=r.image, replicas=replicas, gpus_per_pod=per_pod,
         node_pool=r.node_pool, resources=r.resources,
-        ray_resources={names.RESOURCE_ROLLOUT: units},
+        ray_resources={names.RESOURCE_ROLLOUT: units}, reads_adapters=spec.adapter_sync,
     )
 
 

@@ -134,6 +134,15 @@ class Volumes:
                   else {"name": VOLUME_CHECKPOINTS, "emptyDir": {}})
         self.add(volume, {"name": VOLUME_CHECKPOINTS, "mountPath": ckpt.path})
 
+    def adapters(self, job: RLJob) -> None:
+        """The checkpoint PVC, read-only, for engines that load the trainer's LoRA adapters
+        from under checkpoint.path (training.lora.sync: adapter; the operator refuses the job
+        without a PVC: status/phases.py)."""
+        ckpt = job.spec.checkpoint
+        if ckpt.pvc is not None:
+            self.add(pvc_volume(VOLUME_CHECKPOINTS, ckpt.pvc, read_only=True),
+                     {"name": VOLUME_CHECKPOINTS, "mountPath": ckpt.path, "readOnly": True})
+
     def pod_security(self) -> dict[str, Any]:
         if not self.writes_to_a_claim:
             return {}
@@ -279,6 +288,8 @@ def worker_template(job: RLJob, group: WorkerGroup, attempt: int) -> dict[str, A
     vols.models(job)
     if group.mounts_checkpoints:
         vols.checkpoints(job)
+    elif group.reads_adapters:
+        vols.adapters(job)
     vols.code(job)
     spec: dict[str, Any] = {
         # Workers never call the Kubernetes API; don't hand them a token.

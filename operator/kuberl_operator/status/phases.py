@@ -84,6 +84,13 @@ CHECKPOINT_NOT_HELD = (
     "ReadWriteMany claim when training spans nodes) or drop schedule.saveInterval")
 
 
+ADAPTERS_NOT_SHARED = (
+    "spec.checkpoint.pvc: training.lora.sync adapter needs a checkpoint PVC in a cluster: the "
+    "trainer writes each step's adapter under checkpoint.path and the engines, in pods of "
+    "their own, load it from there; set checkpoint.pvc (a ReadWriteMany claim) or use "
+    "training.lora.sync merged")
+
+
 def unheld_checkpoints(job: RLJob) -> str | None:
     """Why the job's checkpoints would be held by no pod, or None.
 
@@ -96,6 +103,8 @@ def unheld_checkpoints(job: RLJob) -> str | None:
     spec = job.spec
     if spec.schedule.save_interval is not None and spec.checkpoint.pvc is None:
         return CHECKPOINT_NOT_HELD
+    if spec.adapter_sync and spec.checkpoint.pvc is None:
+        return ADAPTERS_NOT_SHARED
     return None
 
 

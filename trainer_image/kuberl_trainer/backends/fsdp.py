@@ -513,8 +513,7 @@ class FSDPBackend:
         base); the optimizer (the adapter's state only) and RNG as without LoRA."""
         from kuberl_trainer.backends.lora import save_adapter
 
-        adapter = {name: full_tensor(p, None).cpu()             # collective under FSDP2
-                   for name, p in self.module.named_parameters() if p.requires_grad}
+        adapter = self._full_adapter()
         merged = {name: t.cpu() for name, t in self._named_full_tensors(False, None)}
         optim_state = self._full_optimizer_state()
         if self.rank == 0:
@@ -526,6 +525,21 @@ class FSDPBackend:
                        path / OPTIM_FILE)
         torch.save(rng_state(), path / RNG_FILE.format(rank=self.rank))
         self._barrier()
+
+    def _full_adapter(self) -> dict[str, Tensor]:
+        """The adapter's whole tensors on the CPU, live names (collective under FSDP2)."""
+        return {name: full_tensor(p, None).cpu()
+                for name, p in self.module.named_parameters() if p.requires_grad}
+
+    def export_adapter(self, out: Path) -> int:
+        """Collective: the adapter as a PEFT directory at ``out`` (rank 0 writes; sync:
+        adapter); returns its bytes (float32, as trained)."""
+        from kuberl_trainer.backends.lora import save_adapter
+
+        adapter = self._full_adapter()
+        if self.rank == 0:
+            save_adapter(self._peft, out, adapter)
+        return sum(t.numel() * t.element_size() for t in adapter.values())
 
     def load(self, dir: str | Path) -> None:
         """Collective. Restore weights, optimizer, scheduler and this rank's RNG state. With
@@ -583,6 +597,3 @@ class FSDPBackend:
     def _barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
-
-
-# -- construction helpers --------------------------------------------------------------------

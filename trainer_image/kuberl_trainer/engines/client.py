@@ -132,10 +132,26 @@ class GenerateResult:
 
 
 def generate_request(input_ids: Sequence[int], sampling_params: Mapping[str, Any], *,
-                     return_logprob: bool) -> dict[str, Any]:
-    """The /generate body for one tokenized prompt (SGLang's GenerateReqInput fields)."""
-    return {"input_ids": [int(t) for t in input_ids], "sampling_params": dict(sampling_params),
+                     return_logprob: bool, lora_path: str | None = None) -> dict[str, Any]:
+    """The /generate body for one tokenized prompt (SGLang's GenerateReqInput fields);
+    `lora_path`: the name of a loaded LoRA adapter to generate under (None: the base)."""
+    body = {"input_ids": [int(t) for t in input_ids], "sampling_params": dict(sampling_params),
             "return_logprob": return_logprob}
+    if lora_path is not None:
+        body["lora_path"] = lora_path
+    return body
+
+
+# (a loaded LoRA adapter's name on the engines, the weight version it is)
+Adapter = tuple[str, str]
+
+
+def _under(adapter: Adapter | None, result: GenerateResult) -> GenerateResult:
+    """`result` of a request that named `adapter`: its weight version is the adapter's (the
+    engine reports its base weights', which an adapter does not change)."""
+    if adapter is not None:
+        result.weight_version = adapter[1]
+    return result
 
 
 def parse_generate_response(url: str, body: Any, *, return_logprob: bool) -> GenerateResult:
@@ -251,6 +267,15 @@ class EngineClient:
         # Behind the router, awaited once by every request it could not place (fleet.reroute)
         self.reroute: Callable[[], Awaitable[None]] | None = None
         self._rerouting: asyncio.Future[None] | None = None
+        # The LoRA adapter every /generate names (training.lora.sync: adapter; use_adapter)
+        self.adapter: Adapter | None = None
+
+    def use_adapter(self, name: str, version: int) -> None:
+        """From now on every /generate names the LoRA adapter `name` (loaded on every engine
+        by the trainer: weight_sync/adapter.py), and its results carry `version` as their
+        weight version. A request in flight keeps the adapter it named: an engine serves a
+        request under one adapter from its first token to its last."""
+        self.adapter = (name, str(version))
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -329,13 +354,15 @@ class EngineClient:
                            *, return_logprob: bool = True, url: str | None = None,
                            ) -> GenerateResult:
         url = url or self.pick()
+        adapter = self.adapter
         self.outstanding[url] += 1
         try:
             body = await self.request(url, "POST", "/generate", generate_request(
-                input_ids, sampling_params, return_logprob=return_logprob))
+                input_ids, sampling_params, return_logprob=return_logprob,
+                lora_path=adapter and adapter[0]))
         finally:
             self.outstanding[url] -= 1
-        return parse_generate_response(url, body, return_logprob=return_logprob)
+        return _under(adapter, parse_generate_response(url, body, return_logprob=return_logprob))
 
     async def generate(self, prompts: Sequence[Sequence[int]],
                        sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]],
@@ -355,16 +382,20 @@ class EngineClient:
     async def _generate_on(self, url: str, prompts: Sequence[Sequence[int]],
                            sampling_params: Sequence[Mapping[str, Any]],
                            return_logprob: bool) -> list[GenerateResult]:
+        adapter = self.adapter
         body = {"input_ids": [[int(t) for t in p] for p in prompts],
                 "sampling_params": [dict(sp) for sp in sampling_params],
                 "return_logprob": return_logprob}
+        if adapter is not None:  # (SGLang's batched form: one per prompt)
+            body["lora_path"] = [adapter[0]] * len(prompts)
         sent = time.perf_counter()
         answer = await self.request(url, "POST", "/generate", body)
         seconds = time.perf_counter() - sent
         if not isinstance(answer, list) or len(answer) != len(prompts):
             raise EngineError(url, f"/generate: expected {len(prompts)} answers, got "
                               f"{answer!r:.200}")
-        results = [parse_generate_response(url, a, return_logprob=return_logprob)
+        results = [_under(adapter, parse_generate_response(url, a,
+                                                           return_logprob=return_logprob))
                    for a in answer]
         request = next(self._requests)
         for result in results:
@@ -405,8 +436,10 @@ class EngineClient:
 
         async def one(i: int) -> GenerateResult:
             headers = {ROUTING_KEY_HEADER: f"{id(self):x}-{call}-{i // group}"}
+            adapter = self.adapter
             body = generate_request(prompts[i], sampling_params[i],
-                                    return_logprob=return_logprob)
+                                    return_logprob=return_logprob,
+                                    lora_path=adapter and adapter[0])
             attempt = 0
             while True:
                 attempt += 1
@@ -422,8 +455,8 @@ class EngineClient:
                         self._rerouting = asyncio.ensure_future(self.reroute())
                     await asyncio.shield(self._rerouting)
                     continue
-                result = parse_generate_response(router, answer,
-                                                 return_logprob=return_logprob)
+                result = _under(adapter, parse_generate_response(
+                    router, answer, return_logprob=return_logprob))
                 # (the router does not say which engine answered)
                 result.engine_url, result.seconds = "", time.perf_counter() - sent
                 return result

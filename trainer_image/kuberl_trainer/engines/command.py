@@ -23,6 +23,9 @@ What kuberl passes to SGLang (`python -m sglang.launch_server`) and why:
                                    PodMonitor; engineArgs {enable-metrics: "false"} turns it off
   colocate with rollout GPUs:      --enable-memory-saver (what SGLang needs to release and
                                    resume its memory, handing it to training between phases)
+  training.lora sync: adapter:     --enable-lora --max-lora-rank R --lora-target-modules M..
+                                   --max-loaded-loras N --max-loras-per-batch N (lora_flags:
+                                   the engines serve the base with the trainer's adapters)
   then rollout.engineArgs and      see engine_arg_flags
   engineListArgs
   --config F                       with an API key (the job's $KUBERL_ENGINE_API_KEY): a YAML
@@ -84,6 +87,25 @@ def engine_arg_flags(args: Mapping[str, EngineArgValue]) -> list[str]:
 def colocated_sglang(spec: RLJobSpec) -> bool:
     return (spec.rollout.engine == "sglang" and spec.placement == "colocate"
             and bool(spec.rollout_gpus))
+
+
+# SGLang's --lora-target-modules value for every linear layer (PEFT's "all-linear")
+ALL_LORA_MODULES = "all"
+
+
+def lora_flags(spec: RLJobSpec) -> list[str]:
+    """The LoRA flags of engines that load the trainer's adapter (training.lora.sync:
+    adapter); none otherwise. Both pools hold the adapter versions the trainer keeps loaded
+    (spec.adapter_slots): every request names one of them (none asks for the base, which
+    SGLang would count in a batch's), and the trainer unloads the oldest before it loads the
+    next, so SGLang's own LRU eviction past --max-loaded-loras never acts."""
+    lora = spec.training.lora
+    if lora is None or not spec.adapter_sync:
+        return []
+    slots = str(spec.adapter_slots)
+    return ["--enable-lora", "--max-lora-rank", str(lora.rank),
+            "--lora-target-modules", *(lora.target_modules or [ALL_LORA_MODULES]),
+            "--max-loaded-loras", slots, "--max-loras-per-batch", slots]
 
 
 def default_engine_args(spec: RLJobSpec) -> dict[str, EngineArgValue]:
@@ -163,6 +185,7 @@ def engine_command(spec: RLJobSpec, *, model_path: str, port: int, nccl_port: in
         cmd += ["--tokenizer-path", spec.model.tokenizer]
     if spec.engine_memory_fraction is not None:
         cmd += ["--mem-fraction-static", str(spec.engine_memory_fraction)]
+    cmd += lora_flags(spec)
     cmd += engine_arg_flags(
         default_engine_args(spec) | dict(r.engine_args) | dict(r.engine_list_args))
     if config_file and r.engine == "sglang":

@@ -79,12 +79,16 @@ def save_if_due(parts: Parts, step: int, weight_version: int,
 
 
 def sync_bytes(parts: Parts, before: int) -> dict[str, int]:
-    """The step's weight-sync bytes: those its sync sent (`before`: the trainers' count when
+    """The step's weight-sync bytes (sync: adapter, the adapter's, and the most adapters an
+    engine holds): those its sync sent (`before`: the trainers' count when
     it began; only a sync that succeeded counts, so one that failed as an engine died and
     was made again counts once), and the process's total so far (every sync that succeeded,
     the start-up one's too)."""
     total = parts.train.synced_bytes
-    return {"weight_sync_bytes": total - before, "weight_sync_bytes_total": total}
+    out = {"weight_sync_bytes": total - before, "weight_sync_bytes_total": total}
+    if parts.train.spec.adapter_sync:  # (LoRA's sync: adapter: the bound on what stays loaded)
+        out["lora_adapters_loaded"] = parts.train.adapters_loaded
+    return out
 
 
 def evaluation_due(parts: Parts, step: int) -> bool:
