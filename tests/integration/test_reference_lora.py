@@ -33,8 +33,8 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora")
     model = build_tiny_model(root / "model")
     return {"model": model,
-            "a1": build_tiny_lora(model, root / "a1", rank=4, alpha=8.0, seed=1),
-            "a2": build_tiny_lora(model, root / "a2", rank=2, alpha=4.0, seed=2,
+            "a1": build_tiny_lora(model, root / "a1", rank=4, alpha=8, seed=1),
+            "a2": build_tiny_lora(model, root / "a2", rank=2, alpha=4, seed=2,
                                   targets=("k_proj", "gate_proj", "up_proj")),
             "a3": build_tiny_lora(model, root / "a3", rank=8, seed=3),
             "a4": build_tiny_lora(model, root / "a4", rank=2, seed=5),

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 DEFAULT_TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
 
 
-def build_tiny_lora(model_dir: Path, out_dir: Path, *, rank: int = 4, alpha: float = 8.0,
+def build_tiny_lora(model_dir: Path, out_dir: Path, *, rank: int = 4, alpha: int = 8,
                     targets: Sequence[str] = DEFAULT_TARGETS, seed: int = 1,
                     scale: float = 0.3) -> Path:
     """A PEFT adapter of `model_dir` in `out_dir` (created); returns it."""
@@ -33,5 +33,5 @@ def build_tiny_lora(model_dir: Path, out_dir: Path, *, rank: int = 4, alpha: flo
             if "lora_B" in name:
                 param.normal_(0.0, scale)
     out_dir.mkdir(parents=True, exist_ok=True)
-    peft_model.save_pretrained(out_dir)
+    peft_model.save_pretrained(str(out_dir))
     return out_dir

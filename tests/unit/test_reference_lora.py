@@ -37,13 +37,13 @@ PROMPTS = [[8, 9, 10], [4, 5, 40, 6, 44, 7, 11], [7], [20, 21, 22, 23]]
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora")
     model = build_tiny_model(root / "model")
-    rslora = build_tiny_lora(model, root / "rslora", rank=4, alpha=4.0, seed=3)
+    rslora = build_tiny_lora(model, root / "rslora", rank=4, alpha=4, seed=3)
     config = json.loads((rslora / "adapter_config.json").read_text())
     (rslora / "adapter_config.json").write_text(json.dumps({**config, "use_rslora": True}))
     return {
         "model": model,
-        "a1": build_tiny_lora(model, root / "a1", rank=4, alpha=8.0, seed=1),
-        "a2": build_tiny_lora(model, root / "a2", rank=2, alpha=3.0, seed=2,
+        "a1": build_tiny_lora(model, root / "a1", rank=4, alpha=8, seed=1),
+        "a2": build_tiny_lora(model, root / "a2", rank=2, alpha=3, seed=2,
                               targets=("k_proj", "gate_proj", "up_proj")),
         "rslora": rslora,
         "rank16": build_tiny_lora(model, root / "rank16", rank=16, seed=4),
@@ -98,15 +98,18 @@ def logprobs(result: dict[str, Any] | None) -> list[float]:
 def test_each_row_of_a_batch_gets_its_adapters_peft_logprobs(
         engine: ReferenceEngine, dirs: dict[str, Path]) -> None:
     loras = [None, "a1", "a2", "a1"]
-    reqs = [request(engine, p, lora, i) for i, (p, lora) in enumerate(zip(PROMPTS, loras))]
+    reqs = [request(engine, p, lora, i)
+            for i, (p, lora) in enumerate(zip(PROMPTS, loras, strict=True))]
     results = engine.run_alone(reqs)
     for prompt, lora, result in zip(PROMPTS, loras, results, strict=True):
         assert result is not None
         want = peft_logprobs(dirs, lora, prompt, result["output_ids"])
         assert logprobs(result) == pytest.approx(want, abs=1e-5), lora
     # The adapters change the numbers (else the comparison above proves nothing).
-    base = peft_logprobs(dirs, None, PROMPTS[1], results[1]["output_ids"])  # type: ignore[index]
-    assert max(abs(a - b) for a, b in zip(base, logprobs(results[1]))) > 1e-2
+    adapted = results[1]
+    assert adapted is not None
+    base = peft_logprobs(dirs, None, PROMPTS[1], adapted["output_ids"])
+    assert max(abs(a - b) for a, b in zip(base, logprobs(adapted), strict=True)) > 1e-2
 
 
 def test_rows_joining_and_leaving_a_running_batch_keep_their_adapters(

@@ -68,6 +68,15 @@ class Adapter:
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
 
 
+def update_output(success: bool, error_message: str, loaded: dict[str, str] | None
+                  ) -> dict[str, Any]:
+    """SGLang's LoRAUpdateOutput (the answer of both endpoints) as its HTTP server serializes
+    the dataclass: BaseReq's fields first, then success, error_message and the adapters loaded
+    (name: path; None when the tokenizer side refused before reaching the adapters)."""
+    return {"rid": None, "http_worker_ipc": None, "success": success,
+            "error_message": error_message, "loaded_adapters": loaded}
+
+
 def read_config(path: str) -> dict[str, Any]:
     """adapter_config.json, as SGLang's LoRAConfig reads it (its errors are the answer's)."""
     directory = path
@@ -131,9 +140,7 @@ class AdapterSet:
         return {a.ref.lora_name: a.ref.lora_path for a in self.adapters.values()}
 
     def answer(self, success: bool, error_message: str = "") -> dict[str, Any]:
-        """SGLang's LoRAUpdateOutput, as its HTTP server serializes it."""
-        return {"rid": None, "http_worker_ipc": None, "success": success,
-                "error_message": error_message, "loaded_adapters": self.loaded()}
+        return update_output(success, error_message, self.loaded())
 
     def load(self, ref: LoraRef) -> dict[str, Any]:
         try:

@@ -28,16 +28,15 @@ from typing import Any
 
 from aiohttp import web
 
-from kuberl_rollout.reference.lora import LoraRef
+from kuberl_rollout.reference.lora import LoraRef, update_output
 
 NOT_ENABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
 OnWorker = Callable[..., Awaitable[Any]]
 
 
 def _failure(message: str) -> dict[str, Any]:
-    """SGLang's LoRAUpdateOutput for a failure its tokenizer side finds (no adapter list)."""
-    return {"rid": None, "http_worker_ipc": None, "success": False, "error_message": message,
-            "loaded_adapters": None}
+    """A failure SGLang's tokenizer side finds: no adapter list."""
+    return update_output(False, message, None)
 
 
 def _field_problem(body: dict[str, Any], name: str, kind: type, required: bool
