@@ -47,6 +47,11 @@ KUBERL_ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
     "file)": ("api-key", "config"),
     "reward.model.form (a scalar reward model is served as an embedding model; a policy or a "
     "judge generates)": ("is-embedding",),
+    # The engines hold the adapter the trainer sends each step (/load_lora_adapter): its rank,
+    # its modules and how many adapters an engine keeps follow from how kuberl syncs it.
+    "training.lora (sync: adapter: the adapter's rank and target modules, and the adapters "
+    "an engine holds)": ("enable-lora", "max-lora-rank", "lora-target-modules",
+                         "max-loaded-loras", "max-loras-per-batch"),
 }
 KUBERL_ENGINE_FLAG_SOURCE = {flag: source for source, flags in KUBERL_ENGINE_FLAGS.items()
                              for flag in flags}

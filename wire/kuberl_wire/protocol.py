@@ -63,6 +63,25 @@ def abort_weights_update_group(group_name: str) -> dict[str, Any]:
     return {"group_name": group_name}
 
 
+def load_lora_adapter(lora_name: str, lora_path: str, *, pinned: bool = False
+                      ) -> dict[str, Any]:
+    """SGLang's LoadLoRAAdapterReqInput (POST /load_lora_adapter): serve the PEFT adapter
+    directory `lora_path` under `lora_name`, which /generate's lora_path then names. A name
+    already loaded is refused: load a new adapter version under a new name, or unload first.
+    `pinned` keeps it from the engine's eviction (--max-loaded-loras); sent only when set."""
+    body: dict[str, Any] = {"lora_name": lora_name, "lora_path": lora_path}
+    if pinned:
+        body["pinned"] = True
+    return body
+
+
+def unload_lora_adapter(lora_name: str) -> dict[str, Any]:
+    """SGLang's UnloadLoRAAdapterReqInput (POST /unload_lora_adapter). SGLang answers only
+    once the requests in flight that use the adapter have finished. It remembers the name's
+    path: a later /generate naming it loads it again from there (tokenizer_manager)."""
+    return {"lora_name": lora_name}
+
+
 def memory_occupation(tags: Sequence[str] | None = None) -> dict[str, Any]:
     """Body of both /release_memory_occupation and /resume_memory_occupation."""
     return {"tags": list(tags) if tags is not None else None}

@@ -79,13 +79,58 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint, on POST /classify (and /encode), scored at the last token "
                         "as SGLang does; no generation, no weight updates "
                         "(kuberl_rollout.reference.classify_server)")
+    add_lora_flags(p)
     return p
+
+
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+    """SGLang 0.5.6's LoRA flags (ServerArgs), same names, types and defaults; the reference
+    engine has no --lora-paths, so --enable-lora needs --max-lora-rank and
+    --lora-target-modules, as SGLang's does without --lora-paths."""
+    from kuberl_rollout.reference.lora import ALL_TARGETS, SUPPORTED_TARGETS
+
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters: /load_lora_adapter, /unload_lora_adapter and "
+                        "/generate's lora_path (kuberl_rollout.reference.lora_service)")
+    p.add_argument("--max-lora-rank", type=int, default=None,
+                   help="the largest adapter rank a load accepts")
+    p.add_argument("--lora-target-modules", nargs="*", default=None,
+                   choices=[*SUPPORTED_TARGETS, ALL_TARGETS],
+                   help="the linears adapters may target ('all': every supported one)")
+    p.add_argument("--max-loaded-loras", type=int, default=None,
+                   help="most adapters loaded at once (the base model not counted): a load "
+                        "past it unloads the least recently used unpinned adapter")
+    p.add_argument("--max-loras-per-batch", type=int, default=8,
+                   help="most distinct adapters in the running batch, the base model "
+                        "counted as one")
+
+
+def check_lora_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """SGLang's check_lora_server_args, its messages; and no LoRA across TP processes."""
+    if args.max_loras_per_batch <= 0:
+        parser.error("max_loras_per_batch must be positive")
+    if not args.enable_lora:
+        return
+    targets = args.lora_target_modules or []
+    if "all" in targets and len(set(targets)) != 1:
+        parser.error("If 'all' is specified in --lora-target-modules, it should be the only "
+                     "module specified.")
+    if not (args.max_lora_rank and targets):
+        parser.error("When no initial --lora-paths is provided, you need to specify both "
+                     "--max-lora-rank and --lora-target-modules for LoRA initialization.")
+    if args.max_loaded_loras is not None and args.max_loaded_loras < args.max_loras_per_batch:
+        parser.error("max_loaded_loras should be greater than or equal to max_loras_per_batch. "
+                     f"max_loaded_loras={args.max_loaded_loras}, "
+                     f"max_loras_per_batch={args.max_loras_per_batch}")
+    if args.tp_size > 1:
+        parser.error("--enable-lora: the reference engine applies adapters in one process "
+                     "only; use --tp-size 1 (its tensor parallel ranks do not shard adapters)")
 
 
 # Flags of generation and weight sync, which an --is-embedding engine would ignore: refused
 # unless at their defaults, so a command line never asks for what the engine does not do.
 GENERATION_ONLY = ("tp_size", "nnodes", "mem_fraction_static", "enable_weights_cpu_backup",
-                   "batching", "batch_wait_ms", "weight_sync_timeout")
+                   "batching", "batch_wait_ms", "weight_sync_timeout", "enable_lora")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,6 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--nnodes > 1 needs --dist-init-addr (node rank 0's host:port)")
     if args.nnodes > 1 and not os.environ.get(ENGINE_SECRET_ENV):
         parser.error(f"--nnodes > 1 needs the nodes' shared key in ${ENGINE_SECRET_ENV}")
+    check_lora_args(parser, args)
     if args.is_embedding:
         given = [f"--{name.replace('_', '-')}" for name in GENERATION_ONLY
                  if getattr(args, name) != parser.get_default(name)]
@@ -146,7 +192,8 @@ def main(argv: list[str] | None = None) -> None:
                              device=rank_device(args.device, 0), dtype=args.dtype,
                              seed=args.seed, weight_version=args.weight_version,
                              mem_fraction_static=args.mem_fraction_static,
-                             weights_cpu_backup=args.enable_weights_cpu_backup)
+                             weights_cpu_backup=args.enable_weights_cpu_backup,
+                             lora=lora_options(args))
     server = Server(engine, max_batch_size=args.max_batch_size,
                     batch_wait_s=args.batch_wait_ms / 1000,
                     max_prefill_tokens=args.max_prefill_tokens,
@@ -159,7 +206,9 @@ def main(argv: list[str] | None = None) -> None:
                                  "node_rank": args.node_rank,
                                  "dist_init_addr": args.dist_init_addr,
                                  "mem_fraction_static": args.mem_fraction_static,
-                                 "enable_metrics": args.enable_metrics},
+                                 "enable_metrics": args.enable_metrics,
+                                 **lora_server_args(args)},
+                    max_loaded_loras=args.max_loaded_loras,
                     enable_metrics=args.enable_metrics,
                     api_key=args.api_key or os.environ.get(ENGINE_API_KEY_ENV, ""))
     signal.signal(fault.SIGNAL, lambda *_: setattr(server, "die_at_next_bucket", True))
@@ -174,6 +223,30 @@ def main(argv: list[str] | None = None) -> None:
     # shutdown wait for it once the server has stopped.
     logging.shutdown()
     os._exit(0)
+
+
+def lora_options(args: argparse.Namespace) -> dict[str, object] | None:
+    """ReferenceEngine's `lora` (lora.AdapterSet's arguments); None without --enable-lora."""
+    if not args.enable_lora:
+        return None
+    from kuberl_rollout.reference.lora import engine_targets
+
+    return {"max_lora_rank": args.max_lora_rank,
+            "targets": engine_targets(args.lora_target_modules),
+            "max_loras_per_batch": args.max_loras_per_batch}
+
+
+def lora_server_args(args: argparse.Namespace) -> dict[str, object]:
+    """/server_info's LoRA entries, as SGLang's ServerArgs holds them after its checks."""
+    from kuberl_rollout.reference.lora import engine_targets
+
+    targets = args.lora_target_modules
+    return {"enable_lora": args.enable_lora or None, "max_lora_rank": args.max_lora_rank,
+            "lora_target_modules": sorted(engine_targets(targets))
+            if args.enable_lora and targets else targets,
+            "lora_paths": [] if args.enable_lora else None,
+            "max_loaded_loras": args.max_loaded_loras,
+            "max_loras_per_batch": args.max_loras_per_batch}
 
 
 def serve_classifier(args: argparse.Namespace) -> None:

@@ -17,6 +17,10 @@ requests between forward batches.
 batch runs to completion before the next starts), kept for models whose cache cannot take
 rows mid-batch (kv_batch.joinable) and to compare against (bench/engine_batching.py).
 
+With LoRA (`max_adapters`: SGLang's --max-loras-per-batch), a request joins only while the
+running batch's distinct adapters, the base model counted as one, stay within the bound; the
+first that would exceed it waits, and those behind it too (SGLang's scheduler stops there).
+
 A pause (server.py) suspends the loop: the running requests stop after the current step and
 are held, with their progress, until the loop resumes them.
 """
@@ -43,13 +47,14 @@ class Batcher:
 
     def __init__(self, step: RunStep, worker: Executor, *, max_batch_size: int = 256,
                  max_wait_s: float = 0.005, max_prefill_tokens: int = 16384,
-                 join_running: bool = True) -> None:
+                 join_running: bool = True, max_adapters: int | None = None) -> None:
         self.step = step
         self.worker = worker
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.max_prefill_tokens = max_prefill_tokens
         self.join_running = join_running
+        self.max_adapters = max_adapters
         self.waiting: deque[Item] = deque()
         self.held: list[Item] = []
         self._running: dict[int, Item] = {}  # id(req): the running requests, in join order
@@ -143,6 +148,7 @@ class Batcher:
             return []
         joining: list[Item] = []
         tokens = 0
+        adapters = {req.lora_id for req, _ in self._running.values()}
         while self.waiting and len(self._running) + len(joining) < self.max_batch_size:
             req, fut = self.waiting[0]
             if fut.done():  # its caller went away: don't spend compute on it
@@ -151,6 +157,10 @@ class Batcher:
             size = len(req.input_ids) + len(req.output_ids)
             if joining and tokens + size > self.max_prefill_tokens:
                 break
+            if (self.max_adapters is not None
+                    and len(adapters | {req.lora_id}) > self.max_adapters):
+                break
+            adapters.add(req.lora_id)
             joining.append(self.waiting.popleft())
             tokens += size
         return joining

@@ -27,6 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kuberl_rollout.reference import kv_batch
+from kuberl_rollout.reference.lora import AdapterSet, LoraRef
 from kuberl_rollout.reference.sampling import (
     Finish,
     Sampling,
@@ -64,6 +65,7 @@ class GenRequest:
     return_logprob: bool
     draws: UniformDraws = field(repr=False)
     return_text_in_logprobs: bool = False
+    lora_id: str | None = None  # the adapter it runs under (lora.py); None: the base model
     # Progress, kept across a retraction (/pause_generation): generation resumes from here,
     # recomputing the prompt and these tokens (SGLang's retract frees the KV cache too).
     output_ids: list[int] = field(default_factory=list)
@@ -120,7 +122,9 @@ class ReferenceEngine:
                  device: str = "cpu", dtype: str = "float32", seed: int = 0,
                  weight_version: str = "default",
                  mem_fraction_static: float | None = None,
-                 weights_cpu_backup: bool = False) -> None:
+                 weights_cpu_backup: bool = False,
+                 lora: dict[str, Any] | None = None) -> None:
+        """`lora`: AdapterSet's keyword arguments (--enable-lora); None: no LoRA."""
         self.model_path = model_path
         self.weights_cpu_backup = weights_cpu_backup
         self._released_shapes: list[tuple[torch.nn.Parameter, torch.Size]] = []
@@ -166,6 +170,7 @@ class ReferenceEngine:
         # current step and hands its unfinished requests back (step's `suspended`).
         self.suspend = False
         self._batch: _Batch | None = None  # the running batch between steps
+        self.adapters = AdapterSet(self.model, **lora) if lora is not None else None
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -183,7 +188,8 @@ class ReferenceEngine:
         return list(self.tokenizer(text)["input_ids"])
 
     def make_request(self, input_ids: Sequence[int], sampling: Sampling, *, rid: str, seq: int,
-                     return_logprob: bool, return_text_in_logprobs: bool = False) -> GenRequest:
+                     return_logprob: bool, return_text_in_logprobs: bool = False,
+                     lora_id: str | None = None) -> GenRequest:
         """Validate one prompt (ValueError -> HTTP 400) with SGLang's checks and messages
         (tokenizer_manager: the input must be shorter than the context, and input plus
         max_new_tokens too), then cap max_new_tokens as SGLang's scheduler does."""
@@ -211,7 +217,7 @@ class ReferenceEngine:
         return GenRequest(rid=rid, seq=seq, input_ids=list(input_ids), sampling=sampling,
                           return_logprob=return_logprob,
                           return_text_in_logprobs=return_text_in_logprobs,
-                          draws=UniformDraws(seed, max_new))
+                          draws=UniformDraws(seed, max_new), lora_id=lora_id)
 
     def is_aborted(self, req: GenRequest) -> bool:
         return req.seq <= self.abort_all_upto or req.rid in self.aborted_rids
@@ -309,6 +315,7 @@ class ReferenceEngine:
         ids, mask = kv_batch.prefill_inputs(prefixes, self.pad_id, self.device)
         lengths = [len(p) for p in prefixes]
         attention, positions = kv_batch.model_mask(mask, min(lengths) != max(lengths))
+        self._select_adapters(reqs)
         out = self.model(input_ids=ids, attention_mask=attention, position_ids=positions,
                          past_key_values=DynamicCache(config=self.model.config), use_cache=True,
                          logits_to_keep=1)
@@ -321,9 +328,25 @@ class ReferenceEngine:
         feed = torch.tensor([[r.output_ids[-1]] for r in batch.reqs], dtype=torch.long,
                             device=self.device)
         attention, positions = batch.cache.decode_inputs()
+        self._select_adapters(batch.reqs)
         out = self.model(input_ids=feed, attention_mask=attention, position_ids=positions,
                          past_key_values=batch.cache.cache, use_cache=True)
         self._sample(batch.reqs, out.logits[:, -1, :])
+
+    def _select_adapters(self, reqs: Sequence[GenRequest]) -> None:
+        """Each row of the next forward under its request's adapter (rows in `reqs` order:
+        the cache's, which kv_batch keeps through merges and selections)."""
+        if self.adapters is not None:
+            self.adapters.select([r.lora_id for r in reqs])
+
+    def load_adapter(self, ref: LoraRef) -> dict[str, Any]:
+        """SGLang's LoRAUpdateOutput as a dict (lora.AdapterSet.answer)."""
+        assert self.adapters is not None
+        return self.adapters.load(ref)
+
+    def unload_adapter(self, lora_id: str) -> dict[str, Any]:
+        assert self.adapters is not None
+        return self.adapters.unload(lora_id)
 
     def _sample(self, reqs: list[GenRequest], logits: torch.Tensor) -> None:
         tokens, logprobs = choose_tokens(logits.float(), [r.sampling for r in reqs],

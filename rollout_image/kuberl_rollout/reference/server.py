@@ -38,6 +38,7 @@ from aiohttp import web
 from kuberl_rollout.reference import fault, weights
 from kuberl_rollout.reference.batcher import Batcher
 from kuberl_rollout.reference.engine import EngineBusy, GenRequest, ReferenceEngine
+from kuberl_rollout.reference.lora_service import LoraService
 from kuberl_rollout.reference.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, EngineMetrics
 from kuberl_rollout.reference.sampling import parse_sampling
 from kuberl_rollout.reference.tp import Peers
@@ -49,7 +50,7 @@ T = TypeVar("T")
 
 # GenerateReqInput fields the reference engine implements (SGLang's names and meanings).
 _GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "rid",
-                    "return_text_in_logprobs"}
+                    "return_text_in_logprobs", "lora_path"}
 # GenerateReqInput fields SGLang has and the reference engine does not implement: accepted at
 # the values that change nothing (SGLang's defaults), refused with 400 otherwise, since the
 # engine would behave differently from SGLang. A field SGLang does not know is ignored, as
@@ -60,7 +61,7 @@ _DEFAULT_ONLY_FIELDS: dict[str, tuple[Any, ...]] = {
     "token_ids_logprob": (None,), "input_embeds": (None,), "image_data": (None,),
     "video_data": (None,), "audio_data": (None,), "return_hidden_states": (None, False),
     "return_routed_experts": (None, False), "return_prompt_token_ids": (None, False),
-    "session_params": (None,), "lora_path": (None,), "lora_id": (None,),
+    "session_params": (None,), "lora_id": (None,),
     "custom_logit_processor": (None,), "bootstrap_host": (None,), "bootstrap_port": (None,),
     "bootstrap_room": (None,), "bootstrap_pair_key": (None,),
     "data_parallel_rank": (None, 0), "routed_dp_rank": (None, 0),
@@ -148,7 +149,9 @@ class Server:
                  peers: Peers | None = None,
                  server_args: Mapping[str, Any] | None = None,
                  enable_metrics: bool = False, api_key: str = "",
-                 max_prefill_tokens: int = 16384, continuous: bool = True) -> None:
+                 max_prefill_tokens: int = 16384, continuous: bool = True,
+                 max_loaded_loras: int | None = None) -> None:
+        """LoRA is on when the engine holds adapters (engine.adapters: --enable-lora)."""
         self.engine = engine
         self.api_key = api_key  # "" (SGLang's None): every request is served
         self.max_batch_size = max_batch_size
@@ -160,7 +163,13 @@ class Server:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.batcher = Batcher(engine.step, self.worker, max_batch_size=max_batch_size,
                                max_wait_s=batch_wait_s, max_prefill_tokens=max_prefill_tokens,
-                               join_running=continuous and engine.joins_running_batch)
+                               join_running=continuous and engine.joins_running_batch,
+                               max_adapters=None if engine.adapters is None
+                               else engine.adapters.max_loras_per_batch)
+        self.lora = LoraService(enabled=engine.adapters is not None,
+                                max_loaded_loras=max_loaded_loras,
+                                load=engine.load_adapter, unload=engine.unload_adapter,
+                                on_worker=self.on_worker)
         self.receiver = weights.Receiver(engine, timeout_s=weight_sync_timeout_s)
         self.seq = 0
         self.live: set[str] = set()
@@ -207,6 +216,8 @@ class Server:
         r.add_post("/update_weights_from_tensor", self.update_tensor)
         r.add_post("/destroy_weights_update_group", self.destroy_group)
         r.add_post("/abort_weights_update_group", self.abort_group)  # kuberl's own
+        r.add_post("/load_lora_adapter", self.lora.load_route)
+        r.add_post("/unload_lora_adapter", self.lora.unload_route)
         r.add_get("/get_weights_checksum", self.checksums)
         r.add_get("/get_event_log", self.event_log)
         if self.metrics is not None:  # (SGLang serves /metrics only with --enable-metrics)
@@ -224,7 +235,8 @@ class Server:
 
     # ---- generation -------------------------------------------------------------------------
 
-    def _requests(self, body: Mapping[str, Any]) -> tuple[list[GenRequest], bool]:
+    def _requests(self, body: Mapping[str, Any], lora_ids: list[str | None] | str | None = None
+                  ) -> tuple[list[GenRequest], bool]:
         changed = sorted(k for k, ok in _DEFAULT_ONLY_FIELDS.items()
                          if k in body and not any(body[k] == v and type(body[k]) is type(v)
                                                   for v in ok))
@@ -260,12 +272,15 @@ class Server:
             rids = [str(rid)] if single else [f"{rid}_{i}" for i in range(n)]
         else:
             rids = [uuid.uuid4().hex for _ in range(n)]
+        adapters = _per_item(lora_ids, n, "lora_path")
         reqs = []
-        for prompt, sp, lp, r, tl in zip(prompts, params, logprob, rids, text_lp, strict=True):
+        for prompt, sp, lp, r, tl, lora in zip(prompts, params, logprob, rids, text_lp, adapters,
+                                               strict=True):
             self.seq += 1
             reqs.append(self.engine.make_request(prompt, parse_sampling(sp), rid=r,
                                                  seq=self.seq, return_logprob=bool(lp),
-                                                 return_text_in_logprobs=bool(tl)))
+                                                 return_text_in_logprobs=bool(tl),
+                                                 lora_id=lora))
         return reqs, single
 
     async def generate(self, request: web.Request) -> web.Response:
@@ -276,15 +291,20 @@ class Server:
                 self.record("generate_refused", released=sorted(self.engine.released))
                 raise EngineBusy(f"memory released ({sorted(self.engine.released)}); "
                                  "call /resume_memory_occupation first")
-            reqs, single = self._requests(body)
-            self.record("generate", requests=len(reqs))
-            rids = [r.rid for r in reqs]
-            self.live.update(rids)
+            # SGLang resolves lora_path (re-loading an unloaded name) before tokenizing.
+            lora_ids = await self.lora.acquire(body.get("lora_path"))
             try:
-                results = await self.batcher.submit_many(reqs)
+                reqs, single = self._requests(body, lora_ids)
+                self.record("generate", requests=len(reqs))
+                rids = [r.rid for r in reqs]
+                self.live.update(rids)
+                try:
+                    results = await self.batcher.submit_many(reqs)
+                finally:
+                    self.live.difference_update(rids)
+                    self.engine.aborted_rids.difference_update(rids)
             finally:
-                self.live.difference_update(rids)
-                self.engine.aborted_rids.difference_update(rids)
+                await self.lora.release(lora_ids)
         if self.metrics is not None:
             self.metrics.finished(results)
         return web.json_response(results[0] if single else results)
