@@ -81,8 +81,8 @@ def patch_loader(device: torch.device) -> None:
             model.requires_grad_(False)
         return model
 
-    fsdp_models.load_model = load  # type: ignore[assignment]
-    fsdp.load_model = load  # type: ignore[assignment]
+    for module in (fsdp_models, fsdp):
+        setattr(module, "load_model", load)  # noqa: B010 (a module attribute, not typed)
 
 
 def model_numel(model_dir: Path) -> int:
@@ -117,15 +117,18 @@ def make_spec(args: argparse.Namespace, lora: bool, handoff: bool, model_dir: Pa
 def fingerprint(model: torch.nn.Module) -> list[tuple[int, float]]:
     """Per frozen tensor: the sum of its bit patterns (int64) and of its values (float64).
     Any changed element changes the first, short of exactly compensating changes."""
-    prints = []
+    prints: list[tuple[int, float]] = []
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
                 continue
             flat = p.detach().reshape(-1)
             bits = flat.view({4: torch.int32, 2: torch.int16}[flat.element_size()])
-            prints.append((sum(int(c.sum(dtype=torch.int64)) for c in bits.split(CHUNK)),
-                           sum(float(c.sum(dtype=torch.float64)) for c in flat.split(CHUNK))))
+            bit_sum, value_sum = 0, 0.0
+            for start in range(0, flat.numel(), CHUNK):  # (bounded temporaries)
+                bit_sum += int(bits[start:start + CHUNK].sum(dtype=torch.int64))
+                value_sum += float(flat[start:start + CHUNK].sum(dtype=torch.float64))
+            prints.append((bit_sum, value_sum))
     return prints
 
 
@@ -249,7 +252,7 @@ def run_arm(args: argparse.Namespace, arm: Any) -> dict[str, Any]:
         before = fingerprint(backend.module) if arm.lora else None
         batch = random_batch(args.rows, prompt=args.tokens // 2,
                              response=(args.tokens - args.tokens // 2,) * 2,
-                             vocab=backend.module.config.vocab_size)
+                             vocab=int(getattr(backend.module.config, "vocab_size")))  # noqa: B009
         for step in range(1, args.steps + 1):
             last = step == args.steps
             if arm.handoff:  # 1: sampling over, the engine releases, the trainer onloads

@@ -73,8 +73,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from gpu_common import SHAPES, UNTIED, random_batch  # bench/ is on sys.path
+from gpu_common import SHAPES, UNTIED  # bench/ is on sys.path (sets the packages' too)
 
 GIB = float(1 << 30)
 SHAPE_NAMES = {"7b": "qwen2.5-7b", "tiny": "tiny"}
@@ -107,7 +106,7 @@ def write_config(shape: str, out: Path) -> Path:
     Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                 num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
                 tie_word_embeddings=SHAPE_NAMES[shape] not in UNTIED,
-                max_position_embeddings=32768, torch_dtype="bfloat16", eos_token_id=1,
+                max_position_embeddings=32768, eos_token_id=1,
                 pad_token_id=0).save_pretrained(out)
     return out
 
@@ -155,25 +154,29 @@ def expectations(results: dict[str, dict[str, Any]]) -> dict[str, bool]:
             and handoff.get("oom_at") is None}
 
 
+def gib(value: float) -> str:
+    return f"{value:.3g}"
+
+
 ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("what", "note", str),
     ("fits (engine memory resident while training)", "fits", str),
     ("out of memory at", "oom_at", str),
     ("parameters / trainable", "params", str),
-    ("model states, computed (GiB)", "states_gib", lambda v: f"{v:.1f}"),
-    ("engine stand-in resident while training (GiB)", "engine_train_gib", lambda v: f"{v:.1f}"),
-    ("allocated after build (GiB)", "built_gib", lambda v: f"{v:.1f}"),
+    ("model states, computed (GiB)", "states_gib", gib),
+    ("engine stand-in resident while training (GiB)", "engine_train_gib", gib),
+    ("allocated after build (GiB)", "built_gib", gib),
     ("train step (s, last of --steps)", "step_s", lambda v: f"{v:.3f}"),
-    ("peak allocated, train step (GiB)", "peak_alloc_gib", lambda v: f"{v:.1f}"),
-    ("peak reserved, train step (GiB)", "peak_reserved_gib", lambda v: f"{v:.1f}"),
-    ("trainer's peak (allocated less engine, GiB)", "trainer_peak_gib", lambda v: f"{v:.1f}"),
+    ("peak allocated, train step (GiB)", "peak_alloc_gib", gib),
+    ("peak reserved, train step (GiB)", "peak_reserved_gib", gib),
+    ("trainer's peak (allocated less engine, GiB)", "trainer_peak_gib", gib),
     ("handoff: onload before the step (s)", "onload_s", lambda v: f"{v:.2f}"),
     ("handoff: offloads after it (s)", "offload_s", lambda v: f"{v:.2f}"),
     ("merged sync: flatten + copy into engine (s)", "sync_s", lambda v: f"{v:.3f}"),
-    ("merged sync bytes (GiB)", "sync_bytes", lambda v: f"{v / GIB:.2f}"),
-    ("peak allocated, sync (GiB)", "sync_peak_gib", lambda v: f"{v:.1f}"),
+    ("merged sync bytes (GiB)", "sync_bytes", lambda v: gib(v / GIB)),
+    ("peak allocated, sync (GiB)", "sync_peak_gib", gib),
     ("adapter as PEFT dir: gather + save (s)", "adapter_save_s", lambda v: f"{v:.3f}"),
-    ("adapter bytes on disk (MiB)", "adapter_bytes", lambda v: f"{v / (1 << 20):.1f}"),
+    ("adapter bytes on disk (MiB)", "adapter_bytes", lambda v: gib(v / (1 << 20))),
     ("base unchanged / max|B| / merged != base", "lora_checks", str),
     ("error", "error", str),
 ]
@@ -181,7 +184,7 @@ ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
 
 def cell(row: dict[str, Any], key: str, fmt: Callable[[Any], str]) -> str:
     if key == "params" and "total_params" in row:
-        return f"{row['total_params'] / 1e9:.3f}e9 / {row['trainable_params'] / 1e6:.1f}e6"
+        return f"{row['total_params']:,} / {row['trainable_params']:,}"
     if key == "lora_checks":
         if "base_unchanged" not in row:
             return "-"
@@ -200,7 +203,8 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
 
     def over(key: str, other: str | None = None) -> float:
         a, b = lora.get(key), full.get(other or key)
-        return a / b if isinstance(a, float | int) and isinstance(b, float | int) and b else math.nan
+        numbers = isinstance(a, float | int) and isinstance(b, float | int)
+        return a / b if numbers and b else math.nan
 
     return {"train step s": over("step_s"), "trainer's peak memory": over("trainer_peak_gib"),
             "peak reserved": over("peak_reserved_gib"), "merged sync s": over("sync_s"),
@@ -213,7 +217,8 @@ def print_table(args: argparse.Namespace, results: dict[str, dict[str, Any]]) ->
     names = list(results)
     print(f"\nLoRA vs full fine-tuning, one {args.device} device, shape {args.shape}, "
           f"{args.rows} rows x {args.tokens} tokens, {args.steps} steps, lr {args.lr}; "
-          f"engine stand-in: bf16 weights + {args.engine_kv_gib} GiB KV (plain allocations "
+          f"engine stand-in: {'bf16' if args.device == 'cuda' else 'float32'} weights + "
+          f"{args.engine_kv_gib} GiB KV (plain allocations "
           "of the engine's size, not SGLang; the handoff arm releases them to train)")
     print("| | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 1) + "|")
