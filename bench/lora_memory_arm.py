@@ -7,6 +7,8 @@ running out of GPU memory is a result (``oom_at``: the phase), not a crash."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -218,9 +220,33 @@ class Memory:
         return torch.cuda.max_memory_allocated() / GIB, torch.cuda.max_memory_reserved() / GIB
 
 
+def pinned_host_bytes(backend: Any) -> int:
+    """Host bytes the trainer's offload of optimizer and weights pins (backends/offload.py):
+    one pinned buffer per GPU storage, and torch's pinned-memory caching allocator rounds each
+    request up to a power of two (CachingHostAllocator; no round threshold by default)."""
+    from kuberl_trainer.backends.offload import Offload, optimizer_state
+
+    tensors = [*optimizer_state(backend.optimizer), *backend.module.parameters(),
+               *backend.module.buffers()]
+    return sum(1 << max(n - 1, 0).bit_length() for n in Offload(tensors).nbytes)
+
+
+def host_available() -> int:
+    """MemAvailable of this host (bytes; a large number where /proc/meminfo is absent)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
 def run_arm(args: argparse.Namespace, arm: Any) -> dict[str, Any]:
-    """The arm's result (see lora_memory_check's table); out-of-memory at any phase is
-    recorded as ``oom_at`` with the peaks reached."""
+    """The arm's result (see lora_memory_check's table). Running out of GPU memory at any
+    phase is recorded as ``oom_at`` with the peaks reached; any other error as ``error``
+    (with its phase). With ``args.result`` the result so far is written there after every
+    phase, so a process killed from outside (the host's OOM killer) still leaves it."""
     from kuberl_trainer.backends.fsdp import FSDPBackend
 
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
@@ -234,13 +260,22 @@ def run_arm(args: argparse.Namespace, arm: Any) -> dict[str, Any]:
                            torch.bfloat16 if device.type == "cuda" else torch.float32, device)
     memory = Memory(device)
     out: dict[str, Any] = {"arm": args.child, "note": arm.note, "oom_at": None}
+    result = getattr(args, "result", None)
     phase = "engine allocation"
+
+    def at(next_phase: str) -> None:
+        nonlocal phase
+        phase = next_phase
+        if result:
+            write_json(Path(result), {**out, "error": f"stopped in {phase}"})
+
+    offloads = arm.handoff  # off when the host cannot hold what the offload pins
     try:
         if not arm.handoff:  # resident from the start (the engine starts before the trainer)
             engine.resume("weights")
             engine.resume("kv")
         out["engine_resident_gib"] = engine.resident / GIB
-        phase = "build"
+        at("build")
         torch.manual_seed(0)
         backend = FSDPBackend(make_spec(args, arm.lora, arm.handoff, model_dir), rank=0,
                               world_size=1, device=args.device)
@@ -257,11 +292,11 @@ def run_arm(args: argparse.Namespace, arm: Any) -> dict[str, Any]:
             last = step == args.steps
             if arm.handoff:  # 1: sampling over, the engine releases, the trainer onloads
                 engine.release()
-                phase = f"onload {step}"
+                at(f"onload {step}")
                 started = time.perf_counter()
                 backend.onload()
                 out["onload_s"] = time.perf_counter() - started
-            phase = f"train step {step}"
+            at(f"train step {step}")
             out["engine_train_gib"] = engine.resident / GIB
             memory.reset()
             synchronize(device)
@@ -274,36 +309,56 @@ def run_arm(args: argparse.Namespace, arm: Any) -> dict[str, Any]:
                 out["trainer_peak_gib"] = out["peak_alloc_gib"] - engine.resident / GIB
             out["loss"] = metrics.get("loss")
             offload_s = 0.0
-            if arm.handoff:  # 2: the optimizer off; 3: the engine's weights back
-                phase = f"offload {step}"
+            if offloads and step == 1 and device.type == "cuda":
+                out["pinned_host_gib"] = pinned_host_bytes(backend) / GIB
+                out["host_available_gib"] = host_available() / GIB
+                if out["pinned_host_gib"] > 0.9 * out["host_available_gib"]:
+                    offloads = False  # (not run into the host's OOM killer on purpose)
+                    out["offload_skipped"] = (
+                        f"the offload would pin {out['pinned_host_gib']:.1f} GiB of host "
+                        f"memory, {out['host_available_gib']:.1f} GiB available: steps "
+                        "continue with the engine released and no offload")
+            if offloads:  # 2: the optimizer off; 3: the engine's weights back
+                at(f"offload {step}")
                 started = time.perf_counter()
                 backend.offload(optimizer=True, weights=False)
                 offload_s += time.perf_counter() - started
-                engine.resume("weights")
-            phase = f"sync {step}"
+            engine.resume("weights")
+            at(f"sync {step}")
             if last:
                 memory.reset()
             out["sync_s"], out["sync_bytes"], where = sync(backend, engine)
             if last:
                 out["sync_peak_gib"] = memory.peaks()[0]
-            if arm.handoff:  # 4: the trainer's weights off, the engine's cache back
-                phase = f"offload {step}"
+            if offloads:  # 4: the trainer's weights off, the engine's cache back
+                at(f"offload {step}")
                 started = time.perf_counter()
                 backend.offload(optimizer=False, weights=True)
                 offload_s += time.perf_counter() - started
                 out["offload_s"] = offload_s
                 engine.resume("kv")
         if arm.lora:
-            phase = "lora checks"
+            at("lora checks")
             out["base_unchanged"] = fingerprint(backend.module) == before
             out["lora_b_max"] = lora_b_max(backend)
             out["merged_changed"] = merged_changed(backend, engine, where)
             out["lora_adapter_norm"] = metrics.get("lora_adapter_norm")
-            phase = "adapter save"
+            at("adapter save")
             out["adapter_save_s"], out["adapter_bytes"] = save_adapter_dir(
                 backend, work / f"adapter-{args.child}")
     except torch.OutOfMemoryError as error:
         out["oom_at"] = phase
         out["oom_message"] = str(error).split("\n")[0][:300]
         out["peak_alloc_gib"], out["peak_reserved_gib"] = memory.peaks()
+    except RuntimeError as error:  # e.g. pinned host memory refused: the phase, not a trace
+        out["error"] = f"{phase}: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
+    if result:
+        write_json(Path(result), out)
     return out
+
+
+def write_json(path: Path, value: dict[str, Any]) -> None:
+    """Whole or not at all (the process may be killed while writing)."""
+    part = path.with_suffix(".part")
+    part.write_text(json.dumps(value))
+    os.replace(part, path)

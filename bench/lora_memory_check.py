@@ -121,6 +121,8 @@ def run_children(args: argparse.Namespace, work: Path) -> dict[str, dict[str, An
         proc = subprocess.run(cmd, timeout=args.arm_timeout_s)
         row = (json.loads(result.read_text()) if result.exists()
                else {"arm": name, "error": f"child exited {proc.returncode} with no result"})
+        if proc.returncode:
+            row["child_rc"] = proc.returncode
         row["arm_wall_s"] = time.perf_counter() - started
         results[name] = row
         print(f"[{name}] {json.dumps(row)}", flush=True)
@@ -172,6 +174,9 @@ ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("trainer's peak (allocated less engine, GiB)", "trainer_peak_gib", gib),
     ("handoff: onload before the step (s)", "onload_s", lambda v: f"{v:.2f}"),
     ("handoff: offloads after it (s)", "offload_s", lambda v: f"{v:.2f}"),
+    ("handoff: host memory the offload pins (GiB)", "pinned_host_gib", gib),
+    ("handoff: host memory available (GiB)", "host_available_gib", gib),
+    ("handoff: offload skipped", "offload_skipped", str),
     ("merged sync: flatten + copy into engine (s)", "sync_s", lambda v: f"{v:.3f}"),
     ("merged sync bytes (GiB)", "sync_bytes", lambda v: gib(v / GIB)),
     ("peak allocated, sync (GiB)", "sync_peak_gib", gib),
@@ -254,7 +259,7 @@ def main() -> int:
     if args.child is not None:
         from lora_memory_arm import run_arm
 
-        Path(args.result).write_text(json.dumps(run_arm(args, ARMS[args.child])))
+        run_arm(args, ARMS[args.child])  # (writes args.result as it goes)
         return 0
     unknown = set(args.arms.split(",")) - set(ARMS)
     if unknown:
