@@ -48,6 +48,13 @@ Expected at 7B (Qwen2.5-7B shape, untied: 7.616e9 parameters; LoRA r=16 all-line
     full + engine: 113.5 + 34.2 = 147.7 GiB > an H200's ~139.8 GiB before any activation: OOM
     full alone (handoff): ~136 GiB, at the card's edge; LoRA + engine: ~80-90 GiB
 
+The handoff's host side: the trainer's offload (backends/offload.py) pins one host buffer per
+GPU storage, and torch's pinned allocator rounds each to a power of two; the 7B MLP matrices
+(272 MB in float32) take 512 MiB each. Weights + Adam: 85 GiB of data, ~162 GiB pinned, more
+than a 128 GiB host. The arm computes that figure after step 1 and, when it exceeds 90% of
+MemAvailable, records why and goes on without the offload (engine released while training,
+its weights back for the sync, no KV) instead of running the host out of memory.
+
 The GPU command (one H200, repository root, ~3-5 minutes for all arms):
 
     python3 bench/lora_memory_check.py --shape 7b --out /tmp/lora-memory-7b.json
