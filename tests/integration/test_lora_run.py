@@ -11,9 +11,11 @@ instead; the same check must then fail, which the second test shows.
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -25,51 +27,73 @@ from tests.integration.local_run import manifest, metrics, session_options
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 STEPS = 2
+T = TypeVar("T")
+
+
+def engine_call(url: str, path: str, body: Any = None) -> Any:
+    """One request to an engine with the run's API key (GET without a body)."""
+    from kuberl_trainer.engines.client import engine_api_key
+
+    ask = urllib.request.Request(
+        f"{url}{path}", data=None if body is None else json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {engine_api_key()}",
+                 "Content-Type": "application/json"})
+    with urllib.request.urlopen(ask, timeout=60) as answer:
+        return json.loads(answer.read())
+
+
+def engine_checksums(urls: list[str]) -> list[dict[str, str]]:
+    return [engine_call(url, "/get_weights_checksum") for url in urls]
+
+
+def run_with(tiny: Path, tmp_path: Path, after_sync: Callable[[Any, int], T], *,
+             steps: int = STEPS, own_ray: bool = False, **spec: Any) -> list[T]:
+    """A tiny job with a rank-8 adapter (`spec` merged into the manifest), driven in this
+    process; `after_sync(session, version)` right after each step's sync, while the engines
+    hold what it sent: what each call returned."""
+    import dataclasses
+
+    from kuberl_api import load
+    from kuberl_trainer.preflight import check
+    from kuberl_trainer.report.progress import Progress
+    from kuberl_trainer.session import Session
+
+    training = {"lora": {"rank": 8, **spec.pop("lora", {})}}
+    job = load(manifest(tiny, tmp_path, "lora", training=training,
+                        algorithm={"lr": 5e-3, "klCoef": 0.01},
+                        schedule={"numRollouts": steps}, **spec))
+    opts = session_options(tmp_path)
+    if own_ray:  # (a Ray started here: its actors inherit this process's environment)
+        opts = dataclasses.replace(opts, address=None)
+    session = Session(job, opts, check(job.spec))
+    seen: list[T] = []
+    try:
+        session.start()
+        assert session.trainers is not None
+        push = session.trainers.push_weights
+
+        def push_and_look(engine_urls: list[str], version: int, bucket_bytes: int) -> float:
+            seconds = push(engine_urls, version, bucket_bytes)
+            seen.append(after_sync(session, version))
+            return seconds
+
+        session.trainers.push_weights = push_and_look  # type: ignore[method-assign,assignment]
+        session.train(Progress(steps))
+    finally:
+        session.close()
+    return seen
 
 
 def lora_run(tiny: Path, tmp_path: Path, *, own_ray: bool = False,
              placement: dict[str, Any] | None = None
              ) -> tuple[dict[str, str], list[dict[str, str]]]:
-    """A 2-step tiny job with a rank-8 adapter, driven in this process; the trainer's
-    checksums of what it sends and each engine's checksums, after the last step's sync."""
-    import dataclasses
+    """A 2-step tiny job with a rank-8 adapter (sync: merged); the trainer's checksums of
+    what it sends and each engine's checksums, after the last step's sync."""
+    def read(session: Any, version: int) -> tuple[dict[str, str], list[dict[str, str]]]:
+        # (read right after each sync: colocated engines release their weights later)
+        return session.trainers.checksums(), engine_checksums(session.engines.urls)
 
-    from kuberl_api import load
-    from kuberl_trainer.engines.client import engine_api_key
-    from kuberl_trainer.preflight import check
-    from kuberl_trainer.report.progress import Progress
-    from kuberl_trainer.session import Session
-
-    job = load(manifest(tiny, tmp_path, "lora", training={"lora": {"rank": 8}},
-                        algorithm={"lr": 5e-3, "klCoef": 0.01},
-                        schedule={"numRollouts": STEPS}, **(placement or {})))
-    opts = session_options(tmp_path)
-    if own_ray:  # (a Ray started here: its actors inherit this process's environment)
-        opts = dataclasses.replace(opts, address=None)
-    session = Session(job, opts, check(job.spec))
-    synced: list[tuple[dict[str, str], list[dict[str, str]]]] = []
-    try:
-        session.start()
-        assert session.trainers is not None and session.engines is not None
-        trainers, urls = session.trainers, session.engines.urls
-        push = trainers.push_weights
-
-        def push_and_read(engine_urls: list[str], version: int, bucket_bytes: int) -> float:
-            # (read right after each sync: colocated engines release their weights later)
-            seconds = push(engine_urls, version, bucket_bytes)
-            engines = []
-            for url in urls:
-                ask = urllib.request.Request(f"{url}/get_weights_checksum", headers={
-                    "Authorization": f"Bearer {engine_api_key()}"})
-                with urllib.request.urlopen(ask, timeout=60) as answer:
-                    engines.append(json.loads(answer.read()))
-            synced.append((trainers.checksums(), engines))
-            return seconds
-
-        trainers.push_weights = push_and_read  # type: ignore[method-assign]
-        session.train(Progress(STEPS))
-    finally:
-        session.close()
+    synced = run_with(tiny, tmp_path, read, own_ray=own_ray, **(placement or {}))
     assert len(synced) == STEPS
     return synced[-1]
 
@@ -126,3 +150,113 @@ def test_an_adapter_that_never_reaches_the_engines_fails_the_check(
     with pytest.raises(AssertionError):
         assert_adapter_reached_engines(want, engines, base_checksums(tiny))
     assert all(sums == {**sums, **base_checksums(tiny)} for sums in engines)  # the base
+
+
+# -- sync: adapter -----------------------------------------------------------------------------
+
+PROBE = [5, 9, 14, 3, 7]  # a fixed prompt (token ids of the tiny vocabulary)
+
+
+def peft_logprobs(tiny: Path, adapter: Path | None, ids: list[int], n: int) -> list[float]:
+    """The log-probs of the last `n` of `ids` under the base model with `adapter` (None:
+    the base alone), float32, as HF + PEFT compute them."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(tiny / "model", dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    return [float(logits[i - 1, ids[i]]) for i in range(len(ids) - n, len(ids))]
+
+
+def engines_under(urls: list[str], name: str) -> list[tuple[list[int], list[float]]]:
+    """Each engine's greedy answer to PROBE under the adapter `name`: (tokens, log-probs)."""
+    answers = []
+    for url in urls:
+        out = engine_call(url, "/generate", {
+            "input_ids": PROBE, "lora_path": name, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}})
+        answers.append(([int(t) for t in out["output_ids"]],
+                        [float(e[0]) for e in out["meta_info"]["output_token_logprobs"]]))
+    return answers
+
+
+def adapter_served(tiny: Path, root: Path, version: int,
+                   answers: list[tuple[list[int], list[float]]]) -> None:
+    """Every engine answered as the trainer's version `version` (the base plus the adapter
+    it wrote): its log-probs are HF + PEFT's for the same tokens, and the adapter moved
+    them away from the base's (a zero adapter would prove nothing)."""
+    assert answers
+    for tokens, logprobs in answers:
+        ids = PROBE + tokens
+        want = peft_logprobs(tiny, root / f"v{version}", ids, len(tokens))
+        assert logprobs == pytest.approx(want, abs=1e-4)
+        base = peft_logprobs(tiny, None, ids, len(tokens))
+        assert max(abs(a - b) for a, b in zip(want, base, strict=True)) > 1e-3
+
+
+def look_at_adapters(tiny: Path) -> Callable[[Any, int], dict[str, Any]]:
+    """What a test of sync: adapter reads after each sync: the engines' weights, their
+    answers under the version just sent, and a request for the one before it."""
+    def look(session: Any, version: int) -> dict[str, Any]:
+        from kuberl_trainer.weight_sync.adapter import ADAPTERS_DIR
+
+        urls = session.engines.urls
+        root = session.ckpt.root / ADAPTERS_DIR
+        seen: dict[str, Any] = {"weights": engine_checksums(urls), "version": version,
+                                "dirs": sorted(p.name for p in root.iterdir())}
+        try:
+            answers = engines_under(urls, f"v{version}")
+            adapter_served(tiny, root, version, answers)
+            seen["served"] = None
+        except (AssertionError, urllib.error.HTTPError) as exc:
+            seen["served"] = repr(exc)
+        try:
+            engines_under(urls[:1], f"v{version - 1}")
+            seen["previous"] = "answered"
+        except urllib.error.HTTPError as exc:
+            seen["previous"] = (exc.code, exc.read().decode())
+        return seen
+    return look
+
+
+def test_the_engines_serve_each_steps_adapter_and_hold_only_the_newest(
+        tiny: Path, tmp_path: Path) -> None:
+    """sync: adapter, two engines, three steps: after every step each engine answers under
+    the version just trained as HF + PEFT do with the adapter the trainer wrote, keeps its
+    base weights, and holds that version alone: a request for the one before is an error
+    (its directory is gone), never an answer from stale weights or the base."""
+    steps = 3
+    seen = run_with(tiny, tmp_path, look_at_adapters(tiny), steps=steps,
+                    placement="disaggregated", rollout={"gpus": 0, "engines": 2},
+                    lora={"sync": "adapter"})
+    base = base_checksums(tiny)
+    assert [s["version"] for s in seen] == list(range(1, steps + 1))
+    for s in seen:
+        assert s["served"] is None, s["served"]
+        assert all(w == {**w, **base} for w in s["weights"])  # (the base, never moved)
+        assert s["dirs"] == [f"v{s['version']}"]
+        code, body = s["previous"]
+        assert code == 400 and f"v{s['version'] - 1}" in body
+    rows = metrics(tmp_path / "out")
+    assert [r["lora_adapters_loaded"] for r in rows] == [1] * steps
+    adapter_bytes = sum(f.stat().st_size for f in (tmp_path / "ckpt" / "adapters" / f"v{steps}"
+                                                   ).iterdir())
+    assert all(0 < r["weight_sync_bytes"] <= adapter_bytes for r in rows)
+    # the rollouts came from the trained policy: the engines' log-probs of what they sampled
+    # are the trainer's (float32 on both sides)
+    assert all(r["rollout_logp_abs_diff_max"] < 1e-4 for r in rows)
+
+
+def test_an_adapter_never_delivered_fails_the_check(
+        tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The negative control of the test above: the adapter is written but never loaded,
+    and requests name none (the engines serve the base)."""
+    monkeypatch.setenv("KUBERL_TEST_LORA_UNMERGED", "1")
+    monkeypatch.setenv(ENGINE_API_KEY_ENV, "lora-adapter-negative-control")
+    seen = run_with(tiny, tmp_path, look_at_adapters(tiny), steps=1, own_ray=True,
+                    placement="disaggregated", rollout={"gpus": 0},
+                    lora={"sync": "adapter"})
+    assert seen[0]["served"] is not None

@@ -220,21 +220,21 @@ def test_engines_are_launched_to_serve_the_adapter_versions_the_trainer_keeps() 
                                 "--max-loaded-loras", "4", "--max-loras-per-batch", "4"]
 
 
-def test_colocated_engines_keep_their_base_weights_through_the_handoff(
+async def test_colocated_engines_keep_their_base_weights_through_the_handoff(
         engines: list[tuple[str, FakeEngine]]) -> None:
     from kuberl_api.spec import OffloadSpec
 
     (url, fake), _ = engines
-    loop = asyncio.new_event_loop()
-    client = EngineClient([url])
+    loop = asyncio.new_event_loop()  # (the session's: driven from a thread of its own here,
+    client = EngineClient([url])     # while this test's loop serves the engines)
+    memory = MemoryHandoff(client, loop, [], OffloadSpec(), keep_weights=True)
     try:
-        memory = MemoryHandoff(client, loop, [], OffloadSpec(), keep_weights=True)
-        memory.release_engines()
-        loop.run_until_complete(memory.to_trainers())
-        memory.before_sync()
-        memory.to_engines()
+        await asyncio.to_thread(memory.release_engines)
+        await asyncio.to_thread(loop.run_until_complete, memory.to_trainers())
+        await asyncio.to_thread(memory.before_sync)
+        await asyncio.to_thread(memory.to_engines)
     finally:
-        loop.run_until_complete(client.close())
+        await asyncio.to_thread(loop.run_until_complete, client.close())
         loop.close()
     tags = list(CACHE_AND_GRAPHS)
     assert fake.calls == [("/release_memory_occupation", {"tags": tags}),

@@ -18,6 +18,17 @@ import lora_memory_arm
 import lora_memory_check
 
 
+@pytest.fixture(autouse=True)
+def loader_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The arm replaces the backend's model loader for its process (patch_loader); here the
+    process is the test worker's, whose other tests load real checkpoints: put it back."""
+    import kuberl_trainer.backends.fsdp as fsdp
+    import kuberl_trainer.backends.fsdp_models as fsdp_models
+
+    for module in (fsdp, fsdp_models):
+        monkeypatch.setattr(module, "load_model", module.load_model)
+
+
 def run_lora(tmp_path: Path) -> dict[str, Any]:
     lora_memory_check.write_config("tiny", tmp_path / "model")
     args = argparse.Namespace(device="cpu", shape="tiny", steps=2, rows=2, tokens=32, lr=1e-3,

@@ -28,6 +28,7 @@ class Req:
     tokens: int  # how many steps it runs
     input_ids: list[int] = field(default_factory=lambda: [1])
     output_ids: list[int] = field(default_factory=list)
+    lora_id: str | None = None  # (the base: every request here)
 
 
 class FakeEngine:

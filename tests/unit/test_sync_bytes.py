@@ -189,6 +189,7 @@ def test_the_step_record_carries_rank_zeros_bytes_of_the_syncs_that_succeeded(
     monkeypatch.setattr(ray, "get", get)  # (what actors calls it as)
     group = actors.TrainGroup.__new__(actors.TrainGroup)
     group.sync_port, group.synced_bytes = 0, 0
+    group.spec = SimpleNamespace(adapter_sync=False)  # type: ignore[assignment]
     group.workers = [Worker([(0.5, MODEL_BYTES), RuntimeError("engine died"),
                              (0.25, MODEL_BYTES)]),
                      Worker([(0.5, 0), (0.1, 0), (0.25, 0)])]

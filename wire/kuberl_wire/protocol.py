@@ -144,14 +144,3 @@ def api_key_exempt(method: str, path: str) -> bool:
 def bearer(api_key: str) -> dict[str, str]:
     """The header that carries the engines' API key (none for an empty key)."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-def load_lora_adapter(lora_name: str, lora_path: str) -> dict[str, Any]:
-    """SGLang's LoadLoRAAdapterReqInput: load the PEFT adapter directory `lora_path` under
-    `lora_name`, the name /generate's `lora_path` then selects it by."""
-    return {"lora_name": lora_name, "lora_path": lora_path}
-
-
-def unload_lora_adapter(lora_name: str) -> dict[str, Any]:
-    """SGLang's UnloadLoRAAdapterReqInput."""
-    return {"lora_name": lora_name}

@@ -129,6 +129,9 @@ SGLANG_NEEDS_GPUS = "engine sglang needs GPUs (rollout on CPU): use engine: refe
 ENGINES_ON_CPU_ONLY = ("rollout.engines applies only when rollout runs on CPU (no rollout "
                        "GPUs); with GPUs the engine count is rollout GPUs / gpusPerEngine")
 CRITIC_PPO_ONLY = "critic applies to advantageEstimator: ppo only"
+ADAPTER_REFERENCE_TP = ("training.lora.sync adapter: the reference engine serves adapters on "
+                        "one process only; set rollout.gpusPerEngine to 1, use engine sglang, "
+                        "or use sync merged")
 EVAL_MODE_NEEDS_SETS = ("mode: eval evaluates data.evalSets once and trains nothing: it needs "
                         "at least one eval set")
 EVAL_NEEDS_BOTH = ("schedule.evalInterval needs data.evalSets, and data.evalSets are evaluated "
@@ -405,6 +408,10 @@ JOB_RULES = (
          "data.evalSets"),
     *(_training_only_rule(field, get, why) for field, get, why in _TRAINING_ONLY),
     *(_network_needs_gpus_rule(name) for name in NETWORK_FIELDS),
+    Rule("!has(self.training.lora) || self.training.lora.sync != 'adapter' || "
+         "self.rollout.engine != 'reference' || self.rollout.gpusPerEngine == 1",
+         lambda s: not s.adapter_sync or s.rollout.engine != "reference"
+         or s.rollout.gpus_per_engine == 1, ADAPTER_REFERENCE_TP, "rollout.gpusPerEngine"),
     Rule("self.placement == 'colocate' || "
          f"{_at_defaults('self.training.offload', OffloadSpec)}",
          lambda s: s.placement == "colocate" or s.training.offload == OffloadSpec(),

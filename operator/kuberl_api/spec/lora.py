@@ -6,17 +6,31 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from kuberl_api.base import ApiModel
+from kuberl_api.base import ApiModel, Rule, rules_schema
 from kuberl_api.spec.common import MAX_ITEMS, MAX_STR
 
 MAX_LORA_RANK = 1024
 ModuleName = Annotated[str, Field(min_length=1, max_length=MAX_STR)]
 
 
+# Modules SGLang 0.5.6 serves no adapter on ("Not supported yet", its LoRA loading)
+ENGINE_UNSERVED_MODULES = ("lm_head", "embed_tokens")
+ADAPTER_UNSERVED_MODULES = ("sync adapter: SGLang serves no adapter on lm_head or embed_tokens; "
+                            "leave them out of targetModules or use sync merged")
+
+
 class LoraSpec(ApiModel):
     """A LoRA adapter on the policy (backend fsdp): only the adapter trains; the reference
     model is the base with the adapter off; the engines receive the merged weights, or the
     adapter itself (sync: adapter)."""
+
+    RULES = (
+        Rule("self.sync != 'adapter' || !has(self.targetModules) || "
+             f"self.targetModules.all(m, !(m in {list(ENGINE_UNSERVED_MODULES)}))",
+             lambda lora: lora.sync != "adapter" or not set(lora.target_modules or ())
+             & set(ENGINE_UNSERVED_MODULES), ADAPTER_UNSERVED_MODULES, "targetModules"),
+    )
+    model_config = {"json_schema_extra": rules_schema(RULES)}
 
     rank: int = Field(ge=1, le=MAX_LORA_RANK, description="The adapter's rank r.")
     alpha: float | None = Field(
