@@ -70,6 +70,19 @@ def on_gpus(scenario: learning.Scenario) -> learning.Scenario:
     return dataclasses.replace(scenario, spec=learning.merge(scenario.spec, gpus))
 
 
+def run_once(scenario: learning.Scenario, seed: int, config: dict[str, str] | None = None
+             ) -> tuple[learning.Outcome, float]:
+    """One run of `scenario` at `seed` under the numerics variables `config`, in a
+    directory of its own: its outcome and wall seconds (the run and its exact measures; the
+    tiny build, made once per machine, is not counted)."""
+    tiny = learning.tiny_for(scenario.task)
+    with environment({**(config or {}), "KUBERL_TEST_SEED": str(seed)}), \
+            tempfile.TemporaryDirectory(prefix="margins-") as tmp:
+        started = time.monotonic()
+        outcome = scenario.run(tiny, Path(tmp))
+        return outcome, time.monotonic() - started
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenarios", nargs="*", default=list(learning.SCENARIOS),
@@ -87,11 +100,7 @@ def main() -> int:
             for name in args.scenarios:
                 scenario = learning.SCENARIOS[name]
                 scenario = on_gpus(scenario) if args.gpu else scenario
-                with environment({**config, "KUBERL_TEST_SEED": str(seed)}), \
-                        tempfile.TemporaryDirectory(prefix="margins-") as tmp:
-                    started = time.monotonic()
-                    outcome = scenario.run(learning.tiny_for(scenario.task), Path(tmp))
-                    seconds = time.monotonic() - started
+                outcome, seconds = run_once(scenario, seed, config)
                 stale = max(r.get("staleness_max", 0) for r in outcome.rows)
                 step = statistics.fmean(r["time_step_s"] for r in outcome.rows[1:])
                 for m in outcome.measures.values():
