@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 
 ALIGN = 512  # each storage starts at a multiple: DMA-friendly copies, <512 B lost per storage
-PAGE = 4096  # the buffer itself starts on a page, so registering pins no neighbour's page
 
 
 def packed_layout(sizes: Sequence[int], align: int = ALIGN) -> tuple[list[int], int]:
@@ -39,9 +38,9 @@ class HostBuffer:
     before it is freed."""
 
     def __init__(self, nbytes: int, *, pin: bool) -> None:
-        raw = torch.empty(nbytes + (PAGE if pin else 0), dtype=torch.uint8)
-        start = -raw.data_ptr() % PAGE if pin else 0
-        self.tensor = raw[start:start + nbytes]
+        # The whole allocation is registered, from its start: torch's is_pinned (and so any
+        # check of a view of it) asks CUDA about the storage's base address.
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         self.nbytes = nbytes
         self.pinned = pin and nbytes > 0
         if self.pinned:
@@ -49,7 +48,7 @@ class HostBuffer:
             ptr = self.tensor.data_ptr()
             torch.cuda.check_error(cudart.cudaHostRegister(ptr, nbytes, 0))
             # (not at interpreter exit: the process's end frees it, and CUDA may be gone)
-            weakref.finalize(self, _unregister, ptr, raw).atexit = False
+            weakref.finalize(self, _unregister, ptr, self.tensor).atexit = False
 
     @property
     def pinned_bytes(self) -> int:
