@@ -143,7 +143,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> list[Tensor]:
 class Offloads:
     """A backend's offloaded parts by kind ("optimizer", "weights", "grads"): a kind already
     off is not offloaded twice, `onload` restores them all (newest first), and each kind's
-    pinned host buffers are reused from one offload to the next."""
+    pinned host buffer is reused from one offload to the next."""
 
     def __init__(self, *, device: torch.device | None = None) -> None:
         self.device = device  # (tests: count CPU tensors; see Offload)
