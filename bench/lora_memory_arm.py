@@ -221,14 +221,15 @@ class Memory:
 
 
 def pinned_host_bytes(backend: Any) -> int:
-    """Host bytes the trainer's offload of optimizer and weights pins (backends/offload.py):
-    one pinned buffer per GPU storage, and torch's pinned-memory caching allocator rounds each
-    request up to a power of two (CachingHostAllocator; no round threshold by default)."""
+    """Host bytes the trainer's offload of optimizer and weights pins (backends/offload.py, as
+    FSDPBackend.offload groups them): per kind, one buffer of the kept storages' summed sizes
+    (each at a 512-byte boundary), pinned at exactly that size."""
     from kuberl_trainer.backends.offload import Offload, optimizer_state
 
-    tensors = [*optimizer_state(backend.optimizer), *backend.module.parameters(),
-               *backend.module.buffers()]
-    return sum(1 << max(n - 1, 0).bit_length() for n in Offload(tensors).nbytes)
+    weights = [t for model in (backend.module, getattr(backend, "ref", None))
+               if model is not None for t in (*model.parameters(), *model.buffers())]
+    return (Offload(optimizer_state(backend.optimizer)).host_bytes
+            + Offload(weights).host_bytes)
 
 
 def host_available() -> int:
@@ -336,6 +337,7 @@ def run_arm(args: argparse.Namespace, arm: Any) -> dict[str, Any]:
                 backend.offload(optimizer=False, weights=True)
                 offload_s += time.perf_counter() - started
                 out["offload_s"] = offload_s
+                out["pinned_host_gib_held"] = backend._offloads.pinned_bytes / GIB
                 engine.resume("kv")
         if arm.lora:
             at("lora checks")

@@ -48,12 +48,15 @@ Expected at 7B (Qwen2.5-7B shape, untied: 7.616e9 parameters; LoRA r=16 all-line
     full + engine: 113.5 + 34.2 = 147.7 GiB > an H200's ~139.8 GiB before any activation: OOM
     full alone (handoff): ~136 GiB, at the card's edge; LoRA + engine: ~80-90 GiB
 
-The handoff's host side: the trainer's offload (backends/offload.py) pins one host buffer per
-GPU storage, and torch's pinned allocator rounds each to a power of two; the 7B MLP matrices
-(272 MB in float32) take 512 MiB each. Weights + Adam: 85 GiB of data, ~162 GiB pinned, more
-than a 128 GiB host. The arm computes that figure after step 1 and, when it exceeds 90% of
-MemAvailable, records why and goes on without the offload (engine released while training,
-its weights back for the sync, no KV) instead of running the host out of memory.
+The handoff's host side: the trainer's offload (backends/offload.py) packs each kind's storages
+(optimizer state; weights) into one host buffer of their summed sizes and pins exactly that
+(cudaHostRegister): weights + Adam, 85 GiB of data, pin ~85 GiB. (It used to pin one
+buffer per storage through torch's pinned allocator, which rounds each to a power of two: the
+7B MLP matrices, 272 MB in float32, took 512 MiB each, ~162 GiB in all, more than a 128 GiB
+host.) The arm computes the figure after step 1 and, when it exceeds 90% of MemAvailable,
+records why and goes on without the offload (engine released while training, its weights back
+for the sync, no KV) instead of running the host out of memory; after the offloads it records
+what the trainer holds pinned.
 
 The GPU command (one H200, repository root, ~3-5 minutes for all arms):
 
@@ -182,6 +185,7 @@ ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("handoff: onload before the step (s)", "onload_s", lambda v: f"{v:.2f}"),
     ("handoff: offloads after it (s)", "offload_s", lambda v: f"{v:.2f}"),
     ("handoff: host memory the offload pins (GiB)", "pinned_host_gib", gib),
+    ("handoff: host memory held pinned (GiB)", "pinned_host_gib_held", gib),
     ("handoff: host memory available (GiB)", "host_available_gib", gib),
     ("handoff: offload skipped", "offload_skipped", str),
     ("merged sync: flatten + copy into engine (s)", "sync_s", lambda v: f"{v:.3f}"),

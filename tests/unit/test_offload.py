@@ -67,13 +67,15 @@ def test_offloads_reuse_host_buffers_and_skip_a_kind_already_off() -> None:
     weights, state = torch.randn(64), torch.randn(32)
     parts = Offloads(device=CPU)
     assert parts.offload("weights", [weights]) == 64 * 4
-    host = parts.active["weights"].host[0]
+    buffer = parts.active["weights"].buffer
+    assert buffer is not None
     assert parts.offload("weights", [weights]) == 0  # already off: not twice
     assert parts.offload("optimizer", [state]) == 32 * 4
     parts.onload()
     assert not parts.active and weights.untyped_storage().nbytes() == 64 * 4
     parts.offload("weights", [weights])
-    assert parts.active["weights"].host[0] is host  # the same pinned buffer, not a new one
+    assert parts.active["weights"].buffer is buffer  # the same pinned buffer, not a new one
+    assert parts.active["weights"].host[0].data_ptr() == buffer.tensor.data_ptr()
     parts.onload()
 
 

@@ -22,6 +22,8 @@ from collections.abc import Collection, Iterable
 import torch
 from torch import Tensor
 
+from kuberl_trainer.backends.pinned_host import HostBuffer, packed_layout
+
 
 def _local(t: Tensor) -> Tensor:
     """The tensor holding a DTensor's local shard, or `t` itself."""
@@ -37,8 +39,12 @@ class Offload:
     """`keep`: tensors whose values must survive; `discard`: tensors whose storage may come
     back with any contents (they are zeroed). Only tensors on `device` count (a CPU rank has
     nothing to free), unless `device` is given explicitly for a test. `reuse`: an earlier
-    Offload of the same tensors, whose pinned host buffers this one takes over (pinning
-    tens of GB anew every step would cost seconds)."""
+    Offload of the same tensors, not offloaded now, whose host buffer this one takes over
+    (pinning tens of GB anew every step would cost seconds).
+
+    The kept storages' bytes go into one host buffer (pinned_host.HostBuffer), each at an
+    aligned offset: host memory pinned is the data plus < 512 B a storage, where a pinned
+    tensor per storage would be rounded up to a power of two each."""
 
     def __init__(self, keep: Iterable[Tensor], discard: Iterable[Tensor] = (), *,
                  device: torch.device | None = None, reuse: Offload | None = None) -> None:
@@ -46,10 +52,14 @@ class Offload:
         kept = {s.data_ptr() for s, _ in self.keep}
         self.discard = [(s, d) for s, d in self._storages(discard, device)
                         if s.data_ptr() not in kept]
-        self.host: list[Tensor] = []
-        self.spare: list[Tensor] = [] if reuse is None else reuse.spare
         self.nbytes = [s.nbytes() for s, _ in self.keep] + [s.nbytes() for s, _ in self.discard]
-        self.offloaded = False
+        self.offsets, self.host_bytes = packed_layout(self.nbytes[:len(self.keep)])
+        self.pin = any(d.type == "cuda" for _, d in self.keep)
+        self.buffer: HostBuffer | None = None  # kept from one offload to the next
+        if reuse is not None and not reuse.offloaded:
+            self.buffer, reuse.buffer = reuse.buffer, None
+        self.host: list[Tensor] = []  # while offloaded: each kept storage's bytes
+        self.offloaded: bool = False
 
     @staticmethod
     def _storages(tensors: Iterable[Tensor], device: torch.device | None
@@ -68,17 +78,27 @@ class Offload:
         """GPU bytes this frees."""
         return sum(self.nbytes)
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes this holds pinned (its buffer, kept between offloads; 0 on CPU)."""
+        return 0 if self.buffer is None else self.buffer.pinned_bytes
+
+    def _host_buffer(self) -> HostBuffer:
+        """The buffer to offload into: the one held when it is big enough and pinned alike
+        (the same tensors: the same sizes, every step), else a new one of the exact size."""
+        buffer = self.buffer
+        if buffer is None or buffer.nbytes < self.host_bytes or buffer.pinned != self.pin:
+            self.buffer = buffer = None  # the old one unpinned and freed before the new one
+            self.buffer = buffer = HostBuffer(self.host_bytes, pin=self.pin)
+        return buffer
+
     def offload(self) -> None:
         if self.offloaded:
             return
-        self.host = []
-        for i, (storage, device) in enumerate(self.keep):
-            host = self.spare[i] if i < len(self.spare) else None
-            if host is None or host.numel() != storage.nbytes():
-                host = torch.empty(storage.nbytes(), dtype=torch.uint8,
-                                   pin_memory=device.type == "cuda")
+        sizes = self.nbytes[:len(self.keep)]
+        self.host = self._host_buffer().views(self.offsets, sizes) if self.keep else []
+        for (storage, device), host in zip(self.keep, self.host, strict=True):
             host.copy_(_byte_view(storage, device), non_blocking=True)
-            self.host.append(host)
         _synchronize(self.keep + self.discard)  # the copies must land before the frees
         for storage, _ in self.keep + self.discard:
             storage.resize_(0)
@@ -96,7 +116,7 @@ class Offload:
             storage.resize_(next(sizes))
             _byte_view(storage, device).zero_()
         _synchronize(self.keep + self.discard)
-        self.spare, self.host = self.host, []  # kept for the next offload of these tensors
+        self.host = []  # (the buffer stays, for the next offload of these tensors)
         self.offloaded = False
 
 
@@ -123,7 +143,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> list[Tensor]:
 class Offloads:
     """A backend's offloaded parts by kind ("optimizer", "weights", "grads"): a kind already
     off is not offloaded twice, `onload` restores them all (newest first), and each kind's
-    pinned host buffers are reused from one offload to the next."""
+    pinned host buffer is reused from one offload to the next."""
 
     def __init__(self, *, device: torch.device | None = None) -> None:
         self.device = device  # (tests: count CPU tensors; see Offload)
@@ -138,6 +158,11 @@ class Offloads:
         part.offload()
         self.active[kind] = self.last[kind] = part
         return part.bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes pinned for this backend's offloads, on or off (their buffers stay)."""
+        return sum(part.pinned_bytes for part in self.last.values())
 
     def onload(self, kinds: Collection[str] | None = None) -> None:
         """Restore every kind that is off, or only those of `kinds`."""
