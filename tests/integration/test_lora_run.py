@@ -49,8 +49,8 @@ def engine_checksums(urls: list[str]) -> list[dict[str, str]]:
 def run_with(tiny: Path, tmp_path: Path, after_sync: Callable[[Any, int], T], *,
              steps: int = STEPS, own_ray: bool = False, **spec: Any) -> list[T]:
     """A tiny job with a rank-8 adapter (`spec` merged into the manifest), driven in this
-    process; `after_sync(session, version)` right after each step's sync, while the engines
-    hold what it sent: what each call returned."""
+    process; `after_sync(session, version)` after each step's sync, while the engines hold
+    what it sent and can generate: what each call returned."""
     import dataclasses
 
     from kuberl_api import load
@@ -70,14 +70,22 @@ def run_with(tiny: Path, tmp_path: Path, after_sync: Callable[[Any, int], T], *,
     try:
         session.start()
         assert session.trainers is not None
-        push = session.trainers.push_weights
+        push, to_engines = session.trainers.push_weights, session.memory.to_engines
+        pushed: list[int] = []
 
-        def push_and_look(engine_urls: list[str], version: int, bucket_bytes: int) -> float:
+        def push_and_note(engine_urls: list[str], version: int, bucket_bytes: int) -> float:
             seconds = push(engine_urls, version, bucket_bytes)
-            seen.append(after_sync(session, version))
+            pushed.append(version)
             return seconds
 
-        session.trainers.push_weights = push_and_look  # type: ignore[method-assign,assignment]
+        def to_engines_and_look() -> None:
+            # (after the sync and, colocated, once the engines have their cache back: they
+            # can answer then, and have not yet released anything for the next step)
+            to_engines()
+            seen.append(after_sync(session, pushed[-1]))
+
+        session.trainers.push_weights = push_and_note  # type: ignore[method-assign,assignment]
+        session.memory.to_engines = to_engines_and_look  # type: ignore[method-assign]
         session.train(Progress(steps))
     finally:
         session.close()
@@ -90,7 +98,7 @@ def lora_run(tiny: Path, tmp_path: Path, *, own_ray: bool = False,
     """A 2-step tiny job with a rank-8 adapter (sync: merged); the trainer's checksums of
     what it sends and each engine's checksums, after the last step's sync."""
     def read(session: Any, version: int) -> tuple[dict[str, str], list[dict[str, str]]]:
-        # (read right after each sync: colocated engines release their weights later)
+        # (read after each sync: colocated engines release their weights only later)
         return session.trainers.checksums(), engine_checksums(session.engines.urls)
 
     synced = run_with(tiny, tmp_path, read, own_ray=own_ray, **(placement or {}))
@@ -230,18 +238,46 @@ def look_at_adapters(tiny: Path) -> Callable[[Any, int], dict[str, Any]]:
     return look
 
 
+def memory_moves(session: Any) -> list[list[str]]:
+    """Each engine's memory requests so far, as (op:tags) (the reference engine's log)."""
+    moves = []
+    for url in session.engines.urls:
+        events = engine_call(url, "/get_event_log")["events"]
+        moves.append([f"{e['op']}:{','.join(e['tags'] or ['all'])}" for e in events
+                      if e["op"].endswith("_memory")])
+    return moves
+
+
+# two engines of their own, or one sharing the trainer's (the memory handoff)
+ADAPTER_PLACEMENTS: dict[str, dict[str, Any]] = {
+    "disaggregated": {"placement": "disaggregated", "rollout": {"gpus": 0, "engines": 2}},
+    "colocate": {}}
+
+
+@pytest.mark.parametrize("placement", ADAPTER_PLACEMENTS)
 def test_the_engines_serve_each_steps_adapter_and_hold_only_the_newest(
-        tiny: Path, tmp_path: Path) -> None:
-    """sync: adapter, two engines, three steps: after every step each engine answers under
-    the version just trained as HF + PEFT do with the adapter the trainer wrote, keeps its
-    base weights, and holds that version alone: a request for the one before is an error
-    (its directory is gone), never an answer from stale weights or the base."""
+        tiny: Path, tmp_path: Path, placement: str) -> None:
+    """sync: adapter, three steps: after every step each engine answers under the version
+    just trained as HF + PEFT do with the adapter the trainer wrote, keeps its base weights
+    (colocated, through the memory handoff: only its cache moves), and holds that version
+    alone: a request for the one before is an error (its directory is gone), never an answer
+    from stale weights or the base."""
     steps = 3
+    look = look_at_adapters(tiny)
+
+    def look_and_moves(session: Any, version: int) -> dict[str, Any]:
+        return look(session, version) | {"moves": memory_moves(session)}
+
     # (a learning rate 4x the scenario's: the adapter moves the probe's log-probs further
     # from the base's in 3 steps than the tolerance they are compared at, on any machine)
-    seen = run_with(tiny, tmp_path, look_at_adapters(tiny), steps=steps,
-                    placement="disaggregated", rollout={"gpus": 0, "engines": 2},
-                    lora={"sync": "adapter"}, algorithm={"lr": 2e-2})
+    seen = run_with(tiny, tmp_path, look_and_moves, steps=steps, lora={"sync": "adapter"},
+                    algorithm={"lr": 2e-2}, **ADAPTER_PLACEMENTS[placement])
+    moves = {move for s in seen for engine in s["moves"] for move in engine}
+    if placement == "colocate":  # released and taken back: the cache, never the weights
+        assert moves == {"release_memory:kv_cache,cuda_graph",
+                         "resume_memory:kv_cache,cuda_graph"}, moves
+    else:
+        assert moves == set()
     base = base_checksums(tiny)
     assert [s["version"] for s in seen] == list(range(1, steps + 1))
     for s in seen:

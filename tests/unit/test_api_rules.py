@@ -205,6 +205,14 @@ EXTRA_BAD_SPECS: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
      both(set_("model", {"path": "/mnt/m/m", "storage": {"pvc": "m", "mountPath": "/mnt/m"}}),
           set_("training.backend", "fsdp"),
           set_("training.lora", {"rank": 8, "path": "/elsewhere/adapter"}))),
+    ("lora-adapter-on-lm-head",
+     both(set_("training.backend", "fsdp"),
+          set_("training.lora", {"rank": 8, "sync": "adapter",
+                                 "targetModules": ["q_proj", "lm_head"]}))),
+    ("lora-adapter-on-reference-tp",
+     both(set_("training.backend", "fsdp"), set_("rollout.engine", "reference"),
+          set_("rollout.gpusPerEngine", 2),
+          set_("training.lora", {"rank": 8, "sync": "adapter"}))),
 ]
 CASES = dict([(case, edit) for case, edit, *_ in BAD_SPECS] + EXTRA_BAD_SPECS)
 
