@@ -20,6 +20,22 @@ def test_grpo_by_hand() -> None:
     torch.testing.assert_close(adv, expected)
 
 
+@pytest.mark.parametrize("group_size", [8, 5, 16])
+def test_a_group_of_equal_scores_has_no_advantage_whatever_the_value(group_size: int) -> None:
+    """A reward model's score repeated over a group (the same answer 8 times): exactly 0,
+    not the float32 mean's rounding divided by a std of the same size (+0.19 each)."""
+    value = torch.tensor(3.687573194503784, dtype=torch.float32)
+    other = torch.tensor([1.0, 0.0] + [0.5] * (group_size - 2))
+    rewards = torch.cat([value.repeat(group_size), other])
+    grpo = advantages.grpo(rewards, group_size)
+    assert grpo.dtype == torch.float32
+    assert grpo[:group_size].tolist() == [0.0] * group_size
+    assert grpo[group_size:].abs().max() > 0.5  # (the other group keeps its spread)
+    assert advantages.grpo(rewards, group_size, normalize_std=False)[:group_size].tolist() == (
+        [0.0] * group_size)
+    assert advantages.rloo(rewards, group_size)[:group_size].tolist() == [0.0] * group_size
+
+
 def test_grpo_pair_by_hand() -> None:
     # [3, 1]: mean 2, deviations [1, -1], unbiased std = sqrt((1 + 1) / 1) = sqrt(2).
     adv = advantages.grpo(torch.tensor([3.0, 1.0]), 2, eps=0.0)

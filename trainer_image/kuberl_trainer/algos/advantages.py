@@ -24,7 +24,7 @@ def grpo(rewards: Tensor, group_size: int, *, normalize_std: bool = True,
             the rewards, which is Dr.GRPO: dividing by std up-weights groups that are nearly
             all right or all wrong, a bias Dr.GRPO removes.
         eps: keeps the division finite when a group's rewards are all equal (their
-            advantages are then exactly 0, because the numerator is 0).
+            advantages are then exactly 0, because the numerator is 0: see ``_grouped``).
 
     Returns:
         ``[B]`` float advantages, same order as ``rewards``.
@@ -36,7 +36,7 @@ def grpo(rewards: Tensor, group_size: int, *, normalize_std: bool = True,
     centred = groups - groups.mean(dim=1, keepdim=True)
     if normalize_std and group_size > 1:
         centred = centred / (groups.std(dim=1, keepdim=True) + eps)
-    return centred.reshape(-1)
+    return centred.reshape(-1).to(_dtype_of(rewards))
 
 
 def rloo(rewards: Tensor, group_size: int) -> Tensor:
@@ -60,7 +60,7 @@ def rloo(rewards: Tensor, group_size: int) -> Tensor:
                          f"{group_size}")
     groups = _grouped(rewards, group_size)
     others = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
-    return (groups - others).reshape(-1)
+    return (groups - others).reshape(-1).to(_dtype_of(rewards))
 
 
 def to_tokens(adv: Tensor, mask: Tensor) -> Tensor:
@@ -80,13 +80,23 @@ def to_tokens(adv: Tensor, mask: Tensor) -> Tensor:
     return adv.unsqueeze(1) * mask.to(adv.dtype)
 
 
+def _dtype_of(rewards: Tensor) -> torch.dtype:
+    """The advantages' dtype: the rewards', float32 for integer rewards."""
+    return rewards.dtype if rewards.is_floating_point() else torch.float32
+
+
 def _grouped(rewards: Tensor, group_size: int) -> Tensor:
-    """``[B]`` -> ``[B / group_size, group_size]`` float, after checking the layout."""
+    """``[B]`` -> ``[B / group_size, group_size]`` float64, after checking the layout.
+
+    In float64 because a group of equal float32 rewards must centre to exactly 0: in float32
+    the mean of 8 copies of 3.6875732 is one ulp off (2.4e-7), its std 2.5e-7, and GRPO's
+    ``centred / (std + eps)`` gave each of them an advantage of +0.19, all of one sign,
+    for a group that carries no signal (a reward model's scores hit this; 0/1 verifier
+    rewards do not). In float64 the sum of up to 2**29 float32 values is exact, so is its
+    division back to one of them: the mean of equal values is the value."""
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
     if group_size < 1 or rewards.shape[0] % group_size:
         raise ValueError(f"group_size {group_size} must be >= 1 and divide the batch "
                          f"({rewards.shape[0]} rewards)")
-    # Integer rewards (0/1 from a verifier) would make mean/std fail or truncate.
-    values = rewards if rewards.is_floating_point() else rewards.to(torch.float32)
-    return values.view(-1, group_size)
+    return rewards.to(torch.float64).view(-1, group_size)
