@@ -222,7 +222,7 @@ class TrainWorker:
             self._aio = asyncio.new_event_loop()
             self._publisher = AdapterPublisher(
                 EngineClient(engine_urls, request_timeout_s=SYNC_TIMEOUT_S),
-                Path(self.adapter_root or "."), self.spec.adapter_slots)
+                Path(str(self.adapter_root)), self.spec.adapter_slots)
         elif _engines_changed(self._publisher.client, engine_urls):
             assert self._aio is not None
             self._aio.run_until_complete(self._publisher.client.close())

@@ -531,15 +531,14 @@ class FSDPBackend:
         return {name: full_tensor(p, None).cpu()
                 for name, p in self.module.named_parameters() if p.requires_grad}
 
-    def export_adapter(self, out: Path) -> int:
+    def export_adapter(self, out: Path) -> None:
         """Collective: the adapter as a PEFT directory at ``out`` (rank 0 writes; sync:
-        adapter); returns its bytes (float32, as trained)."""
+        adapter), float32 as trained."""
         from kuberl_trainer.backends.lora import save_adapter
 
         adapter = self._full_adapter()
         if self.rank == 0:
             save_adapter(self._peft, out, adapter)
-        return sum(t.numel() * t.element_size() for t in adapter.values())
 
     def load(self, dir: str | Path) -> None:
         """Collective. Restore weights, optimizer, scheduler and this rank's RNG state. With
