@@ -53,7 +53,7 @@ def test_validate_names_file_and_field(tmp_path: Path, capsys: Any) -> None:
 
 
 @pytest.mark.parametrize(("section", "field"), [
-    ("training: {backend: megatron, parallelism: {ep: 2}}", "spec.training.parallelism.ep"),
+    ("training: {backend: megatron, parallelism: {cp: 2}}", "spec.training.parallelism.cp"),
 ])
 def test_validate_refuses_what_is_not_supported_yet(tmp_path: Path, capsys: Any, section: str,
                                                     field: str) -> None:

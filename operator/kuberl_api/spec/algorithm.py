@@ -33,6 +33,10 @@ KlPenalty = Literal["loss", "reward"]
 # Whose log-probs of the sampled tokens are PPO's pi_old: the trainer's own forward pass (or,
 # with one optimizer step per rollout, its training forward's) or the engines' from sampling.
 OldLogprobs = Literal["trainer", "engine"]
+# Mixture-of-experts routing replay (docs/moe.md): which experts a training forward pass sends
+# each token to. none: the router's own choice; training: the choice of the trainer's own
+# old-log-prob pass; rollout: the engine's while it sampled the token.
+RoutingReplay = Literal["none", "training", "rollout"]
 # Estimators that discount token returns with algorithm.gamma (reinforce_plus_plus_baseline's
 # returns are undiscounted; see kuberl_trainer.algos.estimators).
 DISCOUNTED_ESTIMATORS = ("reinforce_plus_plus", "ppo")
@@ -248,6 +252,17 @@ class AlgorithmSpec(ApiModel):
         0, ge=0, le=100, description="DAPO dynamic sampling: up to this many extra rounds of "
         "prompts per step to replace groups whose rewards are all equal; groups still equal "
         "after the last round leave the loss. 0: off.")
+    routing_replay: RoutingReplay = Field(
+        "none", description="Mixture-of-experts models only: which experts each token goes to "
+        "in the trainer's passes. none: the router's own top-k; training: the top-k of the "
+        "trainer's old-log-prob pass, replayed in its training passes; rollout: the top-k "
+        "the engine routed the token to while sampling (reference engine; SGLang 0.5.6 "
+        "cannot return it). The router still gets gradients through the replayed experts' "
+        "weights.")
+    router_aux_loss_coef: float | None = Field(
+        None, ge=0, le=100, description="Mixture-of-experts models only: the weight of the "
+        "router's load-balancing loss (the model's own, e.g. Switch-style for Qwen3-MoE); "
+        "unset: the model config's router_aux_loss_coef; 0: off.")
     overlong_buffer: int | None = Field(
         None, ge=1, le=1048576, description="DAPO overlong shaping: over the last this many "
         "tokens of data.maxResponseLen the reward ramps down by up to overlongPenalty; "

@@ -132,6 +132,10 @@ CRITIC_PPO_ONLY = "critic applies to advantageEstimator: ppo only"
 ADAPTER_REFERENCE_TP = ("training.lora.sync adapter: the reference engine serves adapters on "
                         "one process only; set rollout.gpusPerEngine to 1, use engine sglang, "
                         "or use sync merged")
+REPLAY_ROLLOUT_SGLANG = ("algorithm.routingReplay rollout needs the engine to return the experts "
+                         "it routed each token to; SGLang 0.5.6 (the pinned release) has no "
+                         "such request field (return_routed_experts arrives in 0.5.7): use "
+                         "engine reference, or routingReplay training or none")
 EVAL_MODE_NEEDS_SETS = ("mode: eval evaluates data.evalSets once and trains nothing: it needs "
                         "at least one eval set")
 EVAL_NEEDS_BOTH = ("schedule.evalInterval needs data.evalSets, and data.evalSets are evaluated "
@@ -412,6 +416,9 @@ JOB_RULES = (
          "self.rollout.engine != 'reference' || self.rollout.gpusPerEngine == 1",
          lambda s: not s.adapter_sync or s.rollout.engine != "reference"
          or s.rollout.gpus_per_engine == 1, ADAPTER_REFERENCE_TP, "rollout.gpusPerEngine"),
+    Rule("self.algorithm.routingReplay != 'rollout' || self.rollout.engine != 'sglang'",
+         lambda s: s.algorithm.routing_replay != "rollout" or s.rollout.engine != "sglang",
+         REPLAY_ROLLOUT_SGLANG, "algorithm.routingReplay"),
     Rule("self.placement == 'colocate' || "
          f"{_at_defaults('self.training.offload', OffloadSpec)}",
          lambda s: s.placement == "colocate" or s.training.offload == OffloadSpec(),

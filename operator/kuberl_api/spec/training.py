@@ -26,8 +26,9 @@ from kuberl_api.spec.lora import LoraSpec
 from kuberl_api.spec.pods import NodePool, Resources
 
 CP_NOT_SUPPORTED = "context parallelism (cp > 1) is not supported yet"
-EP_NOT_SUPPORTED = ("expert parallelism (ep > 1) is not supported yet: the megatron backend "
-                    "trains dense models (Qwen2, Qwen3, Llama 3)")
+EP_NOT_SUPPORTED = ("expert parallelism (ep > 1) needs backend megatron (the fsdp backend "
+                    "shards every parameter, experts included, over its ranks)")
+ETP_NOT_SUPPORTED = "etp (expert tensor parallelism) applies to backend megatron only"
 
 
 class Parallelism(ApiModel):
@@ -35,11 +36,9 @@ class Parallelism(ApiModel):
 
     RULES = (
         # The megatron backend builds a context-parallel grid but never splits sequences over
-        # it; with no MoE model, there are no experts to spread.
+        # it.
         Rule(f"{_outside('self.cp', 1, MAX_PARALLEL)} || self.cp == 1", lambda p: p.cp == 1,
              CP_NOT_SUPPORTED, "cp"),
-        Rule(f"{_outside('self.ep', 1, MAX_PARALLEL)} || self.ep == 1", lambda p: p.ep == 1,
-             EP_NOT_SUPPORTED, "ep"),
     )
     model_config = {"json_schema_extra": rules_schema(RULES)}
 
@@ -48,7 +47,17 @@ class Parallelism(ApiModel):
     cp: int = Field(1, ge=1, le=MAX_PARALLEL,
                     description="Context parallel size; only 1 (not supported yet).")
     ep: int = Field(1, ge=1, le=MAX_PARALLEL,
-                    description="Expert parallel size; only 1 (not supported yet).")
+                    description="Expert parallel size (backend megatron, mixture-of-experts "
+                    "models): each expert layer's experts are split over ep ranks, carved "
+                    "out of the data-parallel ranks; ep * etp * pp divides the training GPUs "
+                    "and ep divides the model's expert count.")
+    etp: int | None = Field(None, ge=1, le=MAX_PARALLEL,
+                            description="Expert tensor parallel size (backend megatron): "
+                            "each expert's matrices split over etp ranks; unset: tp.")
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
 
 
 class OffloadSpec(ApiModel):
@@ -72,6 +81,16 @@ LORA_FSDP_ONLY = "the megatron backend has no LoRA yet; use backend fsdp"
 LIGER_FSDP_GPU = ("fusedKernels liger applies to backend fsdp on GPUs (Liger Kernel's Triton "
                   "kernels in its HF models): set backend fsdp and gpusPerNode of at least "
                   "1, or fusedKernels none")
+
+
+def _expert_parallel(training: TrainingSpec) -> int:
+    p = training.parallelism
+    return p.ep * p.expert_tp * p.pp
+
+
+_ETP_CEL = "(has(self.parallelism.etp) ? self.parallelism.etp : self.parallelism.tp)"
+_EP_OUTSIDE = (_outside("self.parallelism.ep", 1, MAX_PARALLEL) + " || "
+               + _outside("self.parallelism.etp", 1, MAX_PARALLEL, optional=True))
 
 
 def _model_parallel(training: TrainingSpec) -> int:
@@ -110,6 +129,23 @@ class TrainingSpec(ApiModel):
              LIGER_FSDP_GPU, "fusedKernels"),
         Rule("!has(self.lora) || self.backend == 'fsdp'",
              lambda t: t.lora is None or t.backend == "fsdp", LORA_FSDP_ONLY, "lora"),
+        Rule(f"{_outside('self.parallelism.ep', 1, MAX_PARALLEL)} || "
+             "self.parallelism.ep == 1 || self.backend == 'megatron'",
+             lambda t: t.parallelism.ep == 1 or t.backend == "megatron", EP_NOT_SUPPORTED,
+             "parallelism.ep"),
+        Rule("!has(self.parallelism.etp) || self.backend == 'megatron'",
+             lambda t: t.parallelism.etp is None or t.backend == "megatron",
+             ETP_NOT_SUPPORTED, "parallelism.etp"),
+        # Megatron lays the expert layers out as etp x ep x (expert data parallel) x pp over
+        # the same ranks as the attention's tp x cp x dp x pp.
+        Rule(f"{_gpus_outside('self')} || {_mp_outside('self')} || {_EP_OUTSIDE} || "
+             "(self.gpusPerNode == 0 ? self.nodes : self.nodes * self.gpusPerNode)"
+             f" % (self.parallelism.ep * {_ETP_CEL} * self.parallelism.pp) == 0",
+             lambda t: t.world_size % _expert_parallel(t) == 0,
+             "parallelism.ep * etp * pp must divide the training GPU count (nodes * "
+             "gpusPerNode); etp is tp when unset", "parallelism.ep",
+             detail=lambda t: f"ep * etp * pp = {_expert_parallel(t)}, nodes * gpusPerNode "
+             f"= {t.world_size}"),
     )
     model_config = {"json_schema_extra": rules_schema(RULES)}
 

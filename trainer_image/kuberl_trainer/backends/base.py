@@ -46,6 +46,10 @@ class TrainBatch:
         values: float, the value model's estimates at rollout time (PPO; the value loss
             clips around them), else None.
         returns: float, GAE's return targets for the value model (PPO), else None.
+        routes: long ``[B, T, layers, top_k]``, a mixture-of-experts model's experts to
+            replay for each token (``kuberl_wire.moe_routes``; ``NO_ROUTE`` rows keep the
+            router's own choice): the engine's with ``algorithm.routingReplay: rollout``,
+            the trainer's old-log-prob pass's with ``training``; else None.
     """
 
     input_ids: Tensor
@@ -57,14 +61,19 @@ class TrainBatch:
     ref_logprobs: Tensor | None = None
     values: Tensor | None = None
     returns: Tensor | None = None
+    routes: Tensor | None = None
 
     def __post_init__(self) -> None:
         shape = tuple(self.input_ids.shape)
         if len(shape) != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {shape}")
+        if self.routes is not None and (self.routes.dim() != 4
+                                        or tuple(self.routes.shape[:2]) != shape):
+            raise ValueError(f"TrainBatch.routes has shape {tuple(self.routes.shape)}; it must "
+                             f"be [B, T, layers, top_k] with [B, T] = {shape}")
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if value is not None and tuple(value.shape) != shape:
+            if field.name != "routes" and value is not None and tuple(value.shape) != shape:
                 raise ValueError(f"TrainBatch.{field.name} has shape {tuple(value.shape)}; "
                                  f"every field must match input_ids {shape}")
 
