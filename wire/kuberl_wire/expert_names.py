@@ -15,6 +15,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 _FUSED = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
@@ -71,3 +72,27 @@ def slot(name: str) -> Slot | None:
     kind = m["kind"]
     fused = f"{m['prefix']}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}"
     return Slot(fused=fused, expert=int(m["expert"]), part=kind)
+
+
+def fuse(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A checkpoint's ``state`` (per-expert names) under transformers' fused names: each
+    layer's expert matrices stacked into its ``gate_up_proj`` and ``down_proj``; every other
+    tensor as it is. Raises ``ValueError`` when a layer's experts are not numbered 0..E-1."""
+    out: dict[str, Tensor] = {}
+    parts: dict[str, dict[tuple[int, str], Tensor]] = {}
+    for name, tensor in state.items():
+        s = slot(name)
+        if s is None:
+            out[name] = tensor
+        else:
+            parts.setdefault(s.fused, {})[(s.expert, s.part)] = tensor
+    for fused, mats in parts.items():
+        experts = sorted({e for e, _ in mats})
+        if experts != list(range(len(experts))):
+            raise ValueError(f"{fused}: the checkpoint's experts are {experts}, not 0..E-1")
+        kinds = ("down_proj",) if fused.endswith("down_proj") else ("gate_proj", "up_proj")
+        missing = [f"{e}.{k}" for e in experts for k in kinds if (e, k) not in mats]
+        if missing:
+            raise ValueError(f"{fused}: the checkpoint lacks experts' {', '.join(missing)}")
+        out[fused] = torch.stack([torch.cat([mats[(e, k)] for k in kinds]) for e in experts])
+    return out

@@ -71,7 +71,7 @@ class RouterControl:
     def __init__(self, model: nn.Module, layers: int) -> None:
         self.routers = routers(model)
         self.layers = layers
-        self.top_k = max((int(getattr(r, "top_k")) for r in self.routers.values()), default=0)
+        self.top_k = max((int(r.top_k) for r in self.routers.values()), default=0)
         self.replay: Tensor | None = None     # [N, layers, k] long, or None
         self.perturb = False
         self.recorded: Tensor | None = None   # [N, layers, k]: the experts used

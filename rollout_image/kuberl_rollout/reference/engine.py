@@ -35,6 +35,7 @@ from kuberl_rollout.reference.sampling import (
     check_finish,
     choose_tokens,
 )
+from kuberl_wire import expert_names
 from kuberl_wire.codec import tensor_sha256
 
 GB = 1e9
@@ -406,8 +407,12 @@ class ReferenceEngine:
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """HF name -> tensor, tied aliases included (both `lm_head.weight` and
-        `model.embed_tokens.weight` when tied; writing either updates both)."""
-        return dict(self.model.state_dict())
+        `model.embed_tokens.weight` when tied; writing either updates both). A
+        mixture-of-experts model's experts are named one matrix per expert, as checkpoints
+        and SGLang's loaders name them (`kuberl_wire.expert_names`): views into
+        transformers' fused parameters, so writing one updates the model."""
+        return dict(part for name, tensor in self.model.state_dict().items()
+                    for part in expert_names.split(name, tensor))
 
     def _targets(self) -> dict[str, torch.Tensor]:
         """named_tensors(), kept between weight updates: building it walks every module

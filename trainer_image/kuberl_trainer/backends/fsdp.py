@@ -79,6 +79,7 @@ from kuberl_trainer.backends.rng import rng_state, set_rng_state
 from kuberl_trainer.backends.step_metrics import StepMetrics
 from kuberl_trainer.backends.tokens import response_mask
 from kuberl_trainer.backends.vocab_logprobs import token_logprobs_and_entropy
+from kuberl_wire import expert_names
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -447,8 +448,16 @@ class FSDPBackend:
 
         With LoRA, the same names and shapes, each targeted weight merged (``lora.py``): the
         engines load them as any full-weight sync, the adapter's own tensors are not sent.
+
+        A mixture-of-experts model's fused expert parameters go out one matrix per expert,
+        in the checkpoint's names (``kuberl_wire.expert_names``), which SGLang's MoE loaders
+        read; with ``tied_aliases`` (a ``load_state_dict`` of this very model) they stay
+        fused.
         """
-        return bucketize(self._named_full_tensors(tied_aliases, dtype), bucket_bytes)
+        named = self._named_full_tensors(tied_aliases, dtype)
+        if not tied_aliases:
+            named = (part for name, tensor in named for part in expert_names.split(name, tensor))
+        return bucketize(named, bucket_bytes)
 
     def _named_full_tensors(self, tied_aliases: bool, dtype: torch.dtype | None,
                             ) -> Iterator[tuple[str, Tensor]]:
@@ -566,8 +575,8 @@ class FSDPBackend:
     def _read_weights(self, path: Path) -> dict[str, Tensor]:
         """A checkpoint's weights under the live module's names: all of them, or LoRA's
         adapter alone."""
-        if self.lora is None:
-            return read_safetensors_dir(path / MODEL_DIR)
+        if self.lora is None:  # (expert matrices are saved one per expert, trained fused)
+            return expert_names.fuse(read_safetensors_dir(path / MODEL_DIR))
         from kuberl_trainer.backends.lora import ADAPTER_DIR, live_adapter_state, read_adapter
 
         return live_adapter_state(self._peft, read_adapter(path / ADAPTER_DIR),
