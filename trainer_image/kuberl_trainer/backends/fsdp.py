@@ -30,9 +30,7 @@ import contextlib
 import dataclasses
 import logging
 import math
-from collections import Counter
-from collections.abc import Callable, Collection, Iterator
-from pathlib import Path
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,28 +42,18 @@ from transformers import PreTrainedModel
 from kuberl_api.spec import LoraSpec, RLJobSpec
 from kuberl_trainer.algos.objective import Objective
 from kuberl_trainer.backends.base import TrainBatch, sft_step_parts, trainer_old_logprobs
-from kuberl_trainer.backends.buckets import bucketize
 from kuberl_trainer.backends.fsdp_models import (
     Mode,
-    broadcast_object,
     build_model,
-    full_model_state,
-    full_optimizer_state,
-    full_tensor,
-    load_full_state,
     load_model,
     parallel_mode,
     place,
     rank_batch_size,
     resolve_device,
 )
-from kuberl_trainer.backends.hf_files import (
-    MODEL_DIR,
-    copy_tokenizer,
-    keep_source_dtype,
-    read_safetensors_dir,
-)
+from kuberl_trainer.backends.fsdp_weights import FSDPWeights
 from kuberl_trainer.backends.micro_batches import MicroBatch, micro_batches
+from kuberl_trainer.backends.moe_routing import AUX_LOSS, MoeRouting
 from kuberl_trainer.backends.offload import Offloads, optimizer_state, release_cached
 from kuberl_trainer.backends.optim import (
     OptimConfig,
@@ -75,22 +63,19 @@ from kuberl_trainer.backends.optim import (
     optim_config,
 )
 from kuberl_trainer.backends.packing import next_token_targets, to_rows
-from kuberl_trainer.backends.rng import rng_state, set_rng_state
 from kuberl_trainer.backends.step_metrics import StepMetrics
 from kuberl_trainer.backends.tokens import response_mask
 from kuberl_trainer.backends.vocab_logprobs import token_logprobs_and_entropy
-from kuberl_wire import expert_names
+from kuberl_wire.moe_routes import NO_ROUTE, moe_shape
 
 if TYPE_CHECKING:
-    from peft import PeftModel
+    pass
 
 LOG = logging.getLogger("kuberl.backend.fsdp")
 
-OPTIM_FILE = "optimizer.pt"   # optimizer + LR scheduler, full (unsharded) state, from rank 0
-RNG_FILE = "rng_rank{rank}.pt"
 
 
-class FSDPBackend:
+class FSDPBackend(FSDPWeights):
     """One training rank of the fsdp backend (see the module docstring for the layout)."""
 
     def __init__(self, spec: RLJobSpec, *, rank: int, world_size: int, device: str,
@@ -110,6 +95,9 @@ class FSDPBackend:
         # DDP wrapper, when there is one).
         self.lora = self._lora_spec()
         self.module: nn.Module = self._build_trainable()
+        self.moe = self._moe_routing()
+        self._moe_stats: dict[str, Tensor] = {}  # the last forward's (replay mismatch)
+        self._aux: Tensor | None = None  # the last training forward's router aux loss
         self.model = self._wrap(self.module)
         self.ref = self._build_reference()
         config = optim or optim_config(spec)
@@ -134,6 +122,13 @@ class FSDPBackend:
         model = add_adapter(load_model(self.spec.model.path, trainable=True,
                                        fused_kernels=kernels), self.lora)
         return place(model, self.device, self.mode)
+
+    def _moe_routing(self) -> MoeRouting | None:
+        """A mixture-of-experts policy's routing (replay, aux loss); None for a dense one."""
+        config = getattr(self.module, "config", None)
+        if config is None or moe_shape(config.to_dict()) is None:
+            return None
+        return MoeRouting(self.module, config.to_dict(), self.algo)
 
     def _trainable_params(self) -> list[nn.Parameter]:
         """What the optimizer steps: every weight, or only the adapter's."""
@@ -178,13 +173,6 @@ class FSDPBackend:
         with self._peft.disable_adapter():
             return self._logprobs(self.module, batch)
 
-    @property
-    def _peft(self) -> PeftModel:
-        from peft import PeftModel
-
-        assert isinstance(self.module, PeftModel), "training.lora is not set"
-        return self.module
-
     @torch.no_grad()
     def _logprobs(self, model: nn.Module, batch: TrainBatch) -> Tensor:
         """``[B, T]`` on the device, in micro-batches. Runs the unwrapped module: no DDP
@@ -220,10 +208,16 @@ class FSDPBackend:
         (``varlen_attention``); positions restart at 0 with each one, so RoPE sees every
         sequence as if it were alone."""
         p = mb.packed
-        with self._autocast():
+        routing = self.moe if model is self.module or model is self.model else None
+        extra = {} if routing is None else routing.forward_kwargs(
+            training=torch.is_grad_enabled())
+        self._moe_stats = {}
+        with self._autocast(), (contextlib.nullcontext() if routing is None
+                                else routing.forward(mb.batch, self._moe_stats)):
             out = model(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False,
                         cu_seq_lens_q=p.cu_seqlens, cu_seq_lens_k=p.cu_seqlens,
-                        max_length_q=p.max_seqlen, max_length_k=p.max_seqlen)
+                        max_length_q=p.max_seqlen, max_length_k=p.max_seqlen, **extra)
+        self._aux = getattr(out, "aux_loss", None) if extra else None
         logits: Tensor = out.logits[0]
         return logits
 
@@ -283,9 +277,36 @@ class FSDPBackend:
         over the whole shard), else 0."""
         batch = self._with_reference(batch)
         recompute = self._needs_old(batch)
-        if recompute:
+        if self._records_routes(batch):  # (routingReplay training: the pass records them)
+            old, routes = self._logprobs_and_routes(batch)
+            batch = dataclasses.replace(batch, routes=routes,
+                                        old_logprobs=old if recompute else batch.old_logprobs)
+        elif recompute:
             batch = dataclasses.replace(batch, old_logprobs=self._logprobs(self.module, batch))
         return batch, {"old_logprobs_recomputed": float(recompute)}
+
+    def _records_routes(self, batch: TrainBatch) -> bool:
+        """routingReplay training, and a rollout that feeds several optimizer steps: every
+        step after the first replays the experts of the policy from before the first (with
+        one step, the training forward's own routes are those)."""
+        return (self.moe is not None and self.moe.records and batch.routes is None
+                and len(batch) > self.rank_batch_size)
+
+    @torch.no_grad()
+    def _logprobs_and_routes(self, batch: TrainBatch) -> tuple[Tensor, Tensor]:
+        """The policy's log-probs ``[B, T]`` and the experts its routers chose for every
+        token, ``[B, T, layers, top_k]`` (``NO_ROUTE`` on padding), in one pass."""
+        assert self.moe is not None
+        shape = self.moe.shape
+        logp = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
+        routes = torch.full((*batch.input_ids.shape, shape.layers, self.moe.control.top_k),
+                            NO_ROUTE, dtype=torch.long, device=self.device)
+        for mb in self._micros(batch):
+            values = self._token_values(self.module, mb)[0] * response_mask(mb.batch.loss_mask)
+            width = values.shape[1]
+            logp[mb.rows, :width] = values
+            routes[mb.rows, :width] = self.moe.recorded_rows(mb.batch)
+        return logp, routes
 
     def _needs_old(self, batch: TrainBatch) -> bool:
         """Old log-probs are computed when the caller left them out but the shard feeds
@@ -314,6 +335,9 @@ class FSDPBackend:
         into micro-batches and ranks.
         """
         units = self._global_sum(self.objective.units(response_mask(batch.loss_mask)))
+        aux_on = self.moe is not None and self.moe.aux_coef > 0
+        all_tokens = (self._global_sum(float(response_mask(batch.loss_mask).sum()))
+                      if aux_on else 0.0)
         micros = self._micros(batch)
         if sft is not None:  # the SFT term: a token-mean NLL over all ranks' demonstrations
             sft_tokens = self._global_sum(float(response_mask(sft.loss_mask).sum()))
@@ -330,6 +354,8 @@ class FSDPBackend:
                     else:
                         partial, stats, tokens = self._micro_loss(mb, fresh)
                         loss = partial * (self.world_size / units)
+                        if aux_on and self._aux is not None and all_tokens > 0:
+                            loss = loss + self._aux_term(tokens, all_tokens)
                         metrics.add_micro(tokens=tokens, loss=loss.detach() / self.world_size,
                                           stats=stats)
                     torch.autograd.backward(loss)
@@ -342,6 +368,14 @@ class FSDPBackend:
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         metrics.add_step(grad_norm, lr)
+
+    def _aux_term(self, tokens: Tensor, all_tokens: float) -> Tensor:
+        """The router's load-balancing loss of the last forward, weighted by the micro-batch's
+        share of the global batch's response tokens (times world_size, which the gradient
+        averaging divides back out): the step's loss gains ``coef`` x its token-weighted
+        mean."""
+        assert self.moe is not None and self._aux is not None
+        return self._aux * (self.moe.aux_coef * self.world_size * tokens / all_tokens)
 
     def _training_forward(self) -> contextlib.AbstractContextManager[Any]:
         """Around a step's training forwards: the adapter's dropout on (``lora.dropout``);
@@ -367,6 +401,9 @@ class FSDPBackend:
         partial, stats = self.objective.partial_loss(
             logp, old, b.advantages, mask, entropy=entropy, rollout_logp=b.rollout_logprobs,
             ref_logp=b.ref_logprobs)
+        stats = stats | self._moe_stats
+        if self._aux is not None:
+            stats[AUX_LOSS] = self._aux.detach().float()
         return partial, stats, mask.sum()
 
     def _sft_nll(self, mb: MicroBatch) -> tuple[Tensor, Tensor]:
@@ -427,181 +464,3 @@ class FSDPBackend:
         """What `offload` freed, back on the GPU: all of it, or only `kinds` (a no-op when
         nothing is off)."""
         self._offloads.onload(kinds)
-
-    # -- weights -----------------------------------------------------------------------------
-
-    def named_tensor_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None, *,
-                             tied_aliases: bool = False) -> Iterator[list[tuple[str, Tensor]]]:
-        """Buckets of ``(name, tensor)`` covering ``module.state_dict()`` of the HF model.
-
-        Names are exactly a plain HF model's ``state_dict()`` keys (no DDP ``module.``
-        prefix: it walks the unwrapped module). Tied weights: a tied model's state_dict holds
-        both ``model.embed_tokens.weight`` and ``lm_head.weight`` (one tensor). Only the
-        first name of each tied group is yielded — the keys ``save_pretrained`` writes, what
-        weight sync sends (engines re-tie on load) — unless ``tied_aliases``: then both, so
-        ``load_state_dict(strict=True)`` accepts the result.
-
-        Tensors are on the training device, in the training dtype (fp32) unless ``dtype`` is
-        given; the single/DDP ones in the training dtype share storage with the live
-        weights: read, don't write. Under FSDP2 every rank must iterate (each tensor is an
-        all-gather).
-
-        With LoRA, the same names and shapes, each targeted weight merged (``lora.py``): the
-        engines load them as any full-weight sync, the adapter's own tensors are not sent.
-
-        A mixture-of-experts model's fused expert parameters go out one matrix per expert,
-        in the checkpoint's names (``kuberl_wire.expert_names``), which SGLang's MoE loaders
-        read; with ``tied_aliases`` (a ``load_state_dict`` of this very model) they stay
-        fused.
-        """
-        named = self._named_full_tensors(tied_aliases, dtype)
-        if not tied_aliases:
-            named = (part for name, tensor in named for part in expert_names.split(name, tensor))
-        return bucketize(named, bucket_bytes)
-
-    def _named_full_tensors(self, tied_aliases: bool, dtype: torch.dtype | None,
-                            ) -> Iterator[tuple[str, Tensor]]:
-        entries = self._hf_entries()                        # live tensors: identity finds ties
-        uses = Counter(id(value) for _, value, _ in entries)
-        gathered: dict[int, Tensor] = {}                    # only tied tensors are kept
-        for name, value, merge in entries:
-            key = id(value)
-            if key in gathered:
-                if tied_aliases:
-                    yield name, gathered[key]
-                continue
-            if merge is None:
-                tensor = full_tensor(value, dtype)
-            else:  # merged in float32 from the full base weight, then cast
-                merged = merge(full_tensor(value, None))
-                tensor = merged if dtype is None else merged.to(dtype)
-            if uses[key] > 1:
-                gathered[key] = tensor
-            yield name, tensor
-
-    def _hf_entries(self) -> list[tuple[str, Tensor, Callable[[Tensor], Tensor] | None]]:
-        """``(HF name, live tensor, merge)`` for each key of the plain HF model's state_dict;
-        ``merge`` (LoRA's targeted weights) turns the full base weight into what is sent."""
-        if self.lora is None:
-            return [(name, value, None)
-                    for name, value in self.module.state_dict(keep_vars=True).items()]
-        from kuberl_trainer.backends.lora import hf_entries, merged_weight
-
-        def merger(layer: Any) -> Callable[[Tensor], Tensor]:
-            return lambda weight: merged_weight(weight, layer,
-                                                lambda t: full_tensor(t, None))
-
-        return [(e.name, e.value, None if e.layer is None else merger(e.layer))
-                for e in hf_entries(self._peft)]
-
-    # -- checkpoints -------------------------------------------------------------------------
-
-    def save(self, dir: str | Path) -> None:
-        """Collective. ``dir/model/`` (HF dir), ``dir/optimizer.pt``, ``dir/rng_rank<r>.pt``.
-
-        The weights are saved in float32 (the master copy, so a resumed run is exact), but
-        config.json keeps the source model's dtype, so engines loading the directory run in
-        the dtype the model came in.
-        """
-        path = Path(dir)
-        path.mkdir(parents=True, exist_ok=True)
-        if self.lora is not None:
-            self._save_lora(path)
-            return
-        model_state, optim_state = self._full_state()
-        if self.rank == 0:
-            self._save_hf(path / MODEL_DIR, model_state)
-            torch.save({"optimizer": optim_state, "scheduler": self.scheduler.state_dict()},
-                       path / OPTIM_FILE)
-        torch.save(rng_state(), path / RNG_FILE.format(rank=self.rank))
-        self._barrier()  # the caller may mark the checkpoint complete once save returns
-
-    def _save_lora(self, path: Path) -> None:
-        """LoRA's checkpoint (``lora.py``): ``model/``, the merged weights (servable as any
-        checkpoint's); ``adapter/``, the PEFT adapter (what a resumed run loads onto the
-        base); the optimizer (the adapter's state only) and RNG as without LoRA."""
-        from kuberl_trainer.backends.lora import save_adapter
-
-        adapter = self._full_adapter()
-        merged = {name: t.cpu() for name, t in self._named_full_tensors(False, None)}
-        optim_state = self._full_optimizer_state()
-        if self.rank == 0:
-            from kuberl_trainer.backends.lora import ADAPTER_DIR
-
-            self._save_hf(path / MODEL_DIR, merged)
-            save_adapter(self._peft, path / ADAPTER_DIR, adapter)
-            torch.save({"optimizer": optim_state, "scheduler": self.scheduler.state_dict()},
-                       path / OPTIM_FILE)
-        torch.save(rng_state(), path / RNG_FILE.format(rank=self.rank))
-        self._barrier()
-
-    def _full_adapter(self) -> dict[str, Tensor]:
-        """The adapter's whole tensors on the CPU, live names (collective under FSDP2)."""
-        return {name: full_tensor(p, None).cpu()
-                for name, p in self.module.named_parameters() if p.requires_grad}
-
-    def export_adapter(self, out: Path) -> None:
-        """Collective: the adapter as a PEFT directory at ``out`` (rank 0 writes; sync:
-        adapter), float32 as trained."""
-        from kuberl_trainer.backends.lora import save_adapter
-
-        adapter = self._full_adapter()
-        if self.rank == 0:
-            save_adapter(self._peft, out, adapter)
-
-    def load(self, dir: str | Path) -> None:
-        """Collective. Restore weights, optimizer, scheduler and this rank's RNG state. With
-        LoRA the weights are the base (model.path, built already) and the checkpoint's
-        adapter."""
-        path = Path(dir)
-        reads = self.mode != "fsdp2" or self.rank == 0     # FSDP2: rank 0 reads, broadcasts
-        model_state = (self._read_weights(path) if reads else {})
-        saved = torch.load(path / OPTIM_FILE, map_location="cpu") if reads else {}
-        self._load_full_state(model_state, saved.get("optimizer", {}))
-        scheduler: dict[str, Any] = saved.get("scheduler", {})
-        if self.mode == "fsdp2":
-            scheduler = broadcast_object(scheduler)
-        self.scheduler.load_state_dict(scheduler)
-        self._load_rng(path / RNG_FILE.format(rank=self.rank))
-        self._barrier()
-
-    @staticmethod
-    def _load_rng(file: Path) -> None:
-        if file.exists():
-            set_rng_state(torch.load(file))
-        else:
-            LOG.warning("%s missing (saved with fewer ranks?): RNG state not restored", file)
-
-    def _read_weights(self, path: Path) -> dict[str, Tensor]:
-        """A checkpoint's weights under the live module's names: all of them, or LoRA's
-        adapter alone."""
-        if self.lora is None:  # (expert matrices are saved one per expert, trained fused)
-            return expert_names.fuse(read_safetensors_dir(path / MODEL_DIR))
-        from kuberl_trainer.backends.lora import ADAPTER_DIR, live_adapter_state, read_adapter
-
-        return live_adapter_state(self._peft, read_adapter(path / ADAPTER_DIR),
-                                  source=f"checkpoint {path}")
-
-    def _full_optimizer_state(self) -> dict[str, Any]:
-        return full_optimizer_state(self.module, self.optimizer, self.mode)
-
-    def _full_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        return (full_model_state(self.module, self.mode),
-                full_optimizer_state(self.module, self.optimizer, self.mode))
-
-    def _load_full_state(self, model_state: dict[str, Any],
-                         optim_state: dict[str, Any]) -> None:
-        # (LoRA: the adapter's tensors only; the base is built)
-        load_full_state(self.module, self.optimizer, self.mode, model_state, optim_state,
-                        strict=self.lora is None)
-
-    def _save_hf(self, out: Path, state: dict[str, Tensor]) -> None:
-        hf = self._peft.get_base_model() if self.lora is not None else self.module
-        assert isinstance(hf, PreTrainedModel)
-        hf.save_pretrained(out, state_dict=state)
-        keep_source_dtype(Path(self.spec.model.path) / "config.json", out / "config.json")
-        copy_tokenizer(self.spec, out)
-
-    def _barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
