@@ -91,6 +91,46 @@ def check_backend(spec: RLJobSpec) -> None:
                              f"{shape.num_layers} layers")
 
 
+# The mixture-of-experts families kuberl trains and syncs: transformers fuses their experts
+# into 3-D parameters that kuberl_wire.expert_names names per expert, as their checkpoints
+# and SGLang's loaders do, and routes them through routers kuberl_wire.hf_routers controls.
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
+
+
+def check_moe(spec: RLJobSpec) -> None:
+    """What only a mixture-of-experts policy has (routing replay, the router's aux loss,
+    expert parallelism) is refused for a dense one, naming the field; an MoE policy must be
+    of a family kuberl syncs, without LoRA, with ep dividing its experts."""
+    from kuberl_wire.moe_routes import moe_shape
+
+    config = _config(spec.model.path)
+    shape = moe_shape(config)
+    algo, p = spec.algorithm, spec.training.parallelism
+    if shape is None:
+        dense = f"{spec.model.path} is a dense model (its config.json names no experts)"
+        if algo.routing_replay != "none":
+            raise PreflightError(f"spec.algorithm.routingReplay: {algo.routing_replay} "
+                                 f"replays a mixture-of-experts model's routes; {dense}")
+        if algo.router_aux_loss_coef is not None:
+            raise PreflightError("spec.algorithm.routerAuxLossCoef: weighs a mixture-of-experts "
+                                 f"model's load-balancing loss; {dense}")
+        if p.ep > 1 or p.etp is not None:
+            raise PreflightError(f"spec.training.parallelism.{'ep' if p.ep > 1 else 'etp'}: "
+                                 f"expert parallelism spreads experts; {dense}")
+        return
+    family = str(config.get("model_type", ""))
+    if family not in MOE_FAMILIES:
+        raise PreflightError(f"spec.model.path: a mixture-of-experts model of type {family!r}; "
+                             f"kuberl trains {', '.join(MOE_FAMILIES)}")
+    if spec.training.lora is not None:
+        raise PreflightError("spec.training.lora: LoRA on a mixture-of-experts model is not "
+                             "supported yet (its experts are 3-D parameters); train it in "
+                             "full")
+    if shape.experts % p.ep:
+        raise PreflightError(f"spec.training.parallelism.ep: {p.ep} must divide the model's "
+                             f"{shape.experts} experts")
+
+
 def check_router(spec: RLJobSpec) -> None:
     """rollout.router sglang runs sglang-router where the loop runs: it must be installed."""
     import importlib.util
@@ -119,6 +159,7 @@ def _check_tp(path: str, tp: int, field: str) -> None:
     heads = int(config.get("num_attention_heads", 0) or 0)
     kv = int(config.get("num_key_value_heads", heads) or heads)
     inter = int(config.get("intermediate_size", 0) or 0)
+    expert = int(config.get("moe_intermediate_size", 0) or 0)
     problems = []
     if heads and heads % tp:
         problems.append(f"the model's {heads} attention heads")
@@ -126,6 +167,8 @@ def _check_tp(path: str, tp: int, field: str) -> None:
         problems.append(f"its {kv} key/value heads (or be a multiple of them)")
     if inter and inter % tp:
         problems.append(f"its MLP intermediate size {inter}")
+    if expert and expert % tp:  # (each expert's MLP is split over the TP ranks)
+        problems.append(f"its experts' intermediate size {expert}")
     if problems:
         raise PreflightError(f"{field}: tensor parallel size {tp} must "
                              f"divide {', '.join(problems)} ({path}/config.json)")
@@ -196,6 +239,7 @@ def check(spec: RLJobSpec) -> Checked:
     check_tokenizer(tokenizer, "spec.model.tokenizer" if spec.model.tokenizer
                     else "spec.model.path")
     check_backend(spec)
+    check_moe(spec)
     check_lora(spec)
     check_router(spec)
     check_engine_tp(spec)

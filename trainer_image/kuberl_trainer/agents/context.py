@@ -22,6 +22,7 @@ from typing import Any
 
 from kuberl_trainer.agents.trajectory import Trajectory, TrajectoryError, version_number
 from kuberl_trainer.engines.client import EngineClient
+from kuberl_wire.moe_routes import ROUTES_FIELD
 
 MAX_CONTINUATIONS = 4  # continuations of one aborted turn, before it is an error
 
@@ -152,5 +153,6 @@ class RolloutContext:
         finish = "length" if out.finish_reason == "abort" else out.finish_reason
         text = "".join(texts)
         traj.append_model(ids, logprobs, out.weight_version, finish, text, versions=versions)
+        traj.routes = out.meta_info.get(ROUTES_FIELD, traj.routes)
         return Turn(ids=ids, text=text, logprobs=logprobs, finish_reason=finish,
                     weight_version=out.weight_version, versions=tuple(versions))

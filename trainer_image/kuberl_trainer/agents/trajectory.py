@@ -53,6 +53,9 @@ class Trajectory:
     # Set by a rollout function under reward.type environment: the trajectory's reward (a
     # sample's trajectories add up to its one reward)
     reward: float | None = None
+    # The experts the engine routed its tokens to (routingReplay: rollout): the last turn's
+    # answer, which covers every token before that turn's last (kuberl_wire.moe_routes)
+    routes: str | None = None
     # (start, tokens) of each model turn, as generate appended it: `check` compares, so a
     # token changed or added by hand is caught before it reaches the loss
     _sampled: list[tuple[int, tuple[int, ...]]] = field(default_factory=list, repr=False)

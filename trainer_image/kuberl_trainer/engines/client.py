@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from kuberl_wire.moe_routes import RETURN_ROUTES
 from kuberl_wire.protocol import ENGINE_API_KEY_ENV, bearer
 
 T = TypeVar("T")
@@ -132,13 +133,18 @@ class GenerateResult:
 
 
 def generate_request(input_ids: Sequence[int], sampling_params: Mapping[str, Any], *,
-                     return_logprob: bool, lora_path: str | None = None) -> dict[str, Any]:
+                     return_logprob: bool, lora_path: str | None = None,
+                     return_routes: bool = False) -> dict[str, Any]:
     """The /generate body for one tokenized prompt (SGLang's GenerateReqInput fields);
-    `lora_path`: the name of a loaded LoRA adapter to generate under (None: the base)."""
+    `lora_path`: the name of a loaded LoRA adapter to generate under (None: the base);
+    `return_routes`: ask for the experts each token was routed to (a mixture-of-experts
+    model's `meta_info["routed_experts"]`, kuberl_wire.moe_routes)."""
     body = {"input_ids": [int(t) for t in input_ids], "sampling_params": dict(sampling_params),
             "return_logprob": return_logprob}
     if lora_path is not None:
         body["lora_path"] = lora_path
+    if return_routes:
+        body[RETURN_ROUTES] = True
     return body
 
 
@@ -269,6 +275,8 @@ class EngineClient:
         self._rerouting: asyncio.Future[None] | None = None
         # The LoRA adapter every /generate names (training.lora.sync: adapter; use_adapter)
         self.adapter: Adapter | None = None
+        # Every /generate asks for the experts each token went to (routingReplay: rollout)
+        self.return_routes = False
 
     def use_adapter(self, name: str, version: int) -> None:
         """From now on every /generate names the LoRA adapter `name` (loaded on every engine
@@ -359,7 +367,7 @@ class EngineClient:
         try:
             body = await self.request(url, "POST", "/generate", generate_request(
                 input_ids, sampling_params, return_logprob=return_logprob,
-                lora_path=adapter and adapter[0]))
+                lora_path=adapter and adapter[0], return_routes=self.return_routes))
         finally:
             self.outstanding[url] -= 1
         return _under(adapter, parse_generate_response(url, body, return_logprob=return_logprob))
@@ -388,6 +396,8 @@ class EngineClient:
                 "return_logprob": return_logprob}
         if adapter is not None:  # (SGLang's batched form: one per prompt)
             body["lora_path"] = [adapter[0]] * len(prompts)
+        if self.return_routes:
+            body[RETURN_ROUTES] = True
         sent = time.perf_counter()
         answer = await self.request(url, "POST", "/generate", body)
         seconds = time.perf_counter() - sent
@@ -439,7 +449,8 @@ class EngineClient:
             adapter = self.adapter
             body = generate_request(prompts[i], sampling_params[i],
                                     return_logprob=return_logprob,
-                                    lora_path=adapter and adapter[0])
+                                    lora_path=adapter and adapter[0],
+                                    return_routes=self.return_routes)
             attempt = 0
             while True:
                 attempt += 1

@@ -26,6 +26,10 @@ What kuberl passes to SGLang (`python -m sglang.launch_server`) and why:
   training.lora sync: adapter:     --enable-lora --max-lora-rank R --lora-target-modules M..
                                    --max-loaded-loras N --max-loras-per-batch N (lora_flags:
                                    the engines serve the base with the trainer's adapters)
+  algorithm.routingReplay rollout: --enable-return-routed-experts (the engine answers each
+                                   /generate's return_routed_experts; SGLang >= 0.5.7's flag,
+                                   so kuberl refuses rollout replay on SGLang 0.5.6 engines
+                                   and only the reference engine gets it)
   then rollout.engineArgs and      see engine_arg_flags
   engineListArgs
   --config F                       with an API key (the job's $KUBERL_ENGINE_API_KEY): a YAML
@@ -57,6 +61,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kuberl_api.spec import RLJobSpec
+from kuberl_wire.moe_routes import ROUTES_FLAG
 
 # The SGLang release the rollout image is built on (Dockerfile.rollout's base image tag) and
 # the contract tier checks against (Makefile's SGLANG_VERSION): keep the three equal.
@@ -186,6 +191,8 @@ def engine_command(spec: RLJobSpec, *, model_path: str, port: int, nccl_port: in
     if spec.engine_memory_fraction is not None:
         cmd += ["--mem-fraction-static", str(spec.engine_memory_fraction)]
     cmd += lora_flags(spec)
+    if spec.algorithm.routing_replay == "rollout":
+        cmd += [f"--{ROUTES_FLAG}"]
     cmd += engine_arg_flags(
         default_engine_args(spec) | dict(r.engine_args) | dict(r.engine_list_args))
     if config_file and r.engine == "sglang":

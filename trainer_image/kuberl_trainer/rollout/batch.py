@@ -16,14 +16,19 @@ import torch
 
 from kuberl_trainer.backends.base import TrainBatch
 from kuberl_trainer.rollout.generate import Response
+from kuberl_wire import moe_routes
+from kuberl_wire.moe_routes import ROUTES_FLAG, MoeShape
 
 
-def pack(responses: list[Response], advantages: torch.Tensor, pad_id: int) -> TrainBatch:
+def pack(responses: list[Response], advantages: torch.Tensor, pad_id: int,
+         routes: MoeShape | None = None) -> TrainBatch:
     """Right-padded [B, T] tensors of prompt+response; loss on response tokens only (the ones
     a response's `loss_mask` keeps: a trajectory's environment tokens are out).
 
     Token-level tensors (advantages, rollout logprobs) sit at the response tokens' positions in
     input_ids, the convention the backend's log-probs use (position t scores token t).
+    `routes` (a mixture-of-experts model's shape; routingReplay: rollout): the engines'
+    routes of every row's tokens as `TrainBatch.routes`.
     """
     width = max((len(r.prompt_ids) + len(r.output_ids) for r in responses), default=1)
     # Rows built as Python lists, then one tensor each: per-row tensor writes cost more than
@@ -44,7 +49,30 @@ def pack(responses: list[Response], advantages: torch.Tensor, pad_id: int) -> Tr
     rollout_lp = torch.tensor(logprobs, dtype=torch.float32)
     token_adv = advantages[:, None] * loss_mask
     return TrainBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask,
-                      advantages=token_adv, rollout_logprobs=rollout_lp)
+                      advantages=token_adv, rollout_logprobs=rollout_lp,
+                      routes=None if routes is None else route_table(responses, width, routes))
+
+
+def route_table(responses: list[Response], width: int, shape: MoeShape) -> torch.Tensor:
+    """``[B, width, layers, top_k]``: each row's routes as its engine answered them (every
+    token but the last, which no forward pass took as input), NO_ROUTE elsewhere. A real row
+    without them, or with routes for more tokens than it has, is an error: replaying
+    misaligned experts would train on a forward pass no engine ran."""
+    rows = []
+    for i, r in enumerate(responses):
+        length = len(r.prompt_ids) + len(r.output_ids)
+        table = None
+        if not r.filler:
+            if r.routes is None:
+                raise ValueError(f"row {i}: the engine returned no routed_experts "
+                                 "(algorithm.routingReplay rollout needs an engine started "
+                                 f"with --{ROUTES_FLAG})")
+            table = moe_routes.decode(r.routes, shape.layers, shape.top_k)
+            if table.shape[0] > length:
+                raise ValueError(f"row {i}: the engine returned routes for "
+                                 f"{table.shape[0]} tokens, the row has {length}")
+        rows.append(moe_routes.pad_to(table, width, shape.layers, shape.top_k))
+    return torch.stack(rows)
 
 
 def trajectories(responses: list[Response], rows: int) -> list[list[Response]]:

@@ -21,6 +21,7 @@ from kuberl_trainer.agents.context import oldest_version
 from kuberl_trainer.agents.trajectory import version_number
 from kuberl_trainer.engines.client import EngineClient
 from kuberl_trainer.rollout.prompts import Sample
+from kuberl_wire.moe_routes import ROUTES_FIELD
 
 
 @dataclass
@@ -59,6 +60,9 @@ class Response:
     # function did not fill up to rollout.maxRowsPerSample, or those of a dropped episode
     filler: bool = False
     error: str | None = None  # why its episode failed (environment.onError: drop), on fillers
+    # The experts its tokens were routed to, as the engine answered (routingReplay: rollout;
+    # kuberl_wire.moe_routes, covering the row's tokens but the last)
+    routes: str | None = None
 
     @classmethod
     def filler_row(cls, sample: Sample, pad_id: int, error: str | None = None) -> Response:
@@ -79,7 +83,8 @@ class Response:
                    truncated=traj.finish_reason == "length",
                    weight_version=min(versions, key=_version_order) if versions else None,
                    newest_version=max(traj.turn_versions, key=_version_order, default=None),
-                   loss_mask=traj.loss_mask(), turns=traj.turns, env_tokens=traj.env_tokens)
+                   loss_mask=traj.loss_mask(), turns=traj.turns, env_tokens=traj.env_tokens,
+                   routes=traj.routes)
 
 
 class SingleTurn:
@@ -123,7 +128,8 @@ class SingleTurn:
                          text=o.text, truncated=o.finish_reason == "length",
                          weight_version=oldest_version(o.weight_version, floor),
                          newest_version=o.weight_version, engine=o.engine_url,
-                         seconds=o.seconds, request=o.request)
+                         seconds=o.seconds, request=o.request,
+                         routes=o.meta_info.get(ROUTES_FIELD))
                 for i, o in enumerate(outs)]
 
 

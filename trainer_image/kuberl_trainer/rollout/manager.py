@@ -22,10 +22,12 @@ once, the whole batch in one call to the job's scorer), and then:
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,6 +50,7 @@ from kuberl_trainer.rollout.evaluation import Evaluator, eval_source
 from kuberl_trainer.rollout.generate import Response, SingleTurn
 from kuberl_trainer.rollout.grading import Grader, RewardTally
 from kuberl_trainer.rollout.prompts import PromptSource, Sample
+from kuberl_wire.moe_routes import MoeShape, moe_shape
 
 # A step whose every group lost an episode or a reward (environment.onError or reward.onError
 # drop) is rolled out again with the next prompts, this many times at most; then the job fails
@@ -107,6 +110,9 @@ class RolloutManager:
         self._sample: SingleTurn | AgentRollout = (
             agent_rollout(single, rollout_function, environment_class) or single)
         self.rows = spec.rollout.max_rows_per_sample  # each trajectory's rows in the batch
+        # routingReplay rollout: the engines report each token's experts, the batch keeps them
+        self.route_shape = rollout_route_shape(spec)
+        client.return_routes = self.route_shape is not None
         if estimators.needs_reference(spec.algorithm) and ref_logprobs is None:
             raise ValueError("klPenalty: reward and on_policy_distillation need the trainer's "
                              "reference (teacher) log-probs")
@@ -180,7 +186,8 @@ class RolloutManager:
         # stay fixed) with a mask of zero, so they don't dilute its mean.
         scores = torch.tensor([t[0].score for t in trajectories(responses, rows)],
                               dtype=torch.float32)  # [trajectories]: one per sample and seed
-        batch = pack(responses, torch.zeros(len(responses)), self.tokenizer.pad_token_id)
+        batch = pack(responses, torch.zeros(len(responses)), self.tokenizer.pad_token_id,
+                     routes=self.route_shape)
         keep = ~failed_groups(responses, n, rows)
         if algo.drop_constant_groups or algo.dynamic_sampling_rounds:
             keep &= nonconstant_groups(scores, n)
@@ -315,3 +322,17 @@ class RolloutManager:
 def _errors(responses: list[Response]) -> int:
     """The episodes among `responses` that failed (and were dropped)."""
     return sum(r.error is not None for r in responses)
+
+
+def rollout_route_shape(spec: RLJobSpec) -> MoeShape | None:
+    """The policy's MoE shape when the engines' routes are replayed (routingReplay: rollout),
+    read from its config.json (the head reads the model's directory for its tokenizer too);
+    None otherwise."""
+    if spec.algorithm.routing_replay != "rollout":
+        return None
+    config = json.loads((Path(spec.model.path) / "config.json").read_text())
+    shape = moe_shape(config)
+    if shape is None:
+        raise ValueError(f"algorithm.routingReplay rollout: {spec.model.path} is a dense "
+                         "model (its config.json names no experts)")
+    return shape
