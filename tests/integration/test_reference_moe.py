@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from kuberl_trainer.engines.client import EngineClient
+from kuberl_trainer.ray_actors import free_port
 from kuberl_trainer.weight_sync.sender import DistributedWeightSender, bucketize
 from kuberl_wire import codec, expert_names, protocol
 from kuberl_wire.codec import tensor_sha256
 from kuberl_wire.hf_routers import RouterControl
 from kuberl_wire.moe_routes import ROUTES_FIELD, decode
-from tests.integration.test_reference_engine import Engine, free_port
+from tests.integration.test_reference_engine import Engine
 from tests.integration.test_reference_engine_tp import every_rank
 from tests.integration.tiny_moe import LAYERS, TOP_K, build_tiny_moe
 

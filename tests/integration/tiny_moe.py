@@ -29,7 +29,7 @@ def tiny_moe_config(family: str = "qwen3") -> Qwen3MoeConfig | Qwen2MoeConfig:
         tie_word_embeddings=False, pad_token_id=PAD_ID, eos_token_id=EOS_ID,
         bos_token_id=None)
     if family == "qwen3":
-        return Qwen3MoeConfig(head_dim=8, **common)
+        return Qwen3MoeConfig(**{**common, "head_dim": 8})
     if family == "qwen2":
         return Qwen2MoeConfig(shared_expert_intermediate_size=16, **common)
     raise ValueError(f"unknown family {family!r}")
