@@ -35,6 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor parallel size: this many processes (GPUs 0..N-1 of those "
                         "visible, with --device cuda), each a member of the weight-update "
                         "group as SGLang's TP workers are (see kuberl_rollout.reference.tp)")
+    p.add_argument("--expert-parallel-size", "--ep-size", "--ep", dest="ep_size", type=int,
+                   default=1,
+                   help="SGLang's flag: a mixture-of-experts layer's experts split over this "
+                        "many groups of the TP ranks (it divides --tp-size); each rank's "
+                        "checksums then cover only its own experts, as SGLang's rank holds "
+                        "only those (kuberl_rollout.reference.moe)")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="SGLang >= 0.5.7's flag (not in 0.5.6): /generate's "
+                        "return_routed_experts answers meta_info.routed_experts, the experts "
+                        "each token went to (a mixture-of-experts model only)")
     p.add_argument("--nnodes", type=int, default=1,
                    help="nodes the engine spans (SGLang's flag): --tp-size / --nnodes ranks on "
                         "each; node rank 0 serves the API, the others only /health")
@@ -130,7 +140,8 @@ def check_lora_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 # Flags of generation and weight sync, which an --is-embedding engine would ignore: refused
 # unless at their defaults, so a command line never asks for what the engine does not do.
 GENERATION_ONLY = ("tp_size", "nnodes", "mem_fraction_static", "enable_weights_cpu_backup",
-                   "batching", "batch_wait_ms", "weight_sync_timeout", "enable_lora")
+                   "batching", "batch_wait_ms", "weight_sync_timeout", "enable_lora",
+                   "ep_size", "enable_return_routed_experts")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -139,6 +150,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # SGLang's own checks of the same flags (ServerArgs: tp_size % nnodes == 0).
     if args.nnodes < 1 or args.tp_size % args.nnodes:
         parser.error(f"--tp-size {args.tp_size} must be divisible by --nnodes {args.nnodes}")
+    if args.ep_size < 1 or args.tp_size % args.ep_size:  # (SGLang: moe_tp = tp / ep)
+        parser.error(f"--ep-size {args.ep_size} must divide --tp-size {args.tp_size}")
     if not 0 <= args.node_rank < args.nnodes:
         parser.error(f"--node-rank {args.node_rank} must be in [0, {args.nnodes})")
     if args.nnodes > 1 and not args.dist_init_addr:
@@ -182,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     rank_args = RankArgs(args.model_path, args.tokenizer_path, args.device, args.dtype,
                          args.seed, args.weight_version, args.weight_sync_timeout,
                          args.torch_threads, args.mem_fraction_static, per_node,
-                         args.enable_weights_cpu_backup)
+                         args.enable_weights_cpu_backup, args.tp_size, args.ep_size)
     if args.node_rank > 0:
         serve_other_node(args, rank_args, nodes)
         return
@@ -193,7 +206,9 @@ def main(argv: list[str] | None = None) -> None:
                              seed=args.seed, weight_version=args.weight_version,
                              mem_fraction_static=args.mem_fraction_static,
                              weights_cpu_backup=args.enable_weights_cpu_backup,
-                             lora=lora_options(args))
+                             lora=lora_options(args),
+                             return_routes=args.enable_return_routed_experts,
+                             tp_size=args.tp_size, ep_size=args.ep_size)
     server = Server(engine, max_batch_size=args.max_batch_size,
                     batch_wait_s=args.batch_wait_ms / 1000,
                     max_prefill_tokens=args.max_prefill_tokens,
@@ -207,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
                                  "dist_init_addr": args.dist_init_addr,
                                  "mem_fraction_static": args.mem_fraction_static,
                                  "enable_metrics": args.enable_metrics,
+                                 "ep_size": args.ep_size,
+                                 "enable_return_routed_experts":
+                                     args.enable_return_routed_experts,
                                  **lora_server_args(args)},
                     max_loaded_loras=args.max_loaded_loras,
                     enable_metrics=args.enable_metrics,

@@ -15,6 +15,7 @@ never from the batch. Between steps the worker thread runs whatever else was que
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from kuberl_rollout.reference import kv_batch
+from kuberl_rollout.reference import kv_batch, moe
 from kuberl_rollout.reference.lora import AdapterSet, LoraRef
 from kuberl_rollout.reference.sampling import (
     Finish,
@@ -37,6 +38,7 @@ from kuberl_rollout.reference.sampling import (
 )
 from kuberl_wire import expert_names
 from kuberl_wire.codec import tensor_sha256
+from kuberl_wire.moe_routes import ROUTES_FIELD, encode
 
 GB = 1e9
 
@@ -72,6 +74,14 @@ class GenRequest:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: Finish | None = None
+    # MoE routes (moe.py), kept across a retraction as the progress is: the rows
+    # [num_tokens, layers, top_k] of its positions 0.. as they were computed. None: not asked.
+    routes: list[torch.Tensor] | None = None
+
+    @property
+    def routed(self) -> int:
+        """The positions whose routes the request holds."""
+        return sum(int(t.shape[0]) for t in self.routes or ())
 
     @property
     def max_new_tokens(self) -> int:
@@ -124,8 +134,11 @@ class ReferenceEngine:
                  weight_version: str = "default",
                  mem_fraction_static: float | None = None,
                  weights_cpu_backup: bool = False,
-                 lora: dict[str, Any] | None = None) -> None:
-        """`lora`: AdapterSet's keyword arguments (--enable-lora); None: no LoRA."""
+                 lora: dict[str, Any] | None = None, return_routes: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1, ep_size: int = 1) -> None:
+        """`lora`: AdapterSet's keyword arguments (--enable-lora); None: no LoRA.
+        `return_routes`: --enable-return-routed-experts (a MoE model's only). `tp_rank`,
+        `tp_size`, `ep_size`: which experts this rank's checksums cover (moe.py)."""
         self.model_path = model_path
         self.weights_cpu_backup = weights_cpu_backup
         self._released_shapes: list[tuple[torch.nn.Parameter, torch.Size]] = []
@@ -172,6 +185,20 @@ class ReferenceEngine:
         self.suspend = False
         self._batch: _Batch | None = None  # the running batch between steps
         self.adapters = AdapterSet(self.model, **lora) if lora is not None else None
+        self._init_moe(return_routes, tp_rank, tp_size, ep_size)
+
+    def _init_moe(self, return_routes: bool, tp_rank: int, tp_size: int, ep_size: int) -> None:
+        shape = moe.model_shape(self.model)
+        moe.check_expert_parallel(tp_size, ep_size, shape.experts if shape else None)
+        if return_routes and shape is None:
+            # (SGLang's capturer reads num_experts_per_tok from the config: it fails to start)
+            raise ValueError(f"--enable-return-routed-experts: {self.model_path} is not a "
+                             "mixture-of-experts model (its config names no routed experts)")
+        self.return_routes = return_routes
+        self.routing = (moe.EngineRouting(self.model, shape, perturb=moe.perturb_requested())
+                        if shape is not None else None)
+        self.own_experts = (moe.owned_experts(tp_rank, tp_size, ep_size, shape.experts)
+                            if shape is not None else None)
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -190,7 +217,7 @@ class ReferenceEngine:
 
     def make_request(self, input_ids: Sequence[int], sampling: Sampling, *, rid: str, seq: int,
                      return_logprob: bool, return_text_in_logprobs: bool = False,
-                     lora_id: str | None = None) -> GenRequest:
+                     lora_id: str | None = None, return_routes: bool = False) -> GenRequest:
         """Validate one prompt (ValueError -> HTTP 400) with SGLang's checks and messages
         (tokenizer_manager: the input must be shorter than the context, and input plus
         max_new_tokens too), then cap max_new_tokens as SGLang's scheduler does."""
@@ -218,7 +245,8 @@ class ReferenceEngine:
         return GenRequest(rid=rid, seq=seq, input_ids=list(input_ids), sampling=sampling,
                           return_logprob=return_logprob,
                           return_text_in_logprobs=return_text_in_logprobs,
-                          draws=UniformDraws(seed, max_new), lora_id=lora_id)
+                          draws=UniformDraws(seed, max_new), lora_id=lora_id,
+                          routes=[] if return_routes and self.return_routes else None)
 
     def is_aborted(self, req: GenRequest) -> bool:
         return req.seq <= self.abort_all_upto or req.rid in self.aborted_rids
@@ -317,9 +345,16 @@ class ReferenceEngine:
         lengths = [len(p) for p in prefixes]
         attention, positions = kv_batch.model_mask(mask, min(lengths) != max(lengths))
         self._select_adapters(reqs)
-        out = self.model(input_ids=ids, attention_mask=attention, position_ids=positions,
-                         past_key_values=DynamicCache(config=self.model.config), use_cache=True,
-                         logits_to_keep=1)
+        with self._routing(reqs) as control:
+            out = self.model(input_ids=ids, attention_mask=attention, position_ids=positions,
+                             past_key_values=DynamicCache(config=self.model.config),
+                             use_cache=True, logits_to_keep=1)
+        rows = moe.recorded_rows(control, len(reqs))
+        if rows is not None:  # row i's prefix is the last lengths[i] columns (left padding)
+            width = rows.shape[1]
+            for i, req in enumerate(reqs):
+                if req.routes is not None:  # (a resumed request keeps the rows it had)
+                    req.routes.append(rows[i, width - lengths[i] + req.routed:].clone())
         batch = _Batch(list(reqs), kv_batch.PaddedCache(out.past_key_values, mask, lengths))
         self._sample(batch.reqs, out.logits[:, -1, :])
         return batch
@@ -330,9 +365,22 @@ class ReferenceEngine:
                             device=self.device)
         attention, positions = batch.cache.decode_inputs()
         self._select_adapters(batch.reqs)
-        out = self.model(input_ids=feed, attention_mask=attention, position_ids=positions,
-                         past_key_values=batch.cache.cache, use_cache=True)
+        with self._routing(batch.reqs) as control:
+            out = self.model(input_ids=feed, attention_mask=attention, position_ids=positions,
+                             past_key_values=batch.cache.cache, use_cache=True)
+        rows = moe.recorded_rows(control, len(batch.reqs))
+        if rows is not None:
+            for i, req in enumerate(batch.reqs):
+                if req.routes is not None:
+                    req.routes.append(rows[i].clone())
         self._sample(batch.reqs, out.logits[:, -1, :])
+
+    def _routing(self, reqs: Sequence[GenRequest]) -> Any:
+        """The context one forward of `reqs` runs in: a MoE model's routers recorded when a
+        request wants its routes, perturbed under the test switch (moe.py)."""
+        if self.routing is None:
+            return contextlib.nullcontext()
+        return self.routing.forward(any(r.routes is not None for r in reqs))
 
     def _select_adapters(self, reqs: Sequence[GenRequest]) -> None:
         """Each row of the next forward under its request's adapter (rows in `reqs` order:
@@ -389,6 +437,10 @@ class ReferenceEngine:
             "cached_tokens": 0,
             "weight_version": self.weight_version,
         }
+        if req.routes:  # (a request that never ran has none: SGLang answers it without)
+            # positions [0, prompt + output - 1): the last token was never fed back
+            table = torch.cat(req.routes)[:len(req.input_ids) + len(req.output_ids) - 1]
+            meta[ROUTES_FIELD] = encode(table)
         if req.return_logprob:
             # SGLang's third entry: the token's text with return_text_in_logprobs, else null.
             meta["output_token_logprobs"] = [
@@ -448,7 +500,11 @@ class ReferenceEngine:
             torch.cuda.synchronize(self.device)
 
     def checksums(self) -> dict[str, str]:
-        return {name: tensor_sha256(t) for name, t in self.named_tensors().items()}
+        """{name: sha256} of the weights this rank would hold in SGLang: with expert
+        parallelism, only its own experts' (moe.py)."""
+        own = self.own_experts
+        return {name: tensor_sha256(t) for name, t in self.named_tensors().items()
+                if own is None or (e := moe.expert_of(name)) is None or e in own}
 
     def _allocate_pool(self) -> torch.Tensor:
         """torch.cuda.OutOfMemoryError when the card has no room (another process holds it),

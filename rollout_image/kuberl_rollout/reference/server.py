@@ -50,7 +50,7 @@ T = TypeVar("T")
 
 # GenerateReqInput fields the reference engine implements (SGLang's names and meanings).
 _GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "rid",
-                    "return_text_in_logprobs", "lora_path"}
+                    "return_text_in_logprobs", "lora_path", "return_routed_experts"}
 # GenerateReqInput fields SGLang has and the reference engine does not implement: accepted at
 # the values that change nothing (SGLang's defaults), refused with 400 otherwise, since the
 # engine would behave differently from SGLang. A field SGLang does not know is ignored, as
@@ -60,7 +60,7 @@ _DEFAULT_ONLY_FIELDS: dict[str, tuple[Any, ...]] = {
     "stream": (None, False), "logprob_start_len": (None, -1), "top_logprobs_num": (None, 0),
     "token_ids_logprob": (None,), "input_embeds": (None,), "image_data": (None,),
     "video_data": (None,), "audio_data": (None,), "return_hidden_states": (None, False),
-    "return_routed_experts": (None, False), "return_prompt_token_ids": (None, False),
+    "return_prompt_token_ids": (None, False),
     "session_params": (None,), "lora_id": (None,),
     "custom_logit_processor": (None,), "bootstrap_host": (None,), "bootstrap_port": (None,),
     "bootstrap_room": (None,), "bootstrap_pair_key": (None,),
@@ -178,6 +178,7 @@ class Server:
         self.unpaused.set()
         self.gate = UpdateGate(lambda: self.pause_mode is not None)
         self.die_at_next_bucket = False  # armed by fault.SIGNAL (__main__)
+        self._warned_routes = False  # (routes asked of an engine without the flag: once)
         # What the engine was asked to do, in order (GET /get_event_log, a kuberl extension):
         # tests check a run's sequence of generation, memory and weight operations against it.
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENT_LOG_SIZE)
@@ -265,6 +266,13 @@ class Server:
         params = _per_item(body.get("sampling_params"), n, "sampling_params")
         logprob = _per_item(body.get("return_logprob"), n, "return_logprob")
         text_lp = _per_item(body.get("return_text_in_logprobs"), n, "return_text_in_logprobs")
+        routes = _per_item(body.get("return_routed_experts"), n, "return_routed_experts")
+        if any(routes) and not self.engine.return_routes and not self._warned_routes:
+            # SGLang (>= 0.5.7) without --enable-return-routed-experts serves the request and
+            # its answer has no routed_experts (its capturer is a no-op): so does this one.
+            LOG.warning("return_routed_experts asked of an engine started without "
+                        "--enable-return-routed-experts: answered without routed_experts")
+            self._warned_routes = True
         rid = body.get("rid")
         if isinstance(rid, list):
             rids = [str(r) for r in _per_item(rid, n, "rid")]
@@ -274,13 +282,13 @@ class Server:
             rids = [uuid.uuid4().hex for _ in range(n)]
         adapters = _per_item(lora_ids, n, "lora_path")
         reqs = []
-        for prompt, sp, lp, r, tl, lora in zip(prompts, params, logprob, rids, text_lp, adapters,
-                                               strict=True):
+        for prompt, sp, lp, r, tl, lora, rt in zip(prompts, params, logprob, rids, text_lp,
+                                                   adapters, routes, strict=True):
             self.seq += 1
             reqs.append(self.engine.make_request(prompt, parse_sampling(sp), rid=r,
                                                  seq=self.seq, return_logprob=bool(lp),
                                                  return_text_in_logprobs=bool(tl),
-                                                 lora_id=lora))
+                                                 lora_id=lora, return_routes=bool(rt)))
         return reqs, single
 
     async def generate(self, request: web.Request) -> web.Response:

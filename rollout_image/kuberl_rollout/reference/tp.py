@@ -63,6 +63,8 @@ class RankArgs:
     mem_fraction_static: float | None = None
     ranks_per_node: int = 0  # 0: every rank on one node
     weights_cpu_backup: bool = False
+    tp_size: int = 1  # (with ep_size: the experts a rank holds, moe.py)
+    ep_size: int = 1
 
 
 def local_gpu(tp_rank: int, ranks_per_node: int) -> int:
@@ -254,7 +256,9 @@ def _peer_main(conn: Connection, args: RankArgs, tp_rank: int) -> None:
                                  device=device, dtype=args.dtype, seed=args.seed,
                                  weight_version=args.weight_version,
                                  mem_fraction_static=args.mem_fraction_static,
-                                 weights_cpu_backup=args.weights_cpu_backup)
+                                 weights_cpu_backup=args.weights_cpu_backup,
+                                 tp_rank=tp_rank, tp_size=args.tp_size,
+                                 ep_size=args.ep_size)
         receiver = Receiver(engine, tp_rank=tp_rank, timeout_s=args.weight_sync_timeout_s)
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
