@@ -52,6 +52,9 @@ KUBERL_ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
     "training.lora (sync: adapter: the adapter's rank and target modules, and the adapters "
     "an engine holds)": ("enable-lora", "max-lora-rank", "lora-target-modules",
                          "max-loaded-loras", "max-loras-per-batch"),
+    # (SGLang >= 0.5.7's flag; kuberl refuses routingReplay rollout on SGLang 0.5.6 engines)
+    "algorithm.routingReplay (rollout: the engines return each token's experts)": (
+        "enable-return-routed-experts",),
 }
 KUBERL_ENGINE_FLAG_SOURCE = {flag: source for source, flags in KUBERL_ENGINE_FLAGS.items()
                              for flag in flags}
@@ -99,7 +102,8 @@ ENGINE_FLAG_REFUSAL = {flag: reason for reason, flags in ENGINE_FLAGS_REFUSED.it
 # the user; it refuses any other flag at start.
 REFERENCE_ENGINE_FLAGS = ("dtype", "weight-version", "max-batch-size", "max-prefill-tokens",
                           "batching", "batch-wait-ms", "weight-sync-timeout",
-                          "enable-weights-cpu-backup", "enable-metrics")
+                          "enable-weights-cpu-backup", "enable-metrics",
+                          "expert-parallel-size", "ep-size", "ep")
 ENGINE_ARG_NAMES = ("engineArgs keys are flag names without the leading '--': lowercase "
                     "letters, digits and '-' (e.g. chunked-prefill-size)")
 REFERENCE_ENGINE_ARGS = ("the reference engine takes only these engineArgs: "
