@@ -74,6 +74,18 @@ class Engine:
                 self.proc.wait()
 
 
+def serving(started: list[Engine], timeout: float = 120) -> Iterator[list[str]]:
+    """A fixture's body for engines started together: their URLs once all are ready, and
+    every one stopped after."""
+    try:
+        for engine in started:
+            engine.wait_ready(timeout=timeout)
+        yield [e.url for e in started]
+    finally:
+        for engine in started:
+            engine.stop()
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")

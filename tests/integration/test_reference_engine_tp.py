@@ -32,6 +32,7 @@ from tests.integration.test_reference_engine import (
     free_port,
     greedy_locally,
     perturbed,
+    serving,
     trainer_params,
 )
 from tests.integration.tiny_model import build_tiny_model
@@ -51,13 +52,7 @@ def tp_engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     logs = tmp_path_factory.mktemp("tp-engine-logs")
     started = [Engine(model_dir, logs / f"engine{i}.log", "--tp-size", str(TP))
                for i in range(2)]
-    try:
-        for engine in started:
-            engine.wait_ready(timeout=120)
-        yield [e.url for e in started]
-    finally:
-        for engine in started:
-            engine.stop()
+    yield from serving(started)
 
 
 @pytest.fixture(scope="module")

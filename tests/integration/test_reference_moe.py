@@ -22,7 +22,7 @@ from kuberl_wire import codec, expert_names, protocol
 from kuberl_wire.codec import tensor_sha256
 from kuberl_wire.hf_routers import RouterControl
 from kuberl_wire.moe_routes import ROUTES_FIELD, decode
-from tests.integration.test_reference_engine import Engine
+from tests.integration.test_reference_engine import Engine, serving
 from tests.integration.test_reference_engine_tp import every_rank
 from tests.integration.tiny_moe import LAYERS, TOP_K, build_tiny_moe
 
@@ -44,13 +44,7 @@ def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     started = [Engine(model_dir, logs / "ep.log", "--tp-size", "2", "--ep-size", "2",
                       "--enable-return-routed-experts"),
                Engine(model_dir, logs / "plain.log")]
-    try:
-        for engine in started:
-            engine.wait_ready(timeout=120)
-        yield [e.url for e in started]
-    finally:
-        for engine in started:
-            engine.stop()
+    yield from serving(started)
 
 
 @pytest.fixture(scope="module")

@@ -48,14 +48,18 @@ def build_tiny_model(path: Path, seed: int = 0) -> Path:
     """Write model + tokenizer into `path` (created) and return it."""
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(tiny_config())
-    # Random init at std 0.02 gives near-uniform next-token distributions; a larger scale
-    # makes greedy decoding and sampling visibly depend on the weights.
+    return save_scaled(Qwen2ForCausalLM(tiny_config()), path)
+
+
+def save_scaled(model: torch.nn.Module, path: Path) -> Path:
+    """`model` with its matrices redrawn at std 0.5, saved with the tiny tokenizer into `path`.
+    Random init at std 0.02 gives near-uniform next-token distributions; a larger scale
+    makes greedy decoding and sampling visibly depend on the weights."""
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() > 1:
                 param.normal_(0.0, 0.5)
-    model.save_pretrained(path)
+    model.save_pretrained(path)  # type: ignore[operator]
     build_tokenizer().save_pretrained(path)
     return path
 

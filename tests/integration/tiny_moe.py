@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from tests.integration.tiny_model import EOS_ID, PAD_ID, VOCAB, build_tokenizer
+from tests.integration.tiny_model import EOS_ID, PAD_ID, VOCAB, save_scaled
 
 EXPERTS, TOP_K, LAYERS, DENSE_LAYERS = 8, 2, 3, (1,)
 
@@ -42,10 +42,4 @@ def build_tiny_moe(path: Path, seed: int = 0, family: str = "qwen3") -> Path:
     config = tiny_moe_config(family)
     model = (Qwen3MoeForCausalLM(config) if family == "qwen3"  # type: ignore[arg-type]
              else Qwen2MoeForCausalLM(config))  # type: ignore[arg-type]
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, 0.5)
-    model.save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
-    return path
+    return save_scaled(model, path)
