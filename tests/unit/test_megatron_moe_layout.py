@@ -48,7 +48,7 @@ def test_shape_read_from_the_configs() -> None:
 def test_fused_transformers_names_become_per_expert_matrices() -> None:
     """transformers 5 holds experts fused ([E, 2I, H], [E, H, I]); the layout reads the
     checkpoint's per-expert names (what save_pretrained writes and SGLang loads)."""
-    hf, shape = hf_model("qwen3_moe")
+    hf, _shape = hf_model("qwen3_moe")
     assert "model.layers.0.mlp.experts.gate_up_proj" not in hf
     assert hf["model.layers.0.mlp.experts.3.gate_proj.weight"].shape == (16, 32)
     assert hf["model.layers.0.mlp.experts.3.down_proj.weight"].shape == (32, 16)

@@ -411,7 +411,7 @@ class MegatronBackend(BucketExport):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self.aux_coef > 0:
-            MR.scale_aux_loss(self.model.config, self.aux_coef,
+            MR.scale_aux_loss(self.model, self.aux_coef,
                               self._dp_sum(float(sum(m.packed.tokens for m in micros))))
         reported = self._run(self.model, micros, loss, forward_only=False)
         self._micro_count += len(micros)
@@ -485,7 +485,7 @@ class MegatronBackend(BucketExport):
         saved = torch.load(state_dir / OPTIM_FILE.format(rank=self.rank), map_location="cuda",
                            weights_only=False)
         if saved["layout"] != self._layout():
-            raise ValueError(f"checkpoint {path} was saved with (tp, pp, dp) = "
+            raise ValueError(f"checkpoint {path} was saved with (tp, pp, dp[, ep, etp]) = "
                              f"{tuple(saved['layout'])}; this job runs {tuple(self._layout())} "
                              "(the megatron backend resumes with the layout it saved)")
         with torch.no_grad():
@@ -501,7 +501,8 @@ class MegatronBackend(BucketExport):
         dist.barrier()
 
     def _layout(self) -> list[int]:
-        return [self.par.tp, self.par.pp, self.dp_size]
+        experts = [] if self.shape.experts is None else [self.par.ep, self.par.etp]
+        return [self.par.tp, self.par.pp, self.dp_size, *experts]
 
     def _inner_optimizers(self) -> list[Any]:
         """The torch optimizers over this rank's fp32 shards (one per Megatron optimizer).

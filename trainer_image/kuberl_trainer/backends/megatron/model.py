@@ -129,8 +129,8 @@ def moe_settings(shape: L.DecoderShape, par: Parallel, aux_loss_coef: float | No
         moe_shared_expert_gate=e.shared_ffn > 0,
         expert_model_parallel_size=par.ep, expert_tensor_parallel_size=par.etp,
         # Without Transformer Engine there is no grouped GEMM: SequentialMLP runs the local
-        # experts one after another.
-        moe_grouped_gemm=False, moe_token_dispatcher_type="alltoall")
+        # experts one after another. (Dispatcher: the all-to-all, set for every model.)
+        moe_grouped_gemm=False)
 
 
 def layer_spec(shape: L.DecoderShape) -> Any:
@@ -152,6 +152,8 @@ def build_gpt(shape: L.DecoderShape, hf_config: Mapping[str, Any], par: Parallel
     GPU, with uninitialised weights (``load_hf`` fills them)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    if shape.experts is not None:
+        _router_gemm_without_te()
     model: nn.Module = GPTModel(
         config=transformer_config(shape, hf_config, par, dtype, aux_loss_coef),
         transformer_layer_spec=layer_spec(shape),
@@ -166,6 +168,17 @@ def build_gpt(shape: L.DecoderShape, hf_config: Mapping[str, Any], par: Parallel
     # float32 tensors where the checkpoint has bf16. The optimizer keeps fp32 master copies.
     model.to(device=torch.cuda.current_device(), dtype=dtype)
     return model
+
+
+def _router_gemm_without_te() -> None:
+    """megatron-core 0.16.1's router gating (``moe_utils.RouterGatingLinearFunction``) tests
+    ``te_general_gemm is not None``, a name it imports only with Transformer Engine: without
+    TE every MoE forward raises NameError. Defined as None, the function takes its own
+    ``torch.mm`` path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def rope_settings(hf_config: Mapping[str, Any]) -> dict[str, Any]:

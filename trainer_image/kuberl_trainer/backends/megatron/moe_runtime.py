@@ -82,7 +82,8 @@ class Replay:
     def mismatch(self, pp_group: Any | None) -> float | None:
         """``routing_replay_mismatch`` of the passes since ``reset_counts``, over every
         pipeline stage's layers (collective over ``pp_group`` when given)."""
-        counts = torch.zeros(2, dtype=torch.float64, device="cuda")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        counts = torch.zeros(2, dtype=torch.float64, device=device)
         for hook in self.hooks:
             if hook.covered is not None and hook.mismatched is not None:
                 counts += torch.stack([hook.mismatched.double(), hook.covered.double()])
@@ -92,7 +93,7 @@ class Replay:
         return None if covered == 0 else mismatched / covered
 
 
-def scale_aux_loss(config: Any, per_layer_coef: float, step_tokens: float) -> None:
+def scale_aux_loss(model: nn.Module, per_layer_coef: float, step_tokens: float) -> None:
     """Before an optimizer step: the aux loss's weight for this step's micro-batches.
 
     megatron attaches each micro-batch's aux loss times its token count (its
@@ -102,8 +103,11 @@ def scale_aux_loss(config: Any, per_layer_coef: float, step_tokens: float) -> No
     aux term the token-weighted mean of the micro-batches' losses, times ``coef / layers``
     per layer, as the policy loss is normalised over the global batch.
     """
-    if per_layer_coef > 0:
-        config.moe_aux_loss_coeff = per_layer_coef / max(step_tokens, 1.0)
+    if per_layer_coef <= 0:
+        return
+    coef = per_layer_coef / max(step_tokens, 1.0)
+    for router in routers(model):  # (each reads its own config's coefficient when routing)
+        router.config.moe_aux_loss_coeff = coef
 
 
 def aux_loss_metric(micro_batches: int, moe_layers: int, pp_group: Any | None) -> float | None:
