@@ -6,7 +6,9 @@ and Qwen2-MoE (shared expert, no renormalisation), on small random models:
    transformers' float32 logits on the same tokens.
 2. **Round trip**: HF safetensors -> Megatron shards (experts split over ep) -> weight-sync
    export: every tensor, each expert's three matrices included, bit-identical to the file.
-3. **Log-probs** (bf16) against HF on a packed batch of unequal lengths.
+3. **Log-probs** (bf16) against HF on a packed batch of unequal lengths, and the grouped
+   experts' (``grouped_experts``, the default on Hopper) against megatron's SequentialMLP
+   loop on the same weights.
 4. **Routing replay** (``routingReplay: rollout``): HF's routes recorded with the routers
    *perturbed* (each token's last expert swapped for its next best, as a test engine does)
    and replayed in the trainer: the mismatch metric reads ~1 (every replayed route differs
@@ -120,7 +122,7 @@ def fp32_logits_diff(backend: Any, model_dir: Path) -> float:
 def check(name: str, model_dir: Path, world: int, rank: int, args: argparse.Namespace
           ) -> dict[str, Any]:
     from kuberl_trainer.backends.hf_files import read_safetensors_dir
-    from kuberl_trainer.backends.megatron import hf_layout as L, model as M
+    from kuberl_trainer.backends.megatron import grouped_experts, hf_layout as L, model as M
     from kuberl_trainer.backends.megatron.backend import MegatronBackend
 
     spec = make_spec(model_dir, backend="megatron", samples=SAMPLES, micro_batch=2,
@@ -147,6 +149,9 @@ def check(name: str, model_dir: Path, world: int, rank: int, args: argparse.Name
     hf_bent, bent_routes = hf_logprobs(ref, batch, perturb=True)
     del ref
     ours = backend.logprobs(batch)
+    grouped_experts.ENABLED = False  # megatron's SequentialMLP loop on the same weights
+    looped = backend.logprobs(batch)
+    grouped_experts.ENABLED = True
     backend.algo = spec.algorithm.model_copy(update={"routing_replay": "rollout"})
     backend.replay.reset_counts()
     replayed = backend.logprobs(dataclasses.replace(batch, routes=bent_routes))
@@ -154,6 +159,7 @@ def check(name: str, model_dir: Path, world: int, rank: int, args: argparse.Name
     if world == 1:
         n = float(batch.loss_mask.sum())
         row["logp vs HF (mean)"] = float((ours - hf_own).abs().sum()) / n
+        row["grouped vs loop (mean)"] = float((ours - looped).abs().sum()) / n
         row["own vs HF-bent"] = float((ours - hf_bent).abs().sum()) / n
         row["replayed vs HF-bent"] = float((replayed - hf_bent).abs().sum()) / n
         row["replay mismatch"] = mismatch
@@ -189,6 +195,7 @@ def passed(row: dict[str, Any]) -> bool:
               and row["logp down (-adv)"] < 0 and row["moe_aux_loss"] > 0)
     if "fp32 max |logit diff|" in row:
         ok = ok and row["fp32 max |logit diff|"] < 1e-3
+        ok = ok and row["grouped vs loop (mean)"] < 0.01 and row["logp vs HF (mean)"] < 0.01
         ok = ok and row["replay mismatch"] > 0.9
         ok = ok and row["replayed vs HF-bent"] < 0.5 * row["own vs HF-bent"]
         ok = ok and row["sync exact after steps"] and row["experts changed"] > 0

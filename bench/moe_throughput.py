@@ -94,7 +94,7 @@ def timed(fn: Any, repeats: int) -> float:
 
 def megatron_rows(model_dir: Path, c: dict[str, Any], layers: int, args: argparse.Namespace
                   ) -> dict[str, Any]:
-    from kuberl_trainer.backends.megatron import hf_layout as L, model as M
+    from kuberl_trainer.backends.megatron import grouped_experts, hf_layout as L, model as M
     from kuberl_trainer.backends.megatron.backend import MegatronBackend
 
     spec = make_spec(model_dir, backend="megatron", samples=args.samples, micro_batch=1,
@@ -106,6 +106,9 @@ def megatron_rows(model_dir: Path, c: dict[str, Any], layers: int, args: argpars
     torch.cuda.reset_peak_memory_stats()
     out["off"] = timed(lambda: backend.train_step(batch), args.repeats)
     out["peak"] = torch.cuda.max_memory_allocated() / 2**30
+    grouped_experts.ENABLED = False  # megatron's own SequentialMLP loop, same backend
+    out["sequential"] = timed(lambda: backend.train_step(batch), args.repeats)
+    grouped_experts.ENABLED = True
     backend.algo = spec.algorithm.model_copy(update={"routing_replay": "rollout"})
     routed = dataclasses.replace(batch, routes=random_routes(
         batch, layers, c["num_experts"], c["num_experts_per_tok"]))
@@ -160,6 +163,8 @@ def main() -> int:
         gc.collect()
         torch.cuda.empty_cache()  # the anchor needs the card
         rows.append(("megatron ep1", m["tokens"], m["flops"], m["off"], m["peak"]))
+        rows.append(("megatron ep1 SequentialMLP", m["tokens"], m["flops"], m["sequential"],
+                     m["peak"]))
         rows.append(("megatron ep1 + replay", m["tokens"], m["flops"], m["replay"], m["peak"]))
         ok = bool(m["sync exact"]) and m["expert tensors"] == (
             args.layers * c["num_experts"] * 3)
@@ -175,11 +180,11 @@ def main() -> int:
     rows.append(("bare HF loop", a.tokens, step_flops(c, args.layers, [seq] * rows_n),
                  a.seconds, a.peak_gib))
     anchor_rate = rows[-1][2] / rows[-1][3]
-    print(f"\n{'run':<24} {'tokens':>7} {'s/step':>7} {'tokens/s':>9} {'TFLOP/s':>8} "
+    print(f"\n{'run':<27} {'tokens':>7} {'s/step':>7} {'tokens/s':>9} {'TFLOP/s':>8} "
           f"{'MFU':>6} {'peak GiB':>8} {'/ anchor':>8}")
     for name, tokens, flops, seconds, peak in rows:
         rate = flops / seconds
-        print(f"{name:<24} {tokens:>7} {seconds:>7.3f} {tokens / seconds:>9.0f} "
+        print(f"{name:<27} {tokens:>7} {seconds:>7.3f} {tokens / seconds:>9.0f} "
               f"{rate / 1e12:>8.2f} {rate / peak_flops():>6.1%} {peak:>8.1f} "
               f"{rate / anchor_rate:>7.2f}x")
     print("PASS" if ok else "FAIL: weight sync of the experts is not exact")

@@ -87,3 +87,22 @@ def test_layer_table_leaves_other_stages_layers_unrouted() -> None:
     a, b = torch.tensor([[1, 2]]), torch.tensor([[3, 0]])
     table = layer_table([a, None, b], layers=4, moe_layers=[0, 1, 3])
     assert table[0].tolist() == [[1, 2], [NO_ROUTE, NO_ROUTE], [NO_ROUTE, NO_ROUTE], [3, 0]]
+
+
+def test_grouped_experts_compute_each_experts_swiglu_on_its_rows() -> None:
+    """The grouped experts' function (its loop path here; the grouped-GEMM path on GPUs is
+    checked against HF by bench/megatron_moe_check.py): expert e's rows go through
+    fc2 @ (silu(gate) * up * p), an expert with no rows included."""
+    from kuberl_trainer.backends.megatron.grouped_experts import grouped_swiglu
+
+    torch.manual_seed(0)
+    counts = torch.tensor([3, 0, 2])
+    x, probs = torch.randn(5, 4), torch.rand(5)
+    fc1 = [torch.randn(6, 4) for _ in range(3)]
+    fc2 = [torch.randn(4, 3) for _ in range(3)]
+    out = grouped_swiglu(x, fc1, fc2, counts, probs)
+    owner = [0, 0, 0, 2, 2]
+    for t, e in enumerate(owner):
+        gate, up = fc1[e][:3] @ x[t], fc1[e][3:] @ x[t]
+        want = fc2[e] @ (torch.nn.functional.silu(gate) * up * probs[t])
+        assert torch.allclose(out[t], want, atol=1e-5)

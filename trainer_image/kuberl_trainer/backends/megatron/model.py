@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kuberl_trainer.backends.megatron import hf_layout as L, moe_layout as moe
+from kuberl_trainer.backends.megatron.grouped_experts import grouped_experts_class
 from kuberl_trainer.backends.megatron.sdpa_attention import local_spec_with_sdpa
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -142,7 +143,10 @@ def layer_spec(shape: L.DecoderShape) -> Any:
 
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm)
-    return local_spec_with_sdpa(qk_layernorm=shape.qk_norm, num_experts=experts)
+    spec = local_spec_with_sdpa(qk_layernorm=shape.qk_norm, num_experts=experts)
+    if experts is not None:  # SequentialMLP's parameters, grouped matrix products
+        spec.submodules.mlp.submodules.experts.module = grouped_experts_class()
+    return spec
 
 
 def build_gpt(shape: L.DecoderShape, hf_config: Mapping[str, Any], par: Parallel,
