@@ -18,6 +18,9 @@ and Qwen2-MoE (shared expert, no renormalisation), on small random models:
    tokens' log-probs up and the negative ones' down; ``moe_aux_loss`` is reported (> 0).
 6. **Weight sync after a change**: after training, the export equals the trainer's own
    parameters converted to HF names, every expert tensor bit for bit.
+7. **routingReplay: training**: two optimizer steps per ``train_step``: the old-log-prob pass
+   runs and records the routes, both steps replay them and report the mismatch (the second
+   step's policy has moved by one update: small, not zero).
 
 Run under torchrun; world size = ep (tp 1: an MoE model trains with tp 1)::
 
@@ -187,12 +190,35 @@ def check(name: str, model_dir: Path, world: int, rank: int, args: argparse.Name
             not torch.equal(exported[k], on_disk[k]) for k in experts)
     del backend
     torch.cuda.empty_cache()
+
+    # routingReplay training: two optimizer steps per train_step, so the backend runs an
+    # old-log-prob pass, records its routers' choice there and replays it in both steps.
+    two = spec.model_copy(update={
+        "training": spec.training.model_copy(update={"global_batch_size": SAMPLES // 2}),
+        "algorithm": spec.algorithm.model_copy(update={"routing_replay": "training"})})
+    backend = MegatronBackend(two, rank=rank, world_size=world, device="cuda")
+    got = backend.train_step(my_rows(backend, batch))
+    row["training-mode recomputed"] = got.get("old_logprobs_recomputed", 0.0)
+    row["training-mode mismatch"] = got.get("routing_replay_mismatch", float("nan"))
+    del backend
+    torch.cuda.empty_cache()
     return row
+
+
+def my_rows(backend: Any, batch: Any) -> Any:
+    """This rank's data-parallel share of ``batch`` (what the driver would send it)."""
+    from kuberl_trainer.backends.packing import step_shards
+
+    dp_rank, dp_size, _ = backend.data_parallel_coords()
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    return batch.select(step_shards(lengths, dp_size, len(batch))[dp_rank])
 
 
 def passed(row: dict[str, Any]) -> bool:
     ok = bool(row["round trip exact"] and row["logp up (+adv)"] > 0
-              and row["logp down (-adv)"] < 0 and row["moe_aux_loss"] > 0)
+              and row["logp down (-adv)"] < 0 and row["moe_aux_loss"] > 0
+              and row["training-mode recomputed"] == 1.0
+              and 0.0 <= row["training-mode mismatch"] < 0.5)
     if "fp32 max |logit diff|" in row:
         ok = ok and row["fp32 max |logit diff|"] < 1e-3
         ok = ok and row["grouped vs loop (mean)"] < 0.01 and row["logp vs HF (mean)"] < 0.01

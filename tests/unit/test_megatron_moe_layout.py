@@ -110,3 +110,14 @@ def test_every_hf_tensor_is_exported_once() -> None:
     hf, shape = hf_model("qwen2_moe")
     names = [n for e in export.exports(shape, 2, 2) for n in e.hf]
     assert sorted(names) == sorted(n for n in hf if n != "lm_head.weight" or not shape.tied)
+
+
+def test_layouts_the_backend_refuses() -> None:
+    _, q3 = hf_model("qwen3_moe")
+    with pytest.raises(ValueError, match="apply to mixture-of-experts models"):
+        moe.check_layout(None, 1, 2, None)
+    with pytest.raises(ValueError, match="tp 1"):
+        moe.check_layout(q3.experts, 2, 1, None)
+    with pytest.raises(ValueError, match="etp 3 must divide moe_intermediate_size"):
+        moe.check_layout(q3.experts, 1, 2, 3)
+    moe.check_layout(q3.experts, 1, 4, 2)  # 4 experts over ep 4, I = 16 over etp 2

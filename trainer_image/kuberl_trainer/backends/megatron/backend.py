@@ -58,11 +58,8 @@ from kuberl_trainer.backends.hf_files import (
 from kuberl_trainer.backends.megatron import hf_layout as L, model as M, moe_runtime as MR
 from kuberl_trainer.backends.megatron.bucket_export import BucketExport
 from kuberl_trainer.backends.megatron.grad_norm import use_sync_free_grad_norm
-from kuberl_trainer.backends.megatron.moe_runtime import (
-    check_moe_layout,
-    idle_micro_batches,
-    record_routes,
-)
+from kuberl_trainer.backends.megatron.moe_layout import check_layout as check_moe_layout
+from kuberl_trainer.backends.megatron.moe_runtime import idle_micro_batches, record_routes
 from kuberl_trainer.backends.micro_batches import MicroBatch, micro_batches
 from kuberl_trainer.backends.offload import Offloads, optimizer_state, release_cached
 from kuberl_trainer.backends.optim import MAX_GRAD_NORM, LrMultiplier, optim_config
@@ -125,7 +122,7 @@ class MegatronBackend(BucketExport):
         self.shape = L.DecoderShape.from_hf_config(M.read_hf_config(spec.model.path))
         self.shape.check_tp(p.tp)
         L.stage_layers(self.shape.num_layers, p.pp, 0)  # raises when pp does not divide
-        check_moe_layout(self.shape, p.tp, p.ep, p.etp)
+        check_moe_layout(self.shape.experts, p.tp, p.ep, p.etp)
         self.model = self._build_trainable()
         self.replay = (None if self.shape.experts is None
                        else MR.Replay(self.model, self.shape.num_layers))

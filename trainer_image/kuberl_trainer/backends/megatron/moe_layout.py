@@ -82,6 +82,23 @@ class ExpertShape:
         return range(ep_rank * per, (ep_rank + 1) * per)
 
 
+def check_layout(experts: ExpertShape | None, tp: int, ep: int, etp: int | None) -> None:
+    """Refuse an expert layout the megatron backend cannot build for this model (``experts``:
+    its ``DecoderShape.experts``); ``etp`` None is tp."""
+    if experts is None:
+        if ep > 1 or etp is not None:
+            raise ValueError("parallelism.ep and etp apply to mixture-of-experts models; this "
+                             "model is dense")
+        return
+    if tp > 1:
+        # megatron-core refuses to train an MoE layer under tp without sequence parallelism,
+        # which this backend does not lay out (packed rows would have to split over tp).
+        raise ValueError("a mixture-of-experts model trains with tp 1 in the megatron backend "
+                         "(tp > 1 needs sequence parallelism, not built yet): spread the "
+                         "experts with parallelism.ep and etp instead")
+    experts.check_parallel(ep, tp if etp is None else etp, tp)
+
+
 # -- names -----------------------------------------------------------------------------------
 
 

@@ -130,23 +130,6 @@ def aux_loss_metric(micro_batches: int, moe_layers: int, pp_group: Any | None) -
 
 
 
-def check_moe_layout(shape: Any, tp: int, ep: int, etp: int | None) -> None:
-    """Refuse an expert layout the backend cannot build for this model (``shape``: a
-    ``hf_layout.DecoderShape``)."""
-    if shape.experts is None:
-        if ep > 1 or etp is not None:
-            raise ValueError("parallelism.ep and etp apply to mixture-of-experts models; this "
-                             "model is dense")
-        return
-    if tp > 1:
-        # megatron-core refuses to train an MoE layer under tp without sequence parallelism,
-        # which this backend does not lay out (packed rows would have to split over tp).
-        raise ValueError("a mixture-of-experts model trains with tp 1 in the megatron backend "
-                         "(tp > 1 needs sequence parallelism, not built yet): spread the "
-                         "experts with parallelism.ep and etp instead")
-    shape.experts.check_parallel(ep, tp if etp is None else etp, tp)
-
-
 def idle_micro_batches(micros: list[MicroBatch], count: int) -> list[MicroBatch]:
     """``count`` micro-batches that add nothing to the loss (the last one again, its loss mask
     zeroed): a rank with fewer micro-batches than its expert-parallel peers still joins their
