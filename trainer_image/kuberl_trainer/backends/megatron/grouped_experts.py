@@ -52,7 +52,8 @@ def grouped_swiglu(x: Tensor, fc1: list[Tensor], fc2: list[Tensor], counts: Tens
         out: Tensor = torch._grouped_mm(a, torch.stack(fc2).transpose(1, 2), offs=offs)
         return out
     outs = []
-    for rows, p, w1, w2 in zip(x.split(counts.tolist()), probs.split(counts.tolist()), fc1, fc2,
+    sizes = [int(n) for n in counts.tolist()]
+    for rows, p, w1, w2 in zip(torch.split(x, sizes), torch.split(probs, sizes), fc1, fc2,
                                strict=True):
         gate, up = (rows @ w1.t()).chunk(2, dim=-1)
         outs.append(((F.silu(gate) * up * p.unsqueeze(-1)).to(x.dtype)) @ w2.t())
