@@ -231,8 +231,9 @@ class MegatronBackend(BucketExport):
 
     def _micros(self, batch: TrainBatch, *, sft: bool = False) -> list[MicroBatch]:
         """``batch`` packed into micro-batches (``backends/micro_batches.py``). Data-parallel
-        ranks may run different counts: nothing in a Megatron forward is collective across
-        them (the gradients are reduced once, after the last micro-batch)."""
+        ranks may run different counts of a dense model: nothing in its forward is collective
+        across them (the gradients are reduced once, after the last micro-batch). With ep > 1
+        the experts' all-to-all is, so every rank runs the busiest one's count."""
         micros = micro_batches(batch, micro_batch_size=self.micro_batch_size,
                                max_tokens=self.spec.training.max_tokens_per_micro_batch,
                                agree=self._busiest if self.par.ep > 1 else None, sft=sft)
