@@ -110,3 +110,24 @@ def test_the_router_needs_sglang_router_installed(model: Path,
     check_router(spec(model, backend="fsdp"))  # router none: nothing needed
     with pytest.raises(PreflightError, match=r"^spec\.rollout\.router: .*kuberl\[trainer\]"):
         check_router(routed)
+
+
+QWEN3_MOE = {**QWEN2, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 32, "norm_topk_prob": True}
+
+
+@pytest.mark.usefixtures("megatron_installed")
+def test_megatron_expert_layouts(tmp_path: Path, model: Path) -> None:
+    """An MoE model trains with tp 1 and experts spread over ep (dividing its 8 experts);
+    ep on a dense model is refused, naming parallelism."""
+    moe_dir = tmp_path / "moe"
+    moe_dir.mkdir()
+    (moe_dir / "config.json").write_text(json.dumps(QWEN3_MOE))
+    check_backend(spec(moe_dir, tp=1, ep=4, etp=2))
+    with pytest.raises(PreflightError, match=r"parallelism: .*tp 1"):
+        check_backend(spec(moe_dir, tp=2))
+    (moe_dir / "config.json").write_text(json.dumps({**QWEN3_MOE, "num_experts": 6}))
+    with pytest.raises(PreflightError, match=r"ep 4 must divide the number of experts \(6\)"):
+        check_backend(spec(moe_dir, tp=1, ep=4))
+    with pytest.raises(PreflightError, match="apply to mixture-of-experts models"):
+        check_backend(spec(model, tp=1, ep=2))

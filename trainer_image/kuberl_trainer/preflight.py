@@ -66,13 +66,14 @@ def check_data(spec: RLJobSpec) -> None:
 
 def check_backend(spec: RLJobSpec) -> None:
     """The megatron backend's needs: megatron-core installed, a model family it converts, and
-    model parallelism that divides the model."""
+    model (and expert) parallelism that divides the model."""
     if spec.training.backend != "megatron":
         return
     import importlib.util
     import json
 
     from kuberl_trainer.backends.megatron.hf_layout import DecoderShape
+    from kuberl_trainer.backends.megatron.moe_layout import check_layout
 
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec(
             "megatron.core") is None:
@@ -86,6 +87,10 @@ def check_backend(spec: RLJobSpec) -> None:
         shape.check_tp(p.tp)
     except ValueError as exc:
         raise PreflightError(f"spec.model.path: {exc}") from None
+    try:
+        check_layout(shape.experts, p.tp, p.ep, p.etp)
+    except ValueError as exc:
+        raise PreflightError(f"spec.training.parallelism: {exc}") from None
     if shape.num_layers % p.pp:
         raise PreflightError(f"spec.training.parallelism.pp: {p.pp} must divide the model's "
                              f"{shape.num_layers} layers")

@@ -17,6 +17,10 @@ last pipeline stage's logits with TP rank 0.
   the TP group (``backends/vocab_logprobs.py``) and fed to the same ``algos.objective`` as the
   fsdp backend, normalised over the whole global batch, so Megatron sums gradients over
   data-parallel ranks instead of averaging them (``calculate_per_token_loss``).
+- **Mixture of experts** (Qwen3-MoE, Qwen2-MoE; ``moe_layout``, ``moe_runtime``): experts
+  split over ep ranks (carved out of the data-parallel ranks) and their matrices over etp;
+  every rank of an expert-parallel group runs the same number of micro-batches (the token
+  all-to-all is collective). Routing replay hooks the routers (``routing_replay``).
 - **Weight sync** gathers TP shards into full HF tensors bucket by bucket (``megatron/
   export.py``'s plan), issuing the next bucket's all-gathers before yielding the current one;
   later pipeline stages send theirs to global rank 0, which sends to the engines.
@@ -51,8 +55,11 @@ from kuberl_trainer.backends.hf_files import (
     copy_tokenizer,
     read_safetensors_dir,
 )
-from kuberl_trainer.backends.megatron import export, hf_layout as L, model as M
+from kuberl_trainer.backends.megatron import hf_layout as L, model as M, moe_runtime as MR
+from kuberl_trainer.backends.megatron.bucket_export import BucketExport
 from kuberl_trainer.backends.megatron.grad_norm import use_sync_free_grad_norm
+from kuberl_trainer.backends.megatron.moe_layout import check_layout as check_moe_layout
+from kuberl_trainer.backends.megatron.moe_runtime import idle_micro_batches, record_routes
 from kuberl_trainer.backends.micro_batches import MicroBatch, micro_batches
 from kuberl_trainer.backends.offload import Offloads, optimizer_state, release_cached
 from kuberl_trainer.backends.optim import MAX_GRAD_NORM, LrMultiplier, optim_config
@@ -71,7 +78,7 @@ RNG_FILE = "rng_rank{rank}.pt"
 SEED = 1234
 
 
-class MegatronBackend:
+class MegatronBackend(BucketExport):
     """One GPU's rank of the megatron backend (see the module docstring)."""
 
     def __init__(self, spec: RLJobSpec, *, rank: int, world_size: int, device: str) -> None:
@@ -93,13 +100,17 @@ class MegatronBackend:
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(tensor_model_parallel_size=p.tp,
                                          pipeline_model_parallel_size=p.pp,
-                                         context_parallel_size=p.cp)
+                                         context_parallel_size=p.cp,
+                                         expert_model_parallel_size=p.ep,
+                                         expert_tensor_parallel_size=p.expert_tp)
         elif (ps.get_tensor_model_parallel_world_size(),
               ps.get_pipeline_model_parallel_world_size()) != (p.tp, p.pp):
             raise RuntimeError("this process already holds a different Megatron grid")
         self.ps = ps
         self.par = M.Parallel(tp=p.tp, tp_rank=ps.get_tensor_model_parallel_rank(),
-                              pp=p.pp, pp_rank=ps.get_pipeline_model_parallel_rank())
+                              pp=p.pp, pp_rank=ps.get_pipeline_model_parallel_rank(),
+                              ep=p.ep, ep_rank=ps.get_expert_model_parallel_rank(),
+                              etp=p.expert_tp, etp_rank=ps.get_expert_tensor_parallel_rank())
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
         torch.manual_seed(SEED)
@@ -111,7 +122,12 @@ class MegatronBackend:
         self.shape = L.DecoderShape.from_hf_config(M.read_hf_config(spec.model.path))
         self.shape.check_tp(p.tp)
         L.stage_layers(self.shape.num_layers, p.pp, 0)  # raises when pp does not divide
+        check_moe_layout(self.shape.experts, p.tp, p.ep, p.etp)
         self.model = self._build_trainable()
+        self.replay = (None if self.shape.experts is None
+                       else MR.Replay(self.model, self.shape.num_layers))
+        self.aux_coef = float(getattr(self.model.config, "moe_aux_loss_coeff", 0.0) or 0.0)
+        self._record = False  # the old-log-prob pass records routes (routingReplay training)
         self.ref = self._build_reference()
         self.optimizer = self._build_optimizer()
         o = optim_config(spec)
@@ -154,7 +170,8 @@ class MegatronBackend:
         """This rank's GPTModel with the weights of the HF checkpoint at ``path``."""
         hf_config = M.read_hf_config(path)
         shape = L.DecoderShape.from_hf_config(hf_config)
-        module = M.build_gpt(shape, hf_config, self.par)
+        module = M.build_gpt(shape, hf_config, self.par,
+                             aux_loss_coef=self.algo.router_aux_loss_coef)
         M.load_hf(module, read_safetensors_dir(Path(path)), shape, self.par)
         return module
 
@@ -214,10 +231,21 @@ class MegatronBackend:
 
     def _micros(self, batch: TrainBatch, *, sft: bool = False) -> list[MicroBatch]:
         """``batch`` packed into micro-batches (``backends/micro_batches.py``). Data-parallel
-        ranks may run different counts: nothing in a Megatron forward is collective across
-        them (the gradients are reduced once, after the last micro-batch)."""
-        return micro_batches(batch, micro_batch_size=self.micro_batch_size,
-                             max_tokens=self.spec.training.max_tokens_per_micro_batch, sft=sft)
+        ranks may run different counts of a dense model: nothing in its forward is collective
+        across them (the gradients are reduced once, after the last micro-batch). With ep > 1
+        the experts' all-to-all is, so every rank runs the busiest one's count."""
+        micros = micro_batches(batch, micro_batch_size=self.micro_batch_size,
+                               max_tokens=self.spec.training.max_tokens_per_micro_batch,
+                               agree=self._busiest if self.par.ep > 1 else None, sft=sft)
+        if self.par.ep > 1:  # the experts' all-to-all is collective over the ep group
+            micros += idle_micro_batches(micros, self._busiest(len(micros)) - len(micros))
+        return micros
+
+    def _busiest(self, count: int) -> int:
+        """The largest of the data-parallel ranks' ``count`` (collective)."""
+        total = torch.tensor(count, device="cuda")
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
+        return int(total.item())
 
     def _run(self, model: Any, micros: list[MicroBatch],
              loss_fn: Callable[[MicroBatch, Tensor], Any], *, forward_only: bool,
@@ -235,6 +263,10 @@ class MegatronBackend:
             # given, so those get a CPU copy (no device sync per layer) while attention takes
             # the GPU ones. TE's kernels need both on the GPU.
             host = None if self.te else mb.bin.cu_seqlens_cpu
+            if self.replay is not None and chunk is self.model:
+                replayed = mb.batch.routes if self.algo.routing_replay != "none" else None
+                self.replay.set_micro_batch(replayed, mb.batch.attention_mask,
+                                            record=self._record)
             params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=p.cu_seqlens,
                                      cu_seqlens_kv=p.cu_seqlens, max_seqlen_q=p.max_seqlen,
                                      max_seqlen_kv=p.max_seqlen, cu_seqlens_q_padded=host,
@@ -275,6 +307,8 @@ class MegatronBackend:
 
     @torch.no_grad()
     def _logprobs(self, model: Any, batch: TrainBatch) -> Tensor:
+        """``[B, T]`` log-probs (last stage; empty elsewhere). With ``self._record``, every
+        rank also sets ``self.recorded``: the routes its routers chose, ``[B, T, layers, k]``."""
         micros = self._micros(batch.to("cuda"))
 
         def report(mb: MicroBatch, output: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
@@ -283,6 +317,8 @@ class MegatronBackend:
             return zero, torch.zeros((), dtype=torch.int, device=output.device), {"logp": logp}
 
         stored = self._run(model, micros, report, forward_only=True)
+        if self._record and self.replay is not None:
+            self.recorded = record_routes(self.replay, micros, batch)
         if not self.par.last_stage:
             return torch.empty(0)
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device="cuda")
@@ -300,6 +336,9 @@ class MegatronBackend:
                                    self.spec.global_batch_size,
                                    f"{self.dp_size} data-parallel ranks")
         # Old and reference log-probs of the whole shard, before the first step moves the policy.
+        if self.replay is not None:
+            self.replay.reset_counts()
+        self._micro_count = 0
         batch, recomputed = self._prepare(batch.to("cuda"))
         metrics = StepMetrics()
         for i, (step_batch, sft_part) in enumerate(zip(batch.chunks(self.rank_batch_size),
@@ -307,7 +346,8 @@ class MegatronBackend:
             if sft_part is not None:
                 sft_part = sft_part.to("cuda")
             self._optimizer_step(step_batch, sft_part, metrics, fresh=i == 0)
-        return metrics.summary() | {"old_logprobs_recomputed": float(recomputed)}
+        return (metrics.summary() | {"old_logprobs_recomputed": float(recomputed)}
+                | self._moe_metrics())
 
     def _prepare(self, batch: TrainBatch) -> tuple[TrainBatch, bool]:
         """Old log-probs when the rollout feeds several optimizer steps (not with
@@ -320,9 +360,15 @@ class MegatronBackend:
         recompute = (batch.old_logprobs is None and len(batch) > self.rank_batch_size
                      and self.objective.old_logprobs == "trainer")
         if recompute:
-            old = self._logprobs(self.model, batch)
+            self._record = self.replay is not None and self.algo.routing_replay == "training"
+            try:
+                old = self._logprobs(self.model, batch)
+            finally:
+                self._record = False
             if self.par.last_stage:
                 batch = dataclasses.replace(batch, old_logprobs=old)
+            if self.replay is not None and self.algo.routing_replay == "training":
+                batch = dataclasses.replace(batch, routes=self.recorded.to(batch.input_ids.device))
         return batch, recompute
 
     def _optimizer_step(self, batch: TrainBatch, sft: TrainBatch | None,
@@ -362,7 +408,11 @@ class MegatronBackend:
         lr = self.algo.lr * self.lr_at(self.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if self.aux_coef > 0:
+            MR.scale_aux_loss(self.model, self.aux_coef,
+                              self._dp_sum(float(sum(m.packed.tokens for m in micros))))
         reported = self._run(self.model, micros, loss, forward_only=False)
+        self._micro_count += len(micros)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             LOG.warning("non-finite gradients: skipping this optimizer step")
@@ -370,6 +420,22 @@ class MegatronBackend:
         for item in reported:  # the last pipeline stage's (others report nothing)
             metrics.add_micro(**item)
         metrics.add_step(float(grad_norm) if grad_norm is not None else math.nan, lr)
+
+    def _moe_metrics(self) -> dict[str, float]:
+        """``moe_aux_loss`` (with a load-balancing loss) and ``routing_replay_mismatch``
+        (with routing replay) of this train_step; collective over the pipeline stages."""
+        if self.replay is None:
+            return {}
+        pp = self.ps.get_pipeline_model_parallel_group() if self.par.pp > 1 else None
+        out = {}
+        aux = MR.aux_loss_metric(self._micro_count, self.shape.num_layers, pp)
+        if aux is not None:
+            out["moe_aux_loss"] = aux
+        if self.algo.routing_replay != "none":
+            mismatch = self.replay.mismatch(pp)
+            if mismatch is not None:
+                out["routing_replay_mismatch"] = mismatch
+        return out
 
     def _dp_sum(self, value: float) -> float:
         """``value`` summed over the data-parallel ranks (>= 1): the global batch's units."""
@@ -379,77 +445,6 @@ class MegatronBackend:
         return max(float(total.item()), 1.0)
 
     # -- weights -----------------------------------------------------------------------------
-
-    def named_tensor_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None,
-                             ) -> Iterator[list[tuple[str, Tensor]]]:
-        """Collective over every rank (each must iterate it to the end). Global rank 0 gets
-        the full HF-named buckets, in ``dtype`` (None: the parameters' bf16); the others
-        yield what they gathered (possibly nothing). A tied model's output layer is the
-        embedding: the plan exports it once, as ``model.embed_tokens.weight``."""
-        if self.dp_rank != 0:  # data-parallel replicas hold the same weights: nothing to do
-            return
-        local = M.named_local_tensors(self.model, self.par, self.shape.num_layers)
-        size = 2 if dtype is None else dtype.itemsize
-        plan = export.plan(self.shape, self.par.pp, bucket_bytes, bytes_per_element=size)
-        pending: tuple[list[export.Export], list[Any]] | None = None
-        for bucket in plan:
-            # Issue this bucket's all-gathers before finishing the previous one: they run on
-            # NCCL's stream while the caller sends what we yield.
-            issued = (bucket, self._gather(bucket, local))
-            if pending is not None:
-                yield self._finish(*pending, dtype)
-            pending = issued
-        if pending is not None:
-            yield self._finish(*pending, dtype)
-
-    def _gather(self, bucket: list[export.Export], local: dict[str, Tensor]) -> list[Any]:
-        if bucket[0].stage != self.par.pp_rank:
-            return []
-        out: list[tuple[list[Tensor], Any]] = []
-        for e in bucket:
-            shard = local[e.megatron]
-            if self.par.tp == 1:
-                out.append(([shard], None))
-                continue
-            parts = [torch.empty_like(shard) for _ in range(self.par.tp)]
-            work = dist.all_gather(parts, shard.contiguous(), async_op=True,
-                                   group=self.ps.get_tensor_model_parallel_group())
-            out.append((parts, work))
-        return out
-
-    def _finish(self, bucket: list[export.Export], gathered: list[Any],
-                dtype: torch.dtype | None) -> list[tuple[str, Tensor]]:
-        named: list[tuple[str, Tensor]] = []
-        for e, (parts, work) in zip(bucket, gathered, strict=False):
-            if work is not None:
-                work.wait()
-            full = L.tp_gather(e.megatron, parts, self.shape)
-            named += export.to_hf(e, full if dtype is None else full.to(dtype), self.shape)
-        stage = bucket[0].stage
-        if stage == 0 or self.par.tp_rank != 0:
-            return named
-        return self._to_rank0(named, stage)
-
-    def _to_rank0(self, named: list[tuple[str, Tensor]], stage: int) -> list[tuple[str, Tensor]]:
-        """Pipeline stage ``stage``'s (TP rank 0, DP rank 0) sends its bucket to global rank 0,
-        which holds stage 0: the engines are fed by one rank."""
-        source = self.ps.get_pipeline_model_parallel_group()
-        src = dist.get_global_rank(source, stage)
-        if self.rank == src:
-            dist.send_object_list([[(n, t.shape, t.dtype) for n, t in named]], dst=0)
-            for _, t in named:
-                dist.send(t.contiguous(), dst=0)
-            return named
-        if self.rank != 0:
-            return []
-        meta: list[Any] = [None]
-        dist.recv_object_list(meta, src=src)
-        out = []
-        for name, shape, dtype in meta[0]:
-            t = torch.empty(shape, dtype=dtype, device="cuda")
-            dist.recv(t, src=src)
-            out.append((name, t))
-        return out
 
     def _hf_state(self) -> dict[str, Tensor]:
         """Every HF tensor on CPU (rank 0; empty elsewhere). Collective."""
@@ -488,7 +483,7 @@ class MegatronBackend:
         saved = torch.load(state_dir / OPTIM_FILE.format(rank=self.rank), map_location="cuda",
                            weights_only=False)
         if saved["layout"] != self._layout():
-            raise ValueError(f"checkpoint {path} was saved with (tp, pp, dp) = "
+            raise ValueError(f"checkpoint {path} was saved with (tp, pp, dp[, ep, etp]) = "
                              f"{tuple(saved['layout'])}; this job runs {tuple(self._layout())} "
                              "(the megatron backend resumes with the layout it saved)")
         with torch.no_grad():
@@ -504,7 +499,8 @@ class MegatronBackend:
         dist.barrier()
 
     def _layout(self) -> list[int]:
-        return [self.par.tp, self.par.pp, self.dp_size]
+        experts = [] if self.shape.experts is None else [self.par.ep, self.par.etp]
+        return [self.par.tp, self.par.pp, self.dp_size, *experts]
 
     def _inner_optimizers(self) -> list[Any]:
         """The torch optimizers over this rank's fp32 shards (one per Megatron optimizer).

@@ -27,6 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kuberl_trainer.backends.megatron import moe_layout as moe
+from kuberl_trainer.backends.megatron.moe_layout import ExpertShape
+
 VOCAB_DIVISIBLE_BY = 128  # Megatron's make_vocab_size_divisible_by default
 
 
@@ -44,13 +47,14 @@ class DecoderShape:
     tied: bool
     qkv_bias: bool   # Qwen2/Qwen2.5
     qk_norm: bool    # Qwen3: RMSNorm on each head's q and k
+    experts: ExpertShape | None = None  # mixture-of-experts models (moe_layout)
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> DecoderShape:
         kind = config.get("model_type")
-        if kind not in ("qwen2", "qwen3", "llama"):
+        if kind not in ("qwen2", "qwen3", "llama", *moe.MOE_FAMILIES):
             raise ValueError(f"model_type {kind!r} is not supported by the megatron backend "
-                             "(qwen2, qwen3 and llama are)")
+                             f"(qwen2, qwen3, llama, {', '.join(moe.MOE_FAMILIES)} are)")
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         return cls(num_layers=int(config["num_hidden_layers"]), hidden=hidden, num_heads=heads,
@@ -58,8 +62,10 @@ class DecoderShape:
                    head_dim=int(config.get("head_dim") or hidden // heads),
                    ffn=int(config["intermediate_size"]), vocab=int(config["vocab_size"]),
                    tied=bool(config.get("tie_word_embeddings", False)),
-                   qkv_bias=kind == "qwen2" or bool(config.get("attention_bias", False)),
-                   qk_norm=kind == "qwen3")
+                   qkv_bias=kind in ("qwen2", "qwen2_moe")
+                   or bool(config.get("attention_bias", False)),
+                   qk_norm=kind in ("qwen3", "qwen3_moe"),
+                   experts=ExpertShape.from_hf_config(config))
 
     @property
     def heads_per_group(self) -> int:
@@ -138,15 +144,20 @@ def hf_to_megatron(hf: Mapping[str, Tensor], shape: DecoderShape, *, tp: int = 1
     out: dict[str, Tensor] = {}
     rows = padded_vocab(shape.vocab, tp)
     used: set[str] = set()
+    if shape.experts is not None:
+        hf = moe.normalise_hf(hf)
     for i in range(shape.num_layers):
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         for kind in ("weight", "bias") if shape.qkv_bias else ("weight",):
             q, k, v = (f"{p}self_attn.{x}_proj.{kind}" for x in "qkv")
             out[f"{m}self_attention.linear_qkv.{kind}"] = fuse_qkv(hf[q], hf[k], hf[v], shape)
             used.update((q, k, v))
-        gate, up = f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[gate], hf[up]])
-        used.update((gate, up))
+        if shape.experts is not None:
+            out.update(moe.hf_mlp_to_megatron(hf, i, shape.experts, used))
+        else:
+            gate, up = f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"
+            out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[gate], hf[up]])
+            used.update((gate, up))
         for suffix, target in _SIMPLE.items():
             if p + suffix in hf:
                 out[m + target] = hf[p + suffix]
@@ -174,7 +185,10 @@ def megatron_to_hf(mg: Mapping[str, Tensor], shape: DecoderShape) -> dict[str, T
         if layer is None:
             continue
         p, suffix = f"model.layers.{layer.group(1)}.", layer.group(2)
-        if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        experts = moe.megatron_mlp_to_hf(suffix, t, p)
+        if experts is not None:
+            out.update(experts)
+        elif suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             kind = suffix.rsplit(".", 1)[1]
             for x, part in zip("qkv", split_qkv(t, shape), strict=True):
                 out[f"{p}self_attn.{x}_proj.{kind}"] = part
@@ -215,8 +229,10 @@ def tp_kind(name: str) -> str:
 
 
 def tp_shard(name: str, full: Tensor, shape: DecoderShape, tp: int, rank: int) -> Tensor:
-    """Rank ``rank``'s shard of the full Megatron tensor ``name``."""
-    shape.check_tp(tp)
+    """Rank ``rank``'s shard of the full Megatron tensor ``name`` (an expert's: ``tp``, ``rank``
+    are etp's, checked by ``ExpertShape.check_parallel``)."""
+    if not moe.is_expert(name):
+        shape.check_tp(tp)
     kind = tp_kind(name)
     if kind == "replicated":
         return full

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kuberl_trainer.backends.megatron import hf_layout as L
+from kuberl_trainer.backends.megatron import hf_layout as L, moe_layout as moe
+from kuberl_trainer.backends.megatron.grouped_experts import grouped_experts_class
 from kuberl_trainer.backends.megatron.sdpa_attention import local_spec_with_sdpa
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -36,6 +37,10 @@ class Parallel:
     tp_rank: int = 0
     pp: int = 1
     pp_rank: int = 0
+    ep: int = 1        # expert parallelism (MoE models): ranks sharing out each layer's experts
+    ep_rank: int = 0
+    etp: int = 1       # expert tensor parallelism: ranks splitting each expert's matrices
+    etp_rank: int = 0
 
     @property
     def first_stage(self) -> bool:
@@ -60,7 +65,7 @@ def has_transformer_engine() -> bool:
 
 
 def transformer_config(shape: L.DecoderShape, hf_config: Mapping[str, Any], par: Parallel,
-                       dtype: torch.dtype) -> Any:
+                       dtype: torch.dtype, aux_loss_coef: float | None = None) -> Any:
     """Megatron's TransformerConfig for an HF decoder, computing in ``dtype``.
 
     ``calculate_per_token_loss``: the backend's loss is already normalised over the whole
@@ -68,10 +73,14 @@ def transformer_config(shape: L.DecoderShape, hf_config: Mapping[str, Any], par:
     micro-batches nor average gradients over data-parallel ranks (it sums them instead).
     ``variable_seq_lengths``: packed micro-batches differ in length, so pipeline stages send
     each activation's shape ahead of it.
+
+    ``aux_loss_coef``: the MoE load-balancing loss's weight (None: the HF config's); see
+    ``moe_settings``.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     te = has_transformer_engine()
+    moe_kw = {} if shape.experts is None else moe_settings(shape, par, aux_loss_coef)
     return TransformerConfig(
         num_layers=shape.num_layers, hidden_size=shape.hidden, num_attention_heads=shape.num_heads,
         num_query_groups=shape.num_kv_heads, kv_channels=shape.head_dim,
@@ -90,27 +99,67 @@ def transformer_config(shape: L.DecoderShape, hf_config: Mapping[str, Any], par:
                                                # sequence lengths even without experts)
         # Weights come from the HF checkpoint (load_hf checks every parameter is filled):
         # allocate on the GPU and skip the random initialisation.
-        use_cpu_initialization=False, perform_initialization=False)
+        use_cpu_initialization=False, perform_initialization=False, **moe_kw)
+
+
+def moe_settings(shape: L.DecoderShape, par: Parallel, aux_loss_coef: float | None
+                 ) -> dict[str, Any]:
+    """TransformerConfig's MoE arguments for a Qwen MoE model (``shape.experts``).
+
+    Routing as HF computes it: the softmax over all experts' logits, the top k, renormalised
+    when ``norm_topk_prob`` -- which is exactly the softmax over the k chosen logits, megatron's
+    default (``moe_router_pre_softmax=False``); without renormalising (Qwen2-MoE), the softmax
+    comes first (``moe_router_pre_softmax=True``) and the top k keep their probabilities.
+    Router logits in the activations' dtype, as HF and the engines compute them.
+
+    Load balancing: Switch-style ``aux_loss`` as HF's (``E * sum_i f_i * P_i``), megatron
+    attaching each layer's to the router's output (``MoEAuxLossAutoScaler``) so the backward
+    takes it. HF averages it over the layers; megatron sums the layers', so each gets
+    ``coef / layers`` (``moe_runtime.scale_aux_loss`` divides it further by the step's tokens
+    before each step). Coefficient 0: no aux loss (``none``).
+    """
+    e = shape.experts
+    assert e is not None
+    coef = e.aux_loss_coef if aux_loss_coef is None else aux_loss_coef
+    return dict(
+        num_moe_experts=e.experts, moe_router_topk=e.top_k, moe_ffn_hidden_size=e.ffn,
+        moe_router_score_function="softmax", moe_router_pre_softmax=not e.norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss" if coef > 0 else "none",
+        moe_aux_loss_coeff=coef / shape.num_layers if coef > 0 else 0.0,
+        moe_shared_expert_intermediate_size=e.shared_ffn or None,
+        moe_shared_expert_gate=e.shared_ffn > 0,
+        expert_model_parallel_size=par.ep, expert_tensor_parallel_size=par.etp,
+        # Without Transformer Engine there is no grouped GEMM: SequentialMLP runs the local
+        # experts one after another. (Dispatcher: the all-to-all, set for every model.)
+        moe_grouped_gemm=False)
 
 
 def layer_spec(shape: L.DecoderShape) -> Any:
+    experts = None if shape.experts is None else shape.experts.experts
     if has_transformer_engine():
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
-    return local_spec_with_sdpa(qk_layernorm=shape.qk_norm)
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm)
+    spec = local_spec_with_sdpa(qk_layernorm=shape.qk_norm, num_experts=experts)
+    if experts is not None:  # SequentialMLP's parameters, grouped matrix products
+        spec.submodules.mlp.submodules.experts.module = grouped_experts_class()
+    return spec
 
 
 def build_gpt(shape: L.DecoderShape, hf_config: Mapping[str, Any], par: Parallel,
-              dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """This rank's GPTModel (its pipeline stage, its TP shard), on the current GPU, with
-    uninitialised weights (``load_hf`` fills them)."""
+              dtype: torch.dtype = torch.bfloat16, aux_loss_coef: float | None = None
+              ) -> nn.Module:
+    """This rank's GPTModel (its pipeline stage, its TP shard, its experts), on the current
+    GPU, with uninitialised weights (``load_hf`` fills them)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    if shape.experts is not None:
+        _router_gemm_without_te()
     model: nn.Module = GPTModel(
-        config=transformer_config(shape, hf_config, par, dtype),
+        config=transformer_config(shape, hf_config, par, dtype, aux_loss_coef),
         transformer_layer_spec=layer_spec(shape),
         vocab_size=L.padded_vocab(shape.vocab, par.tp),
         max_sequence_length=int(hf_config.get("max_position_embeddings", 4096)),
@@ -123,6 +172,17 @@ def build_gpt(shape: L.DecoderShape, hf_config: Mapping[str, Any], par: Parallel
     # float32 tensors where the checkpoint has bf16. The optimizer keeps fp32 master copies.
     model.to(device=torch.cuda.current_device(), dtype=dtype)
     return model
+
+
+def _router_gemm_without_te() -> None:
+    """megatron-core 0.16.1's router gating (``moe_utils.RouterGatingLinearFunction``) tests
+    ``te_general_gemm is not None``, a name it imports only with Transformer Engine: without
+    TE every MoE forward raises NameError. Defined as None, the function takes its own
+    ``torch.mm`` path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def rope_settings(hf_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -150,14 +210,19 @@ def rope_settings(hf_config: Mapping[str, Any]) -> dict[str, Any]:
 # -- names: Megatron's per-stage module numbering vs the global layer index ------------------
 
 
-def local_name(name: str, par: Parallel, num_layers: int) -> str | None:
-    """The name a global Megatron tensor has in this pipeline stage's module, or None when
-    the stage does not hold it."""
+def local_name(name: str, par: Parallel, num_layers: int,
+               experts: moe.ExpertShape | None = None) -> str | None:
+    """The name a global Megatron tensor has in this rank's module (its pipeline stage's
+    layer numbers, its ep rank's local expert numbers), or None when the rank does not hold
+    it."""
     layers = L.stage_layers(num_layers, par.pp, par.pp_rank)
     match = _LAYER.match(name)
     if match:
         i = int(match.group(1))
-        return f"decoder.layers.{i - layers.start}.{match.group(2)}" if i in layers else None
+        if i not in layers:
+            return None
+        name = f"decoder.layers.{i - layers.start}.{match.group(2)}"
+        return name if experts is None else moe.to_local(name, experts, par.ep, par.ep_rank)
     if name.startswith("embedding."):
         return name if par.first_stage else None
     if name.startswith(("decoder.final_layernorm", "output_layer")):
@@ -165,13 +230,15 @@ def local_name(name: str, par: Parallel, num_layers: int) -> str | None:
     raise ValueError(f"unknown Megatron tensor {name}")
 
 
-def global_name(name: str, par: Parallel, num_layers: int) -> str:
+def global_name(name: str, par: Parallel, num_layers: int,
+                experts: moe.ExpertShape | None = None) -> str:
     """Inverse of ``local_name``."""
     match = _LAYER.match(name)
     if not match:
         return name
     first = L.stage_layers(num_layers, par.pp, par.pp_rank).start
-    return f"decoder.layers.{int(match.group(1)) + first}.{match.group(2)}"
+    name = f"decoder.layers.{int(match.group(1)) + first}.{match.group(2)}"
+    return name if experts is None else moe.to_global(name, experts, par.ep, par.ep_rank)
 
 
 def stage_state(hf: Mapping[str, Tensor], shape: L.DecoderShape, par: Parallel
@@ -179,11 +246,15 @@ def stage_state(hf: Mapping[str, Tensor], shape: L.DecoderShape, par: Parallel
     """This rank's share of a full HF state dict, in its module's names: its stage's tensors,
     its TP shard of each."""
     full = L.hf_to_megatron(hf, shape, tp=par.tp)
+    if shape.experts is not None:
+        shape.experts.check_parallel(par.ep, par.etp, par.tp)
     out = {}
     for name, tensor in full.items():
-        local = local_name(name, par, shape.num_layers)
-        if local is not None:
-            out[local] = L.tp_shard(name, tensor, shape, par.tp, par.tp_rank).contiguous()
+        local = local_name(name, par, shape.num_layers, shape.experts)
+        if local is None:
+            continue
+        tp, rank = (par.etp, par.etp_rank) if moe.is_expert(name) else (par.tp, par.tp_rank)
+        out[local] = L.tp_shard(name, tensor, shape, tp, rank).contiguous()
     if shape.tied and par.last_stage and not par.first_stage:
         # A tied model's last stage keeps its own copy of the embedding as the output layer
         # (Megatron keeps the two in sync by all-reducing their gradients).
@@ -215,12 +286,12 @@ def load_hf(model: nn.Module, hf: Mapping[str, Tensor], shape: L.DecoderShape,
         p.copy_(src)
 
 
-def named_local_tensors(model: nn.Module, par: Parallel, num_layers: int
-                        ) -> dict[str, Tensor]:
+def named_local_tensors(model: nn.Module, par: Parallel, num_layers: int,
+                        experts: moe.ExpertShape | None = None) -> dict[str, Tensor]:
     """This rank's shards under their global Megatron names (the export plan's keys)."""
     out = {}
     for name, p in model.named_parameters():
-        out[global_name(_unwrapped(name), par, num_layers)] = p.detach()
+        out[global_name(_unwrapped(name), par, num_layers, experts)] = p.detach()
     return out
 
 

@@ -104,10 +104,12 @@ def core_attention_class() -> type:
     return SDPACoreAttention
 
 
-def local_spec_with_sdpa(qk_layernorm: bool = False) -> Any:
-    """Megatron's local GPT layer spec with ``SDPACoreAttention`` as its core attention."""
+def local_spec_with_sdpa(qk_layernorm: bool = False, num_experts: int | None = None) -> Any:
+    """Megatron's local GPT layer spec with ``SDPACoreAttention`` as its core attention (and an
+    MoE MLP of ``SequentialMLP`` experts when ``num_experts``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=qk_layernorm)
     spec.submodules.self_attention.submodules.core_attention = core_attention_class()
     return spec
