@@ -1,6 +1,6 @@
-"""`python -m kuberl_trainer.tiny build --out DIR [--variant add|tool|moe] [--seed 0] [--sft-steps N]
-[--force]`; `python -m kuberl_trainer.tiny reward-model --out DIR --policy BUILD/model [--seed 0]
-[--force]`."""
+"""`python -m kuberl_trainer.tiny build --out DIR [--variant add|tool|moe] [--seed 0]
+[--sft-steps N] [--force]`; `python -m kuberl_trainer.tiny reward-model --out DIR
+--policy BUILD/model [--seed 0] [--force]`."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=BuildConfig.seed)
     b.add_argument("--sft-steps", type=int, default=None,
                    help=f"SFT warm-start steps of {BuildConfig.sft_batch_size} examples "
-                   f"(default {BuildConfig.sft_steps}; tool: {TOOL_SFT_STEPS}; moe: {MOE_SFT_STEPS})")
+                   f"(default {BuildConfig.sft_steps}; tool: {TOOL_SFT_STEPS}; "
+                   f"moe: {MOE_SFT_STEPS})")
     b.add_argument("--variant", choices=VARIANTS, default="add",
                    help="add: a+b= (the demo); tool: a+b+c= with a calculator to call "
                    "(examples/tiny-agent.yaml); moe: a+b= on a Qwen3-MoE model (4 experts, top-2)")

@@ -92,8 +92,8 @@ def expert_loads(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     """Per MoE layer, the share of routed (token, slot) pairs each expert takes on the
     problems' "prompt answer<eos>" sequences (padding left out): a router that sends every
     token to the same top-k experts shows k shares of 1/k and zeros."""
-    rows = [tokenizer.encode(p.prompt + p.label, add_special_tokens=False)
-            + [tokenizer.eos_token_id] for p in problems]
+    rows = [[*tokenizer.encode(p.prompt + p.label, add_special_tokens=False),
+             tokenizer.eos_token_id] for p in problems]
     width = max(len(r) for r in rows)
     ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])

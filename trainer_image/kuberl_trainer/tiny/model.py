@@ -88,7 +88,6 @@ def make_moe_config(shape: ModelShape, experts: Experts) -> Qwen3MoeConfig:
         num_hidden_layers=shape.layers,
         num_attention_heads=shape.heads,
         num_key_value_heads=shape.heads,
-        head_dim=shape.hidden // shape.heads,
         max_position_embeddings=shape.max_positions,
         tie_word_embeddings=True,
         pad_token_id=VOCAB[PAD],
