@@ -68,6 +68,14 @@ def tiny() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe() -> Path:
+    """The tiny job on a mixture-of-experts policy (tests.integration.local_run.tiny_moe_job)."""
+    from tests.integration.local_run import tiny_moe_job
+
+    return tiny_moe_job()
+
+
+@pytest.fixture(scope="session")
 def teacher() -> Path:
     """The tiny job's model trained longer (its data is the same): a distillation teacher."""
     from tests.integration.local_run import TEACHER_SFT_STEPS, tiny_job

@@ -38,6 +38,16 @@ def tiny_tool_job() -> Path:
     return out
 
 
+def tiny_moe_job() -> Path:
+    """The tiny job on a Qwen3-MoE policy (`tiny build --variant moe`: the add variant's data,
+    4 experts, top-2), built once per machine as tiny_job is."""
+    from kuberl_trainer.tiny.build import MOE_SFT_STEPS, BuildConfig, build
+
+    out = _cache() / f"test-tiny-moe-sft{MOE_SFT_STEPS}"
+    build(out, BuildConfig(sft_steps=MOE_SFT_STEPS, variant="moe"))
+    return out
+
+
 def tiny_reward_model(tiny: Path) -> Path:
     """The tiny reward model (`tiny reward-model`: the tiny policy's body, a score head fitted
     to prefer right answers), built once per machine from the tiny job's policy `tiny`."""

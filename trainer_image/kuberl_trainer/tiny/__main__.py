@@ -1,6 +1,6 @@
-"""`python -m kuberl_trainer.tiny build --out DIR [--variant add|tool] [--seed 0] [--sft-steps N]
-[--force]`; `python -m kuberl_trainer.tiny reward-model --out DIR --policy BUILD/model [--seed 0]
-[--force]`."""
+"""`python -m kuberl_trainer.tiny build --out DIR [--variant add|tool|moe] [--seed 0]
+[--sft-steps N] [--force]`; `python -m kuberl_trainer.tiny reward-model --out DIR
+--policy BUILD/model [--seed 0] [--force]`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kuberl_trainer.tiny.build import TOOL_SFT_STEPS, VARIANTS, BuildConfig, build
+from kuberl_trainer.tiny.build import MOE_SFT_STEPS, TOOL_SFT_STEPS, VARIANTS, BuildConfig, build
 from kuberl_trainer.tiny.reward_model import RewardConfig, build_reward_model
 
 
@@ -23,10 +23,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=BuildConfig.seed)
     b.add_argument("--sft-steps", type=int, default=None,
                    help=f"SFT warm-start steps of {BuildConfig.sft_batch_size} examples "
-                   f"(default {BuildConfig.sft_steps}; tool: {TOOL_SFT_STEPS})")
+                   f"(default {BuildConfig.sft_steps}; tool: {TOOL_SFT_STEPS}; "
+                   f"moe: {MOE_SFT_STEPS})")
     b.add_argument("--variant", choices=VARIANTS, default="add",
                    help="add: a+b= (the demo); tool: a+b+c= with a calculator to call "
-                   "(examples/tiny-agent.yaml)")
+                   "(examples/tiny-agent.yaml); moe: a+b= on a Qwen3-MoE model (4 experts, top-2)")
     b.add_argument("--force", action="store_true", help="rebuild even if DIR is up to date")
     r = sub.add_parser("reward-model", help="build DIR: a reward model (a one-label "
                        "Qwen2ForSequenceClassification) on the policy's body, its head fitted "
@@ -50,7 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     steps = args.sft_steps
     if steps is None:
-        steps = TOOL_SFT_STEPS if args.variant == "tool" else BuildConfig.sft_steps
+        steps = {"tool": TOOL_SFT_STEPS, "moe": MOE_SFT_STEPS}.get(args.variant,
+                                                                 BuildConfig.sft_steps)
     if steps < 0:
         print("--sft-steps must be >= 0", file=sys.stderr)
         return 2

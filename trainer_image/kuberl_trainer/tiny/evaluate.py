@@ -84,3 +84,25 @@ def tool_measures(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
             "greedy_accuracy": accuracy(model, tokenizer, problems),
             "sampled_accuracy": accuracy(model, tokenizer, problems, temperature=1.0,
                                          n_samples=4)}
+
+
+@torch.no_grad()
+def expert_loads(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 problems: list[Problem]) -> list[list[float]]:
+    """Per MoE layer, the share of routed (token, slot) pairs each expert takes on the
+    problems' "prompt answer<eos>" sequences (padding left out): a router that sends every
+    token to the same top-k experts shows k shares of 1/k and zeros."""
+    rows = [[*tokenizer.encode(p.prompt + p.label, add_special_tokens=False),
+             tokenizer.eos_token_id] for p in problems]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    out = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    real = mask.reshape(-1).bool()
+    loads = []
+    for logits in out.router_logits:  # one [B * T, experts] per MoE layer
+        chosen = logits[real].topk(k, dim=-1).indices.reshape(-1)
+        counts = torch.bincount(chosen, minlength=logits.shape[-1]).float()
+        loads.append([round(float(c), 4) for c in counts / counts.sum()])
+    return loads

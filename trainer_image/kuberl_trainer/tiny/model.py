@@ -1,4 +1,6 @@
-"""The tiny policy: a Qwen2-config causal LM sized like DESIGN.md's reference (~0.66M params).
+"""The tiny policy: a Qwen2-config causal LM sized like DESIGN.md's reference (~0.66M params),
+or (the moe variant) a Qwen3-MoE one of the same width and depth whose experts' active
+parameters match the dense MLP's.
 
 Qwen2 (not a bespoke module) so the trainer backends and the reference engine run it through the
 same `AutoModelForCausalLM` path as a real checkpoint. hidden 128 x 4 layers is the smallest
@@ -11,7 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    GenerationConfig,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from kuberl_trainer.tiny.tokenizer import EOS, PAD, VOCAB
 
@@ -48,10 +56,55 @@ def make_config(shape: ModelShape) -> Qwen2Config:
     )
 
 
-def make_model(shape: ModelShape, seed: int) -> Qwen2ForCausalLM:
-    """A freshly initialised model; the weights depend only on `seed` (and torch's version)."""
+@dataclass(frozen=True)
+class Experts:
+    """The moe variant's sparse MLPs (every layer's), on ModelShape's attention and width.
+    Top-2 of 4 experts of half the dense MLP's width: the active MLP parameters per token
+    (2 x 3 x 128 x 128) equal the dense model's (3 x 128 x 256), so a step costs about the
+    same; the total is ~1.05M (the experts hold twice the dense MLP's weights)."""
+
+    experts: int = 4
+    per_token: int = 2
+    intermediate: int = 128
+    # Qwen3-MoE's own: the top-k weights renormalised to sum to 1 (each token's MLP output
+    # keeps the dense scale whichever experts it goes to).
+    norm_topk_prob: bool = True
+    # HF's default; the saved config leaves output_router_logits off, so the load-balancing
+    # loss is added only where a trainer asks for it (the SFT warm start does).
+    router_aux_loss_coef: float = 0.001
+
+
+def make_moe_config(shape: ModelShape, experts: Experts) -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,  # unused: every layer is sparse
+        moe_intermediate_size=experts.intermediate,
+        num_experts=experts.experts,
+        num_experts_per_tok=experts.per_token,
+        norm_topk_prob=experts.norm_topk_prob,
+        router_aux_loss_coef=experts.router_aux_loss_coef,
+        output_router_logits=False,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.heads,
+        max_position_embeddings=shape.max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=VOCAB[PAD],
+        eos_token_id=VOCAB[EOS],
+        bos_token_id=None,
+        # the same reasoning as ModelShape.init_std; the router's weights draw from it too
+        initializer_range=shape.init_std,
+    )
+
+
+def make_model(shape: ModelShape, seed: int, experts: Experts | None = None
+               ) -> Qwen2ForCausalLM | Qwen3MoeForCausalLM:
+    """A freshly initialised model, dense or (`experts` given) Qwen3-MoE; the weights depend
+    only on `seed` (and torch's version)."""
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(make_config(shape))
+    model = Qwen2ForCausalLM(make_config(shape)) if experts is None \
+        else Qwen3MoeForCausalLM(make_moe_config(shape, experts))
     # generation_config.json is written by save_pretrained; without eos/pad there, HF
     # `generate` would run to max_new_tokens and warn about a missing pad token.
     model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]

@@ -69,18 +69,20 @@ def pad_rows(tokenizer: PreTrainedTokenizerBase, rows: list[Row]) -> Tensors:
 
 
 def train(model: PreTrainedModel, tensors: Tensors, *, steps: int, batch_size: int, lr: float,
-          seed: int) -> list[float]:
+          seed: int, router_aux_loss: bool = False) -> list[float]:
     """`steps` AdamW steps on random batches (with replacement) of the encoded rows (`encode`,
-    `tool_rows`); the losses."""
+    `tool_rows`); the losses. `router_aux_loss` (an HF MoE model): the loss adds the config's
+    router_aux_loss_coef times transformers' load-balancing loss, as MoE pre-training does."""
     ids, attention, labels = tensors
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     losses = []
+    extra = {"output_router_logits": True} if router_aux_loss else {}
     for _ in range(steps):
         pick = torch.randint(len(ids), (batch_size,), generator=generator)
         loss = model(input_ids=ids[pick], attention_mask=attention[pick],
-                     labels=labels[pick]).loss
+                     labels=labels[pick], **extra).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
