@@ -515,8 +515,19 @@ TOOL_ARMS: dict[str, Scenario] = {
 # unset (the router's own choice in the trainer; the engine's agrees, same float32 weights).
 MOE = replace(ALGORITHMS["grpo-colocated"], task="moe",
               spec=merge(ALGORITHMS["grpo-colocated"].spec, {"algorithm": {"lr": 1e-3}}))
+# The same in each routing replay mode (docs/moe.md). training: the rollout's 128 samples feed
+# two optimizer steps of 64 (with one there would be nothing to replay), the second replaying
+# the experts the old-log-prob pass chose; rollout: the engine returns each token's experts
+# and every trainer pass replays them. Margins: bench/RESULTS.md.
+MOE_REPLAY = {
+    "moe-replay-training": replace(MOE, spec=merge(MOE.spec, {
+        "algorithm": {"routingReplay": "training"}, "training": TWO_STEPS_PER_ROLLOUT})),
+    "moe-replay-rollout": replace(MOE, spec=merge(MOE.spec, {
+        "algorithm": {"routingReplay": "rollout"}})),
+}
 
-SCENARIOS: dict[str, Scenario] = {**TOOL_ARMS, "moe": MOE, **ALGORITHMS, **CUSTOM_LOSSES,
+SCENARIOS: dict[str, Scenario] = {**TOOL_ARMS, "moe": MOE, **MOE_REPLAY, **ALGORITHMS,
+                                  **CUSTOM_LOSSES,
                                   "on_policy_distillation": DISTILLATION,
                                   "mixed-sft": MIXED_SFT,
                                   "sync-disaggregated": SYNC_DISAGGREGATED,

@@ -4,7 +4,7 @@ backend and a reference engine, the experts synced in the checkpoint's per-exper
 must learn as the dense job does (tests/integration/learning.py, scenario `moe`), the engine
 must sample from the trainer's experts, and the warm start must route over every expert.
 
-(algorithm.routingReplay is not judged here yet: the scenario runs with it unset.)"""
+It learns the same in each routing replay mode (none, training, rollout)."""
 
 from __future__ import annotations
 
@@ -38,16 +38,28 @@ def test_the_moe_build_routes_tokens_over_every_expert(tiny_moe: Path) -> None:
     assert all(min(layer) > MIN_EXPERT_SHARE for layer in loads), loads
 
 
-def test_grpo_on_a_moe_policy_learns(tiny_moe: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["moe", *learning.MOE_REPLAY])
+def test_grpo_on_a_moe_policy_learns(tiny_moe: Path, tmp_path: Path, name: str) -> None:
     from kuberl_trainer.tiny.data import Problem, read_jsonl
     from kuberl_trainer.tiny.evaluate import expert_loads
 
-    scenario = learning.SCENARIOS["moe"]
+    scenario = learning.SCENARIOS[name]
     outcome = scenario.run(tiny_moe, tmp_path)
     rows = outcome.rows
     assert [r["step"] for r in rows] == list(range(scenario.steps))
     for r in rows:
         assert r["rollout_logp_abs_diff_max"] < FP32_GAP_MAX, r
+        # the router's load-balancing loss trains with the model's own coefficient (0.001)
+        assert r["moe_aux_loss"] > 0, r
+    mismatch = [r.get("routing_replay_mismatch") for r in rows]
+    if name == "moe":
+        assert mismatch == [None] * len(rows)
+    elif name == "moe-replay-rollout":
+        # the engine routes as the trainer would (same float32 weights): nothing to change
+        assert all(m is not None and m < 0.01 for m in mismatch), mismatch
+    else:  # training: the second optimizer step replays the first's experts after an update
+        assert all(m is not None and 0 <= m < 0.5 for m in mismatch), mismatch
+        assert all(r["old_logprobs_recomputed"] == 1 for r in rows)
     # every sync sent the whole model, experts included (4 bytes a float32 parameter)
     params = json.loads((tiny_moe / "build.json").read_text())["params"]
     assert {r["weight_sync_bytes"] for r in rows} == {4 * params}
