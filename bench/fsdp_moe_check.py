@@ -124,7 +124,7 @@ def main() -> int:
     p.add_argument("--out", default="/tmp/kuberl-fsdp-moe-check")
     args = p.parse_args()
     return run_family_checks(args.out, check, passed, "fsdp backend MoE check",
-                             models=configs, write=write_models)
+                             names=configs, write=write_models)
 
 
 if __name__ == "__main__":

@@ -146,9 +146,9 @@ def passed(row: dict[str, Any]) -> bool:
 
 def run_family_checks(out: str, check: Callable[[str, Path, int, int], dict[str, Any]],
                       passed: Callable[[dict[str, Any]], bool], title: str, *,
-                      models: Callable[[], Any] | None = None,
+                      names: Callable[[], Any] | None = None,
                       write: Callable[[Path], None] | None = None) -> int:
-    """Under torchrun: write the models once (``write``, named by ``models``; default: the
+    """Under torchrun: write the models once (``write``, named by ``names``; default: the
     dense ``families``), ``check(name, dir, world, rank)`` each, print the rows as a table
     on rank 0 with ``title``; 0 when all passed."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -160,7 +160,7 @@ def run_family_checks(out: str, check: Callable[[str, Path, int, int], dict[str,
         (write or write_models)(models)
     dist.barrier()
     rows = [check(name, models / name, world, rank)
-            for name in (models or families)()]
+            for name in (names or families)()]
     ok = all(passed(r) for r in rows)
     if rank == 0:
         print(f"\n{title}, {world} rank(s), on {torch.cuda.get_device_name()}")
