@@ -71,7 +71,9 @@ class RouterControl:
     def __init__(self, model: nn.Module, layers: int) -> None:
         self.routers = routers(model)
         self.layers = layers
-        self.top_k = max((int(r.top_k) for r in self.routers.values()), default=0)
+        # (getattr: an nn.Module's attribute types as Tensor | Module)
+        self.top_k = max((int(getattr(r, "top_k")) for r in self.routers.values()),  # noqa: B009
+                         default=0)
         self.replay: Tensor | None = None     # [N, layers, k] long, or None
         self.perturb = False
         self.recorded: Tensor | None = None   # [N, layers, k]: the experts used
@@ -86,11 +88,11 @@ class RouterControl:
         originals = {i: r.forward for i, r in self.routers.items()}
         try:
             for i, router in self.routers.items():
-                router.forward = self._wrapped(i, router, originals[i])  # type: ignore[method-assign]
+                router.forward = self._wrapped(i, router, originals[i])
             yield self
         finally:
             for i, router in self.routers.items():
-                router.forward = originals[i]  # type: ignore[method-assign]
+                router.forward = originals[i]
             self.replay = None
 
     def _table(self, rows: int, like: Tensor) -> Tensor:
