@@ -136,6 +136,10 @@ REPLAY_ROLLOUT_SGLANG = ("algorithm.routingReplay rollout needs the engine to re
                          "it routed each token to; SGLang 0.5.6 (the pinned release) has no "
                          "such request field (return_routed_experts arrives in 0.5.7): use "
                          "engine reference, or routingReplay training or none")
+REPLAY_ROLLOUT_ROUTER = ("algorithm.routingReplay rollout: sglang-router (0.3.2) does not pass "
+                         "a request's return_routed_experts on to the engines, so no route "
+                         "would come back: use rollout.router none (kuberl's own client "
+                         "spreads the requests)")
 EVAL_MODE_NEEDS_SETS = ("mode: eval evaluates data.evalSets once and trains nothing: it needs "
                         "at least one eval set")
 EVAL_NEEDS_BOTH = ("schedule.evalInterval needs data.evalSets, and data.evalSets are evaluated "
@@ -419,6 +423,9 @@ JOB_RULES = (
     Rule("self.algorithm.routingReplay != 'rollout' || self.rollout.engine != 'sglang'",
          lambda s: s.algorithm.routing_replay != "rollout" or s.rollout.engine != "sglang",
          REPLAY_ROLLOUT_SGLANG, "algorithm.routingReplay"),
+    Rule("self.algorithm.routingReplay != 'rollout' || self.rollout.router != 'sglang'",
+         lambda s: s.algorithm.routing_replay != "rollout" or s.rollout.router != "sglang",
+         REPLAY_ROLLOUT_ROUTER, "rollout.router"),
     Rule("self.placement == 'colocate' || "
          f"{_at_defaults('self.training.offload', OffloadSpec)}",
          lambda s: s.placement == "colocate" or s.training.offload == OffloadSpec(),
