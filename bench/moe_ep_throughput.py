@@ -69,16 +69,18 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("/tmp/kuberl-moe-throughput"))
     args = p.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     model_dir = args.out / f"a3b-{args.layers}l"
-    if rank == 0:
+    if int(os.environ.get("RANK", 0)) == 0:
+        # Before the process group: transformers' save_pretrained under an initialised one
+        # writes only this rank's part of the shards. The other ranks wait in the rendezvous.
         write_model(model_dir, A3B, args.layers, "cuda")
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
         print(f"Qwen3-30B-A3B layer shape x {args.layers} layers: active params "
               f"{active_params(A3B, args.layers) / 1e9:.3f}B per token, {world} GPUs",
               flush=True)
-    dist.barrier()
     arms = {}
     for ep in (1, world):
         arms[ep] = arm(model_dir, ep, world, rank, args)
