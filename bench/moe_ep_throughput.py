@@ -86,6 +86,9 @@ def main() -> int:
         arms[ep] = arm(model_dir, ep, world, rank, args)
         gc.collect()
         torch.cuda.empty_cache()
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()  # (the next arm's grid has another ep)
     rows = [(f"megatron ep {ep} (dp {world})", a["tokens"], a["flops"], a["seconds"],
              a["peak"], world) for ep, a in arms.items()]
     ok = all(a["exact"] for a in arms.values())

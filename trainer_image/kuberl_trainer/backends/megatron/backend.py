@@ -104,8 +104,11 @@ class MegatronBackend(BucketExport):
                                          expert_model_parallel_size=p.ep,
                                          expert_tensor_parallel_size=p.expert_tp)
         elif (ps.get_tensor_model_parallel_world_size(),
-              ps.get_pipeline_model_parallel_world_size()) != (p.tp, p.pp):
-            raise RuntimeError("this process already holds a different Megatron grid")
+              ps.get_pipeline_model_parallel_world_size(),
+              ps.get_expert_model_parallel_world_size(),
+              ps.get_expert_tensor_parallel_world_size()) != (p.tp, p.pp, p.ep, p.expert_tp):
+            raise RuntimeError("this process already holds a different Megatron grid (tp, pp, "
+                               "ep, etp); parallel_state.destroy_model_parallel() first")
         self.ps = ps
         self.par = M.Parallel(tp=p.tp, tp_rank=ps.get_tensor_model_parallel_rank(),
                               pp=p.pp, pp_rank=ps.get_pipeline_model_parallel_rank(),
