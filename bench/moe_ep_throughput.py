@@ -91,7 +91,7 @@ def main() -> int:
         parallel_state.destroy_model_parallel()  # (the next arm's grid has another ep)
     rows = [(f"megatron ep {ep} (dp {world})", a["tokens"], a["flops"], a["seconds"],
              a["peak"], world) for ep, a in arms.items()]
-    ok = all(a["exact"] for a in arms.values())
+    ok = rank != 0 or all(a["exact"] for a in arms.values())  # (rank 0 holds the export)
     if rank == 0:
         seq = 2048
         anchor = run_anchor(model_dir, rows=args.anchor_rows, seq=seq, micro_rows=4,
