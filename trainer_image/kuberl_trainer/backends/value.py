@@ -28,6 +28,7 @@ from kuberl_trainer.algos import aggregation, value_loss
 from kuberl_trainer.algos.objective import Objective
 from kuberl_trainer.backends.base import TrainBatch
 from kuberl_trainer.backends.fsdp import FSDPBackend
+from kuberl_trainer.backends.moe_routing import MoeRouting
 from kuberl_trainer.backends.fsdp_models import build_model
 from kuberl_trainer.backends.micro_batches import MicroBatch
 from kuberl_trainer.backends.packing import align_to_tokens, unpack
@@ -72,6 +73,11 @@ class ValueBackend(FSDPBackend):
 
     def _lora_spec(self) -> LoraSpec | None:
         return None  # training.lora adapts the policy; the value model trains all its weights
+
+    def _moe_routing(self) -> MoeRouting | None:
+        # Replay and the aux loss are the policy's (docs/moe.md): an MoE value model routes by
+        # itself, with no load-balancing term in the value loss.
+        return None
 
     def _lr(self) -> float:
         return self.spec.critic.lr
