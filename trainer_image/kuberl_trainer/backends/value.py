@@ -28,9 +28,9 @@ from kuberl_trainer.algos import aggregation, value_loss
 from kuberl_trainer.algos.objective import Objective
 from kuberl_trainer.backends.base import TrainBatch
 from kuberl_trainer.backends.fsdp import FSDPBackend
-from kuberl_trainer.backends.moe_routing import MoeRouting
 from kuberl_trainer.backends.fsdp_models import build_model
 from kuberl_trainer.backends.micro_batches import MicroBatch
+from kuberl_trainer.backends.moe_routing import MoeRouting
 from kuberl_trainer.backends.packing import align_to_tokens, unpack
 from kuberl_trainer.backends.tokens import response_mask
 
