@@ -11,6 +11,7 @@ shape we found that learns carries within a minute of SFT on 2 cores; hidden 64 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import (
@@ -39,21 +40,28 @@ class ModelShape:
     init_std: float = 0.08
 
 
+def _settings(shape: ModelShape) -> dict[str, Any]:
+    """What the dense and the moe configs share: the vocabulary, the attention and width, the
+    special tokens, the init scale."""
+    return {
+        "vocab_size": len(VOCAB),
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.heads,
+        "max_position_embeddings": shape.max_positions,
+        "tie_word_embeddings": True,
+        "pad_token_id": VOCAB[PAD],
+        "eos_token_id": VOCAB[EOS],
+        "bos_token_id": None,
+        # (moe: the routers' weights draw from it too)
+        "initializer_range": shape.init_std,
+    }
+
+
 def make_config(shape: ModelShape) -> Qwen2Config:
-    return Qwen2Config(
-        vocab_size=len(VOCAB),
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.heads,
-        max_position_embeddings=shape.max_positions,
-        tie_word_embeddings=True,
-        pad_token_id=VOCAB[PAD],
-        eos_token_id=VOCAB[EOS],
-        bos_token_id=None,
-        initializer_range=shape.init_std,
-    )
+    return Qwen2Config(**_settings(shape))
 
 
 @dataclass(frozen=True)
@@ -75,26 +83,15 @@ class Experts:
 
 
 def make_moe_config(shape: ModelShape, experts: Experts) -> Qwen3MoeConfig:
+    # (intermediate_size goes unused: every layer is sparse)
     return Qwen3MoeConfig(
-        vocab_size=len(VOCAB),
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,  # unused: every layer is sparse
+        **_settings(shape),
         moe_intermediate_size=experts.intermediate,
         num_experts=experts.experts,
         num_experts_per_tok=experts.per_token,
         norm_topk_prob=experts.norm_topk_prob,
         router_aux_loss_coef=experts.router_aux_loss_coef,
         output_router_logits=False,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.heads,
-        max_position_embeddings=shape.max_positions,
-        tie_word_embeddings=True,
-        pad_token_id=VOCAB[PAD],
-        eos_token_id=VOCAB[EOS],
-        bos_token_id=None,
-        # the same reasoning as ModelShape.init_std; the router's weights draw from it too
-        initializer_range=shape.init_std,
     )
 
 
