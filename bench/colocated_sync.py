@@ -16,7 +16,7 @@ Both syncs include pausing generation, flushing the cache and continuing (SGLang
 `control` times those three requests alone, and `engine` is the engine's own logged time per
 update summed over a sync's buckets; a last table times the trainer's parts of a flat sync
 alone. Before each sync the trainer's weights are negated, so the
-engine must get every byte; after the last round every variant's sync is checked: the engine's
+engine must get every byte; every timed sync of every variant is checked: the engine's
 /get_weights_checksum must equal the trainer's bf16 weights' for every name (exit 1 otherwise).
 
     PYTHONPATH=operator:trainer_image:rollout_image:wire:bench python3 bench/colocated_sync.py \\
@@ -189,9 +189,10 @@ def measure(bench: Bench, sizes: list[int], repeats: int) -> list[dict[str, Any]
                 negate(bench.backend)
                 seconds, buckets[name] = timed(sync, mb << 20, str(n))
                 times[name].append(seconds)
+                # every timed sync checked (outside its timing): new weights each time
+                exact[name] = exact.get(name, True) and bench.exact(str(n))
                 if r == repeats - 1:
                     engine[name] = engine_update_s(bench.engine.log, buckets[name])
-                    exact[name] = bench.exact(str(n))
         for name in variants:
             rows.append({"bucket_mb": mb, "variant": name, "buckets": buckets[name],
                          "seconds": statistics.median(times[name]), "all_s": times[name],

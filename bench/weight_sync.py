@@ -12,9 +12,10 @@ megatron backend on GPU 0 and starts `python -m kuberl_rollout.reference` on GPU
   tensor once, broadcast
   GPU 0 -> GPU 1 over a fresh 2-rank `weight_sync.group` to a spawned helper process that only
   receives into preallocated buffers (no HTTP, no gathering, no copy into a model);
-- check: the trainer's weights are negated (exact in bf16) before each bucket size, so the
-  engine must receive every byte; after the last sync the engine's /get_weights_checksum must
-  equal the trainer's sha256 for every name sent ("exact"; the script exits 1 otherwise).
+- check: the trainer's weights are negated (exact in bf16) before every timed sync, so the
+  engine must receive every byte of each; after each one (outside its timing) the engine's
+  /get_weights_checksum must equal the trainer's sha256 for every name sent and its weight
+  version the sync's ("exact": all of them; the script exits 1 otherwise).
 
 Prints GB per sync, seconds per sync (median), full and raw GB/s and their ratio (goal >= 0.9),
 then seconds per sync extrapolated to Qwen2.5-7B / -32B (bf16) at the largest measured shape's
@@ -415,12 +416,19 @@ def measure(shape: str, sync: FullSync, raw: RawPeer, backend: Any, bucket_mb: i
     bucket_bytes = bucket_mb << 20
     negate(backend)
     sync.sync(backend, bucket_bytes)  # warm-up (and, the first time, NCCL's communicator)
-    runs, serial = [], []
+    runs, serial, checks = [], [], []
+    engine_s = float("nan")
     for _ in range(repeats):  # interleaved, so drift on the machine hits both alike
+        # New weights before every timed sync (else only the warm-up carries new bytes),
+        # and every sync checked (outside the timing): the engine must hold them all.
+        negate(backend)
         serial.append(sync.sync(backend, bucket_bytes, prefetch=False)[2])
+        checks.append(sync.exact(backend))
+        negate(backend)
         runs.append(sync.sync(backend, bucket_bytes))
-    engine_s = engine_update_s(engine_log, runs[-1][1])  # the last sync's buckets
-    exact = sync.exact(backend)
+        engine_s = engine_update_s(engine_log, runs[-1][1])  # this sync's buckets
+        checks.append(sync.exact(backend))
+    exact = all(checks)
     buckets = materialize(backend, bucket_bytes)
     nbytes = sum(t.numel() * t.element_size() for bucket in buckets for t in bucket)
     if nbytes != runs[0][0] or len(buckets) != runs[0][1]:
