@@ -26,6 +26,7 @@ Run under torchrun; world size = ep (tp 1: an MoE model trains with tp 1)::
 
     torchrun --nproc-per-node 1 bench/megatron_moe_check.py
     torchrun --nproc-per-node 2 bench/megatron_moe_check.py --ep 2
+    torchrun --nproc-per-node 2 bench/megatron_moe_check.py --etp 2   # each expert split
 
 Exits non-zero when a check fails. Never part of `make test` (needs GPUs and megatron-core).
 """
@@ -130,9 +131,10 @@ def check(name: str, model_dir: Path, world: int, rank: int, args: argparse.Name
 
     spec = make_spec(model_dir, backend="megatron", samples=SAMPLES, micro_batch=2,
                      gpus=world, lr=1e-4, routerAuxLossCoef=0.01)
-    if args.ep != 1:
+    if args.ep != 1 or args.etp is not None:
         training = spec.training.model_copy(update={
-            "parallelism": spec.training.parallelism.model_copy(update={"ep": args.ep})})
+            "parallelism": spec.training.parallelism.model_copy(update={"ep": args.ep,
+                                                                        "etp": args.etp})})
         spec = spec.model_copy(update={"training": training})
     backend = MegatronBackend(spec, rank=rank, world_size=world, device="cuda")
     row: dict[str, Any] = {"family": name}
@@ -231,6 +233,8 @@ def passed(row: dict[str, Any]) -> bool:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--etp", type=int, default=None,
+                   help="expert tensor parallel size (default: tp, 1): ep x etp ranks")
     p.add_argument("--out", default="/tmp/kuberl-moe-check")
     args = p.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -253,7 +257,7 @@ def main() -> int:
     # (rank 0 holds the checks' values; every rank reports its own errors)
     ok = all("error" not in r for r in rows) and (rank != 0 or all(passed(r) for r in rows))
     if rank == 0:
-        print(f"\nmegatron MoE check: ep={args.ep}, {world} rank(s), on "
+        print(f"\nmegatron MoE check: ep={args.ep}, etp={args.etp or 1}, {world} rank(s), on "
               f"{torch.cuda.get_device_name()}")
         for r in rows:
             print(" | ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
