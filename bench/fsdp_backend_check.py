@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gpu_common import make_spec, random_batch  # bench/ is on sys.path
+from gpu_common import make_spec, random_batch, train_and_measure  # bench/ is on sys.path
 from megatron_backend_check import COMMON, hf_logprobs, run_family_checks
 
 SAMPLES = 16
@@ -58,15 +58,10 @@ def check_family(name: str, model_dir: Path, max_tokens: int | None, kernels: st
     shard = batch.split(world)[rank]  # what the driver gives an fsdp rank
     own = len(_own_micros(backend, shard))
     passes = len(backend._micros(shard.to("cuda")))
-    before = backend.logprobs(shard)
-    for _ in range(3):
-        backend.train_step(shard)
-    after = backend.logprobs(shard)
-    adv = shard.advantages
+    moved, _ = train_and_measure(backend, shard)
     row["own passes"] = own
     row["passes"] = passes
-    row["logp up (+adv)"] = float(((after - before) * (adv > 0)).sum() / (adv > 0).sum())
-    row["logp down (-adv)"] = float(((after - before) * (adv < 0)).sum() / (adv < 0).sum())
+    row.update(moved)
     rows: list[Any] = [None] * world
     dist.all_gather_object(rows, row)
     merged = dict(rows[0])

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_common import make_spec, random_batch  # bench/ is on sys.path
+from gpu_common import make_spec, random_batch, train_and_measure  # bench/ is on sys.path
 from megatron_backend_check import run_family_checks
 from megatron_moe_check import SMALL, configs, hf_logprobs, hf_model, write_models
 
@@ -74,12 +74,8 @@ def check(name: str, model_dir: Path, world: int, rank: int) -> dict[str, Any]:
     row["replayed vs HF-bent"] = float((replayed - hf_bent).abs().sum()) / n
 
     train = dataclasses.replace(batch, routes=bent_routes).split(world)[rank]
-    before = backend.logprobs(train)
-    metrics = [backend.train_step(train) for _ in range(3)]
-    after = backend.logprobs(train)
-    adv = train.advantages
-    row["logp up (+adv)"] = float(((after - before) * (adv > 0)).sum() / (adv > 0).sum())
-    row["logp down (-adv)"] = float(((after - before) * (adv < 0)).sum() / (adv < 0).sum())
+    moved, metrics = train_and_measure(backend, train)
+    row.update(moved)
     row["moe_aux_loss"] = metrics[-1].get("moe_aux_loss", float("nan"))
     row["step mismatch"] = metrics[0].get("routing_replay_mismatch", float("nan"))
 

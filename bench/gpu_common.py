@@ -216,3 +216,16 @@ def profiled(step: Any, title: str) -> None:
         wall = time.perf_counter() - start
     print(f"\n--- where the GPU time goes: {title} (one step, under the profiler)\n"
           f"{kernel_breakdown(prof, wall)}", flush=True)
+
+
+def train_and_measure(backend: Any, batch: Any, steps: int = 3) -> tuple[dict[str, float],
+                                                                          list[dict[str, float]]]:
+    """``steps`` train steps on ``batch`` (advantages +-1): how far the log-probs of the
+    positive and of the negative tokens moved (``logp up (+adv)``, ``logp down (-adv)``: a
+    backend that trains moves the first up and the second down), and each step's metrics."""
+    before = backend.logprobs(batch)
+    metrics = [backend.train_step(batch) for _ in range(steps)]
+    moved = backend.logprobs(batch) - before
+    adv = batch.advantages
+    return {"logp up (+adv)": float((moved * (adv > 0)).sum() / (adv > 0).sum()),
+            "logp down (-adv)": float((moved * (adv < 0)).sum() / (adv < 0).sum())}, metrics

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from gpu_common import make_spec, random_batch  # bench/ is on sys.path
+from gpu_common import make_spec, random_batch, train_and_measure  # bench/ is on sys.path
 
 SMALL = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
          "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 3,
@@ -170,12 +170,8 @@ def check(name: str, model_dir: Path, world: int, rank: int, args: argparse.Name
         row["replay mismatch"] = mismatch
 
     train = dataclasses.replace(batch, routes=bent_routes)
-    before = backend.logprobs(train)
-    metrics = [backend.train_step(train) for _ in range(3)]
-    after = backend.logprobs(train)
-    adv = train.advantages
-    row["logp up (+adv)"] = float(((after - before) * (adv > 0)).sum() / (adv > 0).sum())
-    row["logp down (-adv)"] = float(((after - before) * (adv < 0)).sum() / (adv < 0).sum())
+    moved, metrics = train_and_measure(backend, train)
+    row.update(moved)
     row["moe_aux_loss"] = metrics[-1].get("moe_aux_loss", float("nan"))
     row["step mismatch"] = metrics[-1].get("routing_replay_mismatch", float("nan"))
 

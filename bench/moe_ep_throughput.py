@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gpu_common import make_spec, peak_flops, random_batch  # bench/ is on sys.path
+from gpu_common import make_spec, random_batch  # bench/ is on sys.path
 from megatron_moe_check import my_rows
-from moe_throughput import A3B, active_params, step_flops, timed, write_model
+from moe_throughput import A3B, active_params, print_table, step_flops, timed, write_model
 
 
 def arm(model_dir: Path, ep: int, world: int, rank: int, args: argparse.Namespace
@@ -99,14 +99,7 @@ def main() -> int:
         rows.append(("bare HF loop (1 GPU)", anchor.tokens,
                      step_flops(A3B, args.layers, [seq] * args.anchor_rows), anchor.seconds,
                      anchor.peak_gib, 1))
-        anchor_rate = rows[-1][2] / rows[-1][3]
-        print(f"\n{'run':<24} {'GPUs':>4} {'tokens':>7} {'s/step':>7} {'tokens/s':>9} "
-              f"{'TFLOP/s/GPU':>11} {'MFU':>6} {'peak GiB':>8} {'/ anchor':>8}")
-        for name, tokens, flops, seconds, peak, gpus in rows:
-            rate = flops / seconds / gpus
-            print(f"{name:<24} {gpus:>4} {tokens:>7} {seconds:>7.3f} {tokens / seconds:>9.0f} "
-                  f"{rate / 1e12:>11.2f} {rate / peak_flops():>6.1%} {peak:>8.1f} "
-                  f"{rate / anchor_rate:>7.2f}x")
+        print_table(rows)
         print("PASS" if ok else "FAIL: the ep export lacks experts")
     dist.barrier()
     dist.destroy_process_group()

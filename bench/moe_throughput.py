@@ -92,6 +92,21 @@ def timed(fn: Any, repeats: int) -> float:
     return statistics.median(out)
 
 
+Row = tuple[str, int, float, float, float, int]  # name, tokens, FLOPs, s/step, peak GiB, GPUs
+
+
+def print_table(rows: list[Row]) -> None:
+    """The runs side by side, rates per GPU; the last row is the anchor the ratio is to."""
+    anchor_rate = rows[-1][2] / rows[-1][3] / rows[-1][5]
+    print(f"\n{'run':<29} {'GPUs':>4} {'tokens':>7} {'s/step':>7} {'tokens/s':>9} "
+          f"{'TFLOP/s/GPU':>11} {'MFU':>6} {'peak GiB':>8} {'/ anchor':>8}")
+    for name, tokens, flops, seconds, peak, gpus in rows:
+        rate = flops / seconds / gpus
+        print(f"{name:<29} {gpus:>4} {tokens:>7} {seconds:>7.3f} {tokens / seconds:>9.0f} "
+              f"{rate / 1e12:>11.2f} {rate / peak_flops():>6.1%} {peak:>8.1f} "
+              f"{rate / anchor_rate:>7.2f}x")
+
+
 def megatron_rows(model_dir: Path, c: dict[str, Any], layers: int, args: argparse.Namespace
                   ) -> dict[str, Any]:
     from kuberl_trainer.backends.megatron import grouped_experts, hf_layout as L, model as M
@@ -196,14 +211,7 @@ def main() -> int:
                    repeats=1 if args.dry_run else args.repeats, device=device)
     rows.append(("bare HF loop", a.tokens, step_flops(c, args.layers, [seq] * rows_n),
                  a.seconds, a.peak_gib))
-    anchor_rate = rows[-1][2] / rows[-1][3]
-    print(f"\n{'run':<29} {'tokens':>7} {'s/step':>7} {'tokens/s':>9} {'TFLOP/s':>8} "
-          f"{'MFU':>6} {'peak GiB':>8} {'/ anchor':>8}")
-    for name, tokens, flops, seconds, peak in rows:
-        rate = flops / seconds
-        print(f"{name:<29} {tokens:>7} {seconds:>7.3f} {tokens / seconds:>9.0f} "
-              f"{rate / 1e12:>8.2f} {rate / peak_flops():>6.1%} {peak:>8.1f} "
-              f"{rate / anchor_rate:>7.2f}x")
+    print_table([(*row, 1) for row in rows])
     print("PASS" if ok else "FAIL: weight sync of the experts is not exact")
     return 0 if ok else 1
 
