@@ -126,9 +126,8 @@ class FSDPBackend(FSDPWeights):
     def _moe_routing(self) -> MoeRouting | None:
         """A mixture-of-experts policy's routing (replay, aux loss); None for a dense one."""
         config = getattr(self.module, "config", None)
-        if config is None or moe_shape(config.to_dict()) is None:
-            return None
-        return MoeRouting(self.module, config.to_dict(), self.algo)
+        settings = {} if config is None else config.to_dict()
+        return MoeRouting(self.module, settings, self.algo) if moe_shape(settings) else None
 
     def _trainable_params(self) -> list[nn.Parameter]:
         """What the optimizer steps: every weight, or only the adapter's."""
@@ -296,17 +295,17 @@ class FSDPBackend(FSDPWeights):
     def _logprobs_and_routes(self, batch: TrainBatch) -> tuple[Tensor, Tensor]:
         """The policy's log-probs ``[B, T]`` and the experts its routers chose for every
         token, ``[B, T, layers, top_k]`` (``NO_ROUTE`` on padding), in one pass."""
-        assert self.moe is not None
-        shape = self.moe.shape
-        logp = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
-        routes = torch.full((*batch.input_ids.shape, shape.layers, self.moe.control.top_k),
+        moe = self.moe
+        assert moe is not None
+        routes = torch.full((*batch.input_ids.shape, moe.shape.layers, moe.control.top_k),
                             NO_ROUTE, dtype=torch.long, device=self.device)
-        for mb in self._micros(batch):
-            values = self._token_values(self.module, mb)[0] * response_mask(mb.batch.loss_mask)
-            width = values.shape[1]
-            logp[mb.rows, :width] = values
-            routes[mb.rows, :width] = self.moe.recorded_rows(mb.batch)
-        return logp, routes
+
+        def recorded(mb: MicroBatch) -> Tensor:
+            logp = self._token_values(self.module, mb)[0]
+            routes[mb.rows, :logp.shape[1]] = moe.recorded_rows(mb.batch)
+            return logp
+
+        return self._per_token(batch, recorded), routes
 
     def _needs_old(self, batch: TrainBatch) -> bool:
         """Old log-probs are computed when the caller left them out but the shard feeds
